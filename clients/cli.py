@@ -1,0 +1,35 @@
+"""The `tokenstream` command: one CLI with a subcommand per tool."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module exposing `add_arguments(parser)` and `main(args) -> int`.
+# Modules are imported lazily so `tokenstream chat` does not pay for torch.
+SUBCOMMANDS = {
+    "serve": ("streaming_backend.launcher", "start tritonserver (and the bridge) on repository/"),
+    "chat": ("clients.chat", "chat with a running server in the terminal over gRPC"),
+    "bridge": ("clients.bridge", "run the websocket bridge and chat page on its own"),
+    "bench": ("clients.bench", "measure TTFT, inter-token latency and throughput"),
+    "engine-bench": ("streaming_backend.bench", "benchmark the in-process engine vs HF generate"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `tokenstream` console script."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="tokenstream", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        p.set_defaults(_module=module_name)
+        if argv[:1] == [name]:
+            importlib.import_module(module_name).add_arguments(p)
+    args = parser.parse_args(argv)
+    return int(importlib.import_module(args._module).main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
