@@ -1,0 +1,174 @@
+"""The bench's JSON document, its schema check, terminal tables, the plot and --compare."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+
+import pytest
+
+from clients import cli
+from clients.bench import BenchConfig, config_from_args, first_error, write_outputs
+from clients.bench.metrics import ClockMap, RequestRecord, Response, ServerTiming
+from clients.bench.report import (
+    SCHEMA,
+    RunResult,
+    build_report,
+    format_compare,
+    format_overview,
+    format_run,
+    load_report,
+    validate_report,
+)
+
+MS = 1_000_000
+
+
+def fake_record(i: int, ttft_ms: int = 100, itl_ms: int = 50, tokens: int = 4) -> RequestRecord:
+    """A request sent at i seconds: TTFT ttft_ms, then a token every itl_ms; server stamps."""
+    sent = i * 1000 * MS
+    first = sent + ttft_ms * MS
+    timing = ServerTiming(
+        received_ns=sent + 1 * MS,
+        queued_ns=sent + 2 * MS,
+        prefill_start_ns=sent + 5 * MS,
+        emitted_ns=first - 1 * MS,
+    )
+    responses = [
+        Response(recv_ns=first + k * itl_ms * MS, tokens=1, chars=3, emitted_ns=None)
+        for k in range(tokens)
+    ]
+    return RequestRecord(
+        index=i,
+        sent_ns=sent,
+        responses=responses,
+        server_timing=timing,
+        prompt_tokens=12,
+        finish_reason="length",
+    )
+
+
+def fake_doc(ttft_ms: int = 100, itl_ms: int = 50) -> dict:
+    """A report of two transports at two levels; one request of each run failed."""
+    runs = []
+    for transport in ("grpc", "ws"):
+        for c in (1, 4):
+            records = [fake_record(i, ttft_ms, itl_ms) for i in range(3)]
+            records.append(RequestRecord(index=3, sent_ns=0, error="overloaded: queue full"))
+            url = "127.0.0.1:8001" if transport == "grpc" else "ws://127.0.0.1:8080/ws"
+            runs.append(RunResult(transport, url, c, None, ClockMap(True), records))
+    return build_report({"requests": 4}, runs, "2025-01-01T00:00:00+00:00")
+
+
+def test_report_matches_schema_and_figures():
+    """The document validates and carries the summary and every raw request."""
+    doc = fake_doc()
+    validate_report(doc)
+    run = doc["runs"][0]
+    s = run["summary"]
+    assert (s["requests"], s["completed"], s["errors"], s["cancelled"]) == (4, 3, 1, 0)
+    assert s["ttft_ms"]["avg"] == pytest.approx(100)
+    assert s["itl_ms"]["p99"] == pytest.approx(50)
+    assert s["ttft_breakdown_ms"]["prefill"]["avg"] == pytest.approx(94)
+    assert s["ttft_breakdown_ms"]["to_client"]["avg"] == pytest.approx(1)
+    r0 = run["requests"][0]
+    assert r0["responses"][0] == [100 * MS, 1, 3, None]
+    assert r0["server_timing"]["prefill_start_ns"] == 5 * MS
+    assert run["requests"][3]["status"] == "error"
+    assert run["same_clock"] is True and "exact" in run["clock_note"]
+
+
+def test_report_survives_json_round_trip(tmp_path):
+    """What is written is what load_report reads back, plus a PNG plot."""
+    doc = fake_doc()
+    paths = write_outputs(doc, tmp_path / "out", plot=True)
+    assert [p.name for p in paths] == ["bench.json", "bench.png"]
+    assert paths[1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert load_report(paths[0]) == json.loads(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    "mutate,field",
+    [
+        (lambda d: d.update(schema="other/1"), "schema"),
+        (lambda d: d["runs"][0].update(transport="carrier-pigeon"), "runs[0].transport"),
+        (lambda d: d["runs"][1]["summary"].pop("errors"), "runs[1].summary.errors"),
+        (lambda d: d["runs"][0]["summary"]["ttft_ms"].update(p99="slow"), "ttft_ms.p99"),
+        (lambda d: d["runs"][0]["requests"].pop(), "requests length"),
+        (lambda d: d["runs"][0]["requests"][0]["responses"].append([1, 2]), "responses rows"),
+    ],
+)
+def test_schema_check_names_the_bad_field(mutate, field):
+    """A malformed document is refused with the path of the offending field."""
+    doc = copy.deepcopy(fake_doc())
+    mutate(doc)
+    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        validate_report(doc)
+
+
+def test_run_table_and_overview():
+    """The tables show percentiles, error counts and the breakdown parts."""
+    doc = fake_doc()
+    text = format_run(doc["runs"][0])
+    assert "completed 3, errors 1, cancelled 0" in text
+    assert "Time to first token (ms)" in text and "100.00" in text
+    assert "TTFT prefill (ms)" in text
+    overview = format_overview(doc)
+    assert overview.count("\n") >= 5 and "ws" in overview and "3/1/0" in overview
+
+
+def test_compare_side_by_side_with_ratios():
+    """Runs are matched by transport and level; B/A ratios are printed per figure."""
+    a, b = fake_doc(ttft_ms=100), fake_doc(ttft_ms=200, itl_ms=25)
+    b["runs"] = b["runs"][:3]  # ws c=4 missing from B
+    text = format_compare(a, b, names=("a.json", "b.json"))
+    grpc_c1 = text.split("== grpc c=1")[1].split("==")[0]
+    ttft_row = next(line for line in grpc_c1.splitlines() if line.startswith("TTFT avg"))
+    assert ttft_row.split()[-3:] == ["100.00", "200.00", "x2.00"]
+    itl_row = next(line for line in grpc_c1.splitlines() if line.startswith("ITL p50"))
+    assert itl_row.split()[-1] == "x0.50"
+    assert "== ws c=4\n   only in A" in text
+
+
+def test_compare_from_the_command_line(tmp_path, capsys):
+    """`tokenstream bench --compare a.json b.json` prints the comparison and exits 0."""
+    for name, ttft in (("a", 100), ("b", 150)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(fake_doc(ttft_ms=ttft)))
+    rc = cli.main(["bench", "--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "x1.50" in out and "a.json" in out
+
+
+def test_compare_refuses_other_documents(tmp_path):
+    """--compare only reads bench reports."""
+    (tmp_path / "x.json").write_text(json.dumps({"schema": "genai-perf"}))
+    with pytest.raises(ValueError, match=f"not a {SCHEMA}"):
+        load_report(tmp_path / "x.json")
+
+
+def test_options_become_a_config():
+    """Comma lists of levels and transports parse into the config dataclass."""
+    p = argparse.ArgumentParser()
+    from clients.bench import add_arguments
+
+    add_arguments(p)
+    args = p.parse_args(
+        ["--transport", "grpc,sse,ws", "--concurrency", "1,4,16", "--output-tokens", "64"]
+    )
+    cfg = config_from_args(args)
+    assert cfg.transports == ("grpc", "sse", "ws") and cfg.concurrency == (1, 4, 16)
+    assert [lv.label for lv in cfg.levels()] == ["c=1", "c=4", "c=16"]
+    assert cfg.output_tokens == 64 and cfg.requests == 50
+    with pytest.raises(SystemExit):
+        p.parse_args(["--transport", "pigeon"])
+    assert BenchConfig(request_rate=(2.0,)).levels()[0].label == "rate=2/s"
+
+
+def test_first_error_only_when_nothing_completed():
+    """The CLI fails (and shows why) only when no request at all succeeded."""
+    doc = fake_doc()
+    assert first_error(doc) is None
+    for run in doc["runs"]:
+        run["summary"]["completed"] = 0
+    assert first_error(doc) == "overloaded: queue full"
