@@ -1,0 +1,163 @@
+"""`tokenstream chat`: a multi-turn conversation with the `chat` model in the terminal over gRPC.
+
+Tokens print as they arrive. Ctrl-C during an answer cancels that answer (the server stops
+generating it); Ctrl-C or Ctrl-D at the prompt ends the program. After each answer a line shows
+the time to first token and the decode rate (tokens after the first one per second after it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from clients.grpc_client import MODEL_NAME, Chunk, GenerateRequest, GenerationError, stream_generate
+
+PROMPT = "you> "
+
+
+@dataclass(frozen=True)
+class ChatConfig:
+    """Settings of one terminal chat session."""
+
+    url: str = "127.0.0.1:8001"
+    model: str = MODEL_NAME
+    system: str | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AnswerStats:
+    """What one answer cost, measured in this process."""
+
+    ttft_s: float | None  # request sent -> first token received
+    tokens: int
+    decode_tokens_per_s: float | None  # tokens after the first / time after the first
+    finish_reason: str
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of `tokenstream chat`."""
+    parser.add_argument("--url", default="127.0.0.1:8001", help="Triton gRPC address HOST:PORT")
+    parser.add_argument("--model", default=MODEL_NAME, help="model name in the repository")
+    parser.add_argument("--system", default=None, help="system message opening the conversation")
+    parser.add_argument("--temperature", type=float, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, help="nucleus sampling cut, (0, 1]")
+    parser.add_argument("--top-k", type=int, help="0 = off")
+    parser.add_argument("--max-tokens", type=int, help="answer length limit")
+    parser.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    parser.add_argument("--repetition-penalty", type=float, help="1 = off")
+    parser.add_argument("--stop", action="append", help="stop string (repeatable)")
+
+
+def config_from_args(args: argparse.Namespace) -> ChatConfig:
+    """A ChatConfig from parsed arguments; sampling holds only the options given."""
+    names = ("temperature", "top_p", "top_k", "max_tokens", "seed", "repetition_penalty", "stop")
+    sampling = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    return ChatConfig(url=args.url, model=args.model, system=args.system, sampling=sampling)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the terminal chat; 0 on a normal exit, 1 when the server is not reachable."""
+    cfg = config_from_args(args)
+    problem = check_ready(cfg)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    print(f"connected to {cfg.url} (model {cfg.model!r}); Ctrl-C stops an answer, Ctrl-D quits")
+    run_chat(cfg, input, sys.stdout)
+    return 0
+
+
+def check_ready(cfg: ChatConfig) -> str | None:
+    """None when the server and model are ready, else what is wrong."""
+    try:
+        with grpcclient.InferenceServerClient(cfg.url) as client:
+            if not client.is_model_ready(cfg.model, client_timeout=5.0):
+                return f"model {cfg.model!r} is not ready on {cfg.url}"
+    except InferenceServerException as exc:
+        return f"cannot reach Triton at {cfg.url}: {exc.message()}"
+    return None
+
+
+def run_chat(cfg: ChatConfig, read_line: Callable[[str], str], out: TextIO) -> None:
+    """The conversation loop: read a line, stream the answer, keep the history."""
+    history = [{"role": "system", "content": cfg.system}] if cfg.system else []
+    while True:
+        try:
+            line = read_line(PROMPT)
+        except (EOFError, KeyboardInterrupt):
+            out.write("\n")
+            return
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            text, stats = answer(cfg, history, out)
+        except GenerationError as exc:
+            out.write(f"\nerror ({exc.code}): {exc.message}\n")
+            history.pop()  # the failed question is not part of the conversation
+            continue
+        if text:
+            history.append({"role": "assistant", "content": text})
+        out.write(f"\n{format_stats(stats)}\n")
+        out.flush()
+
+
+def answer(cfg: ChatConfig, history: list[dict], out: TextIO) -> tuple[str, AnswerStats]:
+    """Stream one answer to `out`; Ctrl-C cancels it and keeps what arrived."""
+    request = GenerateRequest(messages=history, sampling=cfg.sampling)
+    start_ns = time.monotonic_ns()
+    chunks: list[Chunk] = []
+    finish_reason = "cancelled"
+    try:
+        for chunk in stream_generate(cfg.url, request, model=cfg.model):
+            chunks.append(chunk)
+            out.write(chunk.text)
+            out.flush()
+            finish_reason = chunk.finish_reason or finish_reason
+    except KeyboardInterrupt:
+        # The generator's finally has already cancelled the stream on the server.
+        finish_reason = "cancelled"
+    return "".join(c.text for c in chunks), measure(start_ns, chunks, finish_reason)
+
+
+def measure(start_ns: int, chunks: Iterable[Chunk], finish_reason: str) -> AnswerStats:
+    """TTFT and decode rate from the receive times of the chunks that carried tokens."""
+    timed = [(c.received_ns, _tokens(c)) for c in chunks if _tokens(c) > 0]
+    if not timed:
+        return AnswerStats(None, 0, None, finish_reason)
+    total = sum(n for _, n in timed)
+    first_ns, first_n = timed[0]
+    span_s = (timed[-1][0] - first_ns) / 1e9
+    rate = (total - first_n) / span_s if span_s > 0 else None
+    return AnswerStats((first_ns - start_ns) / 1e9, total, rate, finish_reason)
+
+
+def _tokens(chunk: Chunk) -> int:
+    # Older servers may not send counts: then a chunk with text counts as one token.
+    if chunk.num_output_tokens is not None:
+        return chunk.num_output_tokens
+    return 1 if chunk.text else 0
+
+
+def format_stats(stats: AnswerStats) -> str:
+    """One bracketed line, e.g. `[TTFT 42 ms · 118.3 tok/s · 64 tokens · length]`."""
+    parts = []
+    if stats.ttft_s is not None:
+        parts.append(f"TTFT {stats.ttft_s * 1000:.0f} ms")
+    if stats.decode_tokens_per_s is not None:
+        parts.append(f"{stats.decode_tokens_per_s:.1f} tok/s")
+    parts.append(f"{stats.tokens} token{'s' if stats.tokens != 1 else ''}")
+    parts.append(stats.finish_reason)
+    return "[" + " · ".join(parts) + "]"
