@@ -306,7 +306,11 @@ def main(args: argparse.Namespace) -> int:
         print(format_compare(a, b, names=tuple(str(p) for p in args.compare)))
         return 0
     cfg = config_from_args(args)
-    doc = asyncio.run(run_bench(cfg))
+    try:
+        doc = asyncio.run(run_bench(cfg))
+    except ConnectionError as exc:
+        print(f"bench: cannot reach the server: {exc}", file=sys.stderr)
+        return 2
     for run in doc["runs"]:
         print(format_run(run), end="\n\n")
     print(format_overview(doc))

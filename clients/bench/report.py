@@ -219,10 +219,8 @@ def format_overview(doc: dict) -> str:
         counts = f"{s['completed']}/{s['errors']}/{s['cancelled']}"
         cells = "".join(f"{fmt(get(s)):>11}" for _, get in OVERVIEW_COLS)
         lines.append(f"{run['transport']:<10}{level_label(run):<12}{counts:>12}{cells}")
-    lines.append(
-        "breakdown columns are averages in ms (they add up to the average TTFT): "
-        + "; ".join(f"{p}: {BREAKDOWN_HELP[p]}" for p in BREAKDOWN_PARTS)
-    )
+    lines.append("latencies in ms; breakdown columns are averages that add up to the average TTFT:")
+    lines += [f"  {p:<10} {BREAKDOWN_HELP[p]}" for p in BREAKDOWN_PARTS]
     return "\n".join(lines)
 
 

@@ -111,6 +111,8 @@ class GrpcTransport:
 
         if self.client is None:
             self.client = AsyncChatClient(self.url, self.model)
+            if not await self.client.is_ready():
+                raise ConnectionError(f"Triton gRPC at {self.url}: model {self.model!r} not ready")
 
     async def generate(self, rec: RequestRecord, prompt: Prompt, params: dict) -> None:
         """Stream one request; leaving early cancels it upstream (the client's aclose)."""
@@ -176,6 +178,18 @@ class SseTransport:
             connector = aiohttp.TCPConnector(limit=0)
             timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
             self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+            await self._check_ready()
+
+    async def _check_ready(self) -> None:
+        """GET the model's ready endpoint, so a wrong URL fails once and clearly."""
+        ready = self.endpoint.rsplit("/", 1)[0] + "/ready"
+        try:
+            async with self.session.get(ready) as resp:
+                ok = resp.status == 200
+        except Exception as exc:  # aiohttp raises several kinds; all mean "cannot reach"
+            raise ConnectionError(f"Triton HTTP at {ready}: {exc}") from exc
+        if not ok:
+            raise ConnectionError(f"Triton HTTP at {ready}: model not ready (HTTP {resp.status})")
 
     async def generate(self, rec: RequestRecord, prompt: Prompt, params: dict) -> None:
         """POST one request and record each `data:` event."""
@@ -340,7 +354,10 @@ class WsTransport:
 
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
         while len(self.conns) < max(1, min(slots, self.max_connections)):
-            ws = await connect(self.url, additional_headers=headers, max_size=None)
+            try:
+                ws = await connect(self.url, additional_headers=headers, max_size=None)
+            except Exception as exc:  # refused, wrong path, 401/403: one clear message
+                raise ConnectionError(f"bridge websocket at {self.url}: {exc}") from exc
             self.conns.append(BridgeConnection(ws))
         self._next = itertools.cycle(list(self.conns))
 
