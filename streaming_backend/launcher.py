@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-DEFAULT_REPOSITORY = Path(__file__).resolve().parent.parent / "repository"
+CHECKOUT_REPOSITORY = Path(__file__).resolve().parent.parent / "repository"  # a source checkout
+REPOSITORY_VARIABLE = "TOKENSTREAM_REPOSITORY"  # where an installed (non-editable) copy looks
 NGC_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
 SHM_DIR = Path("/dev/shm")
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
@@ -51,11 +52,16 @@ READY_POLL_S = 0.2
 # --------------------------------------------------------------------------- configuration
 
 
+def default_repository() -> Path:
+    """$TOKENSTREAM_REPOSITORY if set, else the checkout's repository/ folder."""
+    return Path(os.environ.get(REPOSITORY_VARIABLE) or CHECKOUT_REPOSITORY)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Everything needed to start one tritonserver on a model repository."""
 
-    repository: Path = DEFAULT_REPOSITORY
+    repository: Path = field(default_factory=default_repository)
     model: str | None = None  # HF directory, GGUF file or hub id; None: the model's default
     dtype: str = "auto"
     max_streams: int | None = None
@@ -318,6 +324,15 @@ def _client_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def _parent_death_prefix() -> list[str]:
+    """`setpriv --pdeathsig KILL --` when usable: tritonserver dies with us even on our SIGKILL."""
+    # the signal follows the thread that forked, not the process: only the main thread qualifies
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or threading.current_thread() is not threading.main_thread():
+        return []
+    return [setpriv, "--pdeathsig", "KILL", "--"]
+
+
 # --------------------------------------------------------------------------- the server
 
 
@@ -412,7 +427,7 @@ class TritonServer:
     def command(self, binary: TritonBinary) -> list[str]:
         """The tritonserver command line for this config."""
         c = self.config
-        return [
+        return _parent_death_prefix() + [
             str(binary.binary),
             f"--model-repository={self._runtime_repository}",
             f"--backend-directory={binary.backend_dir}",
@@ -584,16 +599,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--bridge-port", type=int, default=8080, help="0 disables the bridge")
     parser.add_argument("--no-bridge", action="store_true", help="do not run the bridge")
-    parser.add_argument(
-        "--repository", type=Path, default=DEFAULT_REPOSITORY, help=argparse.SUPPRESS
-    )
+    parser.add_argument("--repository", type=Path, default=None, help=argparse.SUPPRESS)
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """The ServerConfig for parsed `tokenstream serve` options."""
     extra = dict(_key_value(item) for item in args.parameter)
     return ServerConfig(
-        repository=args.repository,
+        repository=args.repository or default_repository(),
         model=args.model,
         dtype=args.dtype,
         max_streams=args.max_streams,

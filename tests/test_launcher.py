@@ -231,6 +231,14 @@ def test_serve_options_map_to_config(tmp_path: Path) -> None:
     assert config_from_args(args_extra).max_streams == 2
 
 
+def test_repository_defaults_to_the_checkout_or_the_variable(monkeypatch, tmp_path: Path) -> None:
+    """The checkout's repository/ by default; $TOKENSTREAM_REPOSITORY (installed copies) wins."""
+    monkeypatch.delenv("TOKENSTREAM_REPOSITORY", raising=False)
+    assert ServerConfig().repository == Path(__file__).resolve().parent.parent / "repository"
+    monkeypatch.setenv("TOKENSTREAM_REPOSITORY", str(tmp_path))
+    assert ServerConfig().repository == tmp_path
+
+
 # --------------------------------------------------------------------------- real server
 
 
@@ -356,6 +364,55 @@ def test_serve_cli_stops_cleanly_on_sigint(echo_repository: Path, cli_process) -
     assert "stopped in" in output
     assert alive(family) == []
     assert shm_files(f"tokenstream_{process.pid}_") == []
+
+
+@pytest.mark.server
+def test_serve_cli_stops_cleanly_on_sigint_while_loading(tmp_path: Path, cli_process) -> None:
+    """SIGINT before the models are loaded: exit 0 within 15 s, nothing left behind."""
+    write_echo_model(tmp_path, init_line="time.sleep(60)")  # stays "loading" for a minute
+    process = cli_process(serve_command(tmp_path))
+    deadline = time.monotonic() + 60
+    while len(family := descendants(process.pid)) < 2:  # tritonserver and the loading stub
+        assert time.monotonic() < deadline, "the model never started loading"
+        time.sleep(0.1)
+    started = time.monotonic()
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=STOP_LIMIT_S)
+    print(f"serve exited {time.monotonic() - started:.2f} s after SIGINT while loading")
+    assert process.returncode == 0, output
+    assert "Triton is ready" not in output
+    assert alive(family) == []
+    assert shm_files(f"tokenstream_{process.pid}_") == []
+
+
+@pytest.mark.server
+def test_serve_cli_killed_takes_triton_with_it(echo_repository: Path, cli_process) -> None:
+    """Even a SIGKILLed `serve` leaves no server behind: tritonserver has a parent-death signal."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs util-linux setpriv")
+    process = cli_process(serve_command(echo_repository))
+    wait_for_line(process, "Triton is ready", timeout=120)
+    family = descendants(process.pid)
+    runtime = [arg for pid in family for arg in cmdline(pid) if "--model-repository=" in arg]
+    process.kill()
+    process.wait()
+    try:
+        deadline = time.monotonic() + STOP_LIMIT_S
+        while alive(family):  # the stub notices its server's death by itself
+            assert time.monotonic() < deadline, f"left running: {alive(family)}"
+            time.sleep(0.1)
+    finally:  # what stop() would have removed, had it run
+        for path in shm_files(f"tokenstream_{process.pid}_"):
+            path.unlink()
+        for arg in runtime:
+            shutil.rmtree(arg.partition("=")[2], ignore_errors=True)
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+    except OSError:
+        return []
 
 
 @pytest.mark.server
