@@ -60,3 +60,35 @@ def tiny_loaded(tiny_model_dir):
     from streaming_backend.loading import load_model
 
     return load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+
+
+def start_server(model_dir, **overrides):
+    """Start a real tritonserver on free loopback ports serving `model_dir` as the chat model."""
+    from streaming_backend.launcher import ServerConfig, TritonServer, free_port
+
+    config = ServerConfig(
+        model=str(model_dir),
+        dtype=overrides.pop("dtype", "float32"),
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+        **overrides,
+    )
+    server = TritonServer(config, on_log=None)
+    server.start()
+    try:
+        server.wait_ready()
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="session")
+def triton_server(tiny_model_dir):
+    """A real tritonserver serving the tiny model, shared by the server tests of a session."""
+    server = start_server(tiny_model_dir, max_streams=8, queue_limit=16)
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,301 @@
+"""Triton adapter for the streaming engine: tensors in, one response per token out.
+
+`initialize` parses the config and starts the engine, a sender thread and a cancellation
+watcher; `execute` copies each request's inputs, hands it to the engine and returns None. Every
+request gets exactly one response with the FINAL flag, whatever happens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import triton_python_backend_utils as pb_utils
+
+from streaming_backend.engine import Engine, EngineConfig, StreamHandle
+from streaming_backend.errors import EngineStopped, InvalidRequest, Overloaded, StreamingError
+from streaming_backend.events import FinishReason, TokenEvent
+from streaming_backend.loading import load_model
+from streaming_backend.prompts import encode_prompt
+from streaming_backend.protocol import INPUT_NAMES, ModelRequest, ResponseBuilder, parse_request
+
+log = logging.getLogger("tokenstream.model")
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0]
+ITL_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5]
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """The chat model's config.pbtxt `parameters`, typed."""
+
+    model: str | None
+    dtype: str
+    engine: EngineConfig
+    cancel_check_s: float
+
+    @classmethod
+    def from_config(cls, config: dict) -> ModelSettings:
+        """Read the string parameters of the model config."""
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        return cls(
+            model=params.get("model") or None,
+            dtype=params.get("dtype", "auto"),
+            engine=EngineConfig(
+                max_streams=int(params.get("max_streams", 32)),
+                queue_limit=int(params.get("queue_limit", 256)),
+                default_max_tokens=int(params.get("default_max_tokens", 512)),
+                test_first_token_delay_s=float(params.get("test_first_token_delay_ms", 0)) / 1e3,
+                test_token_delay_s=float(params.get("test_token_delay_ms", 0)) / 1e3,
+            ),
+            cancel_check_s=float(params.get("cancel_check_ms", 40)) / 1e3,
+        )
+
+
+@dataclass
+class _Live:
+    """A request between execute() and its FINAL response."""
+
+    sender: object  # the request's InferenceResponseSender
+    builder: ResponseBuilder
+    handle: StreamHandle | None = None
+    first_emitted_ns: int = 0
+
+
+class Metrics:
+    """Our metric families on Triton's metrics port (names after vLLM's where one exists)."""
+
+    def __init__(self, model_name: str, version: str):
+        labels = {"model": model_name, "version": version}
+        family = pb_utils.MetricFamily
+        # A Metric is unusable once its MetricFamily is garbage-collected: keep the families.
+        self._families = []
+
+        def make(name, doc, kind, **kw):
+            self._families.append(family(name=name, description=doc, kind=kind))
+            return self._families[-1].Metric(labels=labels, **kw)
+
+        self.ttft = make(
+            "tokenstream_time_to_first_token_seconds",
+            "Time from request received to first token emitted",
+            family.HISTOGRAM,
+            buckets=TTFT_BUCKETS,
+        )
+        self.tpot = make(
+            "tokenstream_time_per_output_token_seconds",
+            "Mean inter-token latency of each finished request",
+            family.HISTOGRAM,
+            buckets=ITL_BUCKETS,
+        )
+        self.queue = make(
+            "tokenstream_request_queue_time_seconds",
+            "Time from request received to its prefill start",
+            family.HISTOGRAM,
+            buckets=TTFT_BUCKETS,
+        )
+        self.tokens = make(
+            "tokenstream_generation_tokens_total", "Output tokens generated", family.COUNTER
+        )
+        self.active = make(
+            "tokenstream_active_streams", "Requests accepted and not yet finished", family.GAUGE
+        )
+        self.rejected = make(
+            "tokenstream_rejected_requests_total",
+            "Requests refused (invalid or overloaded)",
+            family.COUNTER,
+        )
+
+
+class TritonPythonModel:
+    """The decoupled chat model."""
+
+    def initialize(self, args):
+        """Load the model, start the engine, the sender thread and the cancellation watcher."""
+        config = json.loads(args["model_config"])
+        self.settings = ModelSettings.from_config(config)
+        loaded = load_model(self.settings.model, self.settings.dtype)
+        log.info("loaded %s on %s as %s", loaded.name, loaded.device, loaded.dtype)
+        self.tokenizer = loaded.tokenizer
+        self.engine = Engine(loaded, self.settings.engine).start()
+        self.metrics = Metrics(args["model_name"], args["model_version"])
+        self.events: queue.Queue[TokenEvent | None] = queue.Queue()
+        self.live: dict[str, _Live] = {}
+        self.lock = threading.Lock()
+        self.counter = 0
+        self.stopping = threading.Event()
+        self.sender_thread = threading.Thread(target=self._send_loop, name="sender", daemon=True)
+        self.watcher_thread = threading.Thread(
+            target=self._watch_cancel, name="cancel-watch", daemon=True
+        )
+        self.sender_thread.start()
+        self.watcher_thread.start()
+
+    def execute(self, requests):
+        """Hand each request to the engine; responses are sent from the sender thread."""
+        for request in requests:
+            self._accept(request)
+        return None
+
+    def finalize(self):
+        """End in-flight streams (CANCELLED), then stop the threads."""
+        self.stopping.set()
+        self.engine.shutdown()
+        self.events.put(None)
+        self.sender_thread.join(timeout=10)
+        self.watcher_thread.join(timeout=2)
+
+    # ---- requests in ---------------------------------------------------------------------------
+
+    def _accept(self, request) -> None:
+        """Validate and submit one request; a bad one gets its error and FINAL at once."""
+        received_ns = time.monotonic_ns()
+        sender = request.get_response_sender()
+        with self.lock:
+            self.counter += 1
+            request_id = f"{self.counter}"
+        try:
+            parsed = parse_request(_copy_inputs(request), request.parameters())
+            prompt_ids = encode_prompt(
+                self.tokenizer,
+                text=parsed.text,
+                messages=parsed.messages,
+                input_ids=parsed.input_ids,
+            )
+            builder = ResponseBuilder(
+                parsed, received_ns, prompt_text=_prompt_text(parsed, prompt_ids, self.tokenizer)
+            )
+            live = _Live(sender, builder)
+            with self.lock:  # registered before submit: the first event may come at once
+                self.live[request_id] = live
+            builder.queued_ns = time.monotonic_ns()
+            live.handle = self.engine.submit(
+                prompt_ids,
+                parsed.settings,
+                request_id=request_id,
+                logprobs=_wants_logprobs(parsed),
+                sink=self.events,
+            )
+            self.metrics.active.increment(1)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes this request's error
+            with self.lock:
+                self.live.pop(request_id, None)
+            _send_error(sender, exc)
+            self.metrics.rejected.increment(1)
+
+    # ---- responses out -------------------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        """Send each token event as a response; the last one of a request carries FINAL."""
+        while (event := self.events.get()) is not None:
+            with self.lock:
+                live = self.live.get(event.request_id)
+            if live is None:
+                continue
+            try:
+                self._send(live, event)
+            except Exception as exc:  # noqa: BLE001 - a send failure ends that stream only
+                log.exception("sending a response of request %s failed", event.request_id)
+                if live.handle is not None:
+                    live.handle.cancel()
+                if event.final:
+                    _send_error(live.sender, exc)
+            if event.final:
+                with self.lock:
+                    self.live.pop(event.request_id, None)
+                self.metrics.active.increment(-1)
+
+    def _send(self, live: _Live, event: TokenEvent) -> None:
+        self._observe(live, event)
+        if event.error is not None or event.finish_reason is FinishReason.CANCELLED:
+            _send_error(live.sender, event.error or _Cancelled())
+            return
+        outputs = live.builder.outputs(event)
+        if outputs is None:
+            return
+        tensors = [pb_utils.Tensor(name, array) for name, array in outputs.items()]
+        live.sender.send(
+            pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if event.final else 0
+        )
+
+    def _observe(self, live: _Live, event: TokenEvent) -> None:
+        """Metrics: TTFT and queue time at the first token, mean ITL at the end."""
+        if not event.token_ids:
+            return
+        self.metrics.tokens.increment(len(event.token_ids))
+        if event.num_output_tokens == 1:
+            received = live.builder.received_ns
+            self.metrics.ttft.observe((event.emitted_ns - received) / 1e9)
+            self.metrics.queue.observe((event.scheduled_ns - received) / 1e9)
+            live.first_emitted_ns = event.emitted_ns
+        elif event.final:
+            first = live.first_emitted_ns
+            self.metrics.tpot.observe(
+                (event.emitted_ns - first) / 1e9 / (event.num_output_tokens - 1)
+            )
+
+    # ---- cancellation --------------------------------------------------------------------------
+
+    def _watch_cancel(self) -> None:
+        """Poll is_cancelled() (a round trip to the server) for live requests at a bounded rate."""
+        while not self.stopping.wait(self.settings.cancel_check_s):
+            with self.lock:
+                live = list(self.live.values())
+            for entry in live:
+                if entry.handle is not None and not entry.handle.cancelled:
+                    try:
+                        if entry.sender.is_cancelled():
+                            entry.handle.cancel()
+                    except Exception:  # noqa: BLE001 - the request may have just finished
+                        log.debug("is_cancelled failed", exc_info=True)
+
+
+class _Cancelled(StreamingError):
+    category = "cancelled"
+
+    def __str__(self) -> str:
+        return "cancelled"
+
+
+def _copy_inputs(request) -> dict:
+    """Copy every input out of Triton's memory (released when execute returns)."""
+    arrays = {}
+    for name in INPUT_NAMES:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is not None:
+            arrays[name] = tensor.as_numpy().copy()
+    return arrays
+
+
+def _prompt_text(parsed: ModelRequest, prompt_ids, tokenizer) -> str:
+    """The prompt as text, prepended to a non-streamed answer (as the vLLM backend does)."""
+    if parsed.stream or parsed.exclude_input:
+        return ""
+    return parsed.text if parsed.text is not None else tokenizer.decode(prompt_ids)
+
+
+def _wants_logprobs(parsed: ModelRequest) -> bool:
+    return parsed.wants("logprobs") or parsed.wants("cumulative_logprob")
+
+
+def _error_code(exc: Exception):
+    if isinstance(exc, InvalidRequest):
+        return pb_utils.TritonError.INVALID_ARG
+    if isinstance(exc, (Overloaded, EngineStopped)):
+        return pb_utils.TritonError.UNAVAILABLE
+    if isinstance(exc, _Cancelled):
+        return pb_utils.TritonError.CANCELLED
+    return pb_utils.TritonError.INTERNAL
+
+
+def _send_error(sender, exc: Exception) -> None:
+    """The request's only remaining response: its error, with FINAL."""
+    message = str(exc) if isinstance(exc, StreamingError) else f"internal error: {exc!r}"
+    error = pb_utils.TritonError(message, _error_code(exc))
+    try:
+        sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+    except Exception:  # noqa: BLE001 - the client may be gone; nothing else to do
+        log.exception("could not send the error response")
