@@ -344,8 +344,11 @@ class TritonServer:
     """One tritonserver process on a runtime copy of a repository, with a bounded stop()."""
 
     def __init__(
-        self, config: ServerConfig | None = None, on_log: Callable[[str], None] | None = print
+        self,
+        config: ServerConfig | None = None,
+        on_log: Callable[[str], None] | None = lambda line: print(line, flush=True),
     ) -> None:
+        """`on_log` gets each server log line (default: our stdout); None keeps only the tail."""
         self.config = config or ServerConfig()
         self.shm_prefix = f"tokenstream_{os.getpid()}_{secrets.token_hex(4)}"
         self._on_log = on_log
