@@ -67,7 +67,7 @@ def start_server(model_dir, **overrides):
     from streaming_backend.launcher import ServerConfig, TritonServer, free_port
 
     config = ServerConfig(
-        model=str(model_dir),
+        model=str(model_dir) if model_dir is not None else None,
         dtype=overrides.pop("dtype", "float32"),
         http_port=free_port(),
         grpc_port=free_port(),
