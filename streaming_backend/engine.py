@@ -45,7 +45,8 @@ class EngineConfig:
     queue_limit: int = 256  # submitted requests waiting for a slot; beyond it: Overloaded
     max_prefill_tokens: int = 4096  # prompt tokens prefilled together in one forward pass
     default_max_tokens: int = 512  # when a request names no max_tokens (bounded by the context)
-    # Test-only: delay the first token / each next token by a known amount (bench calibration).
+    # Test-only, for benchmark calibration: the first token exists exactly this long after its
+    # prefill starts, each next token this long after the previous step (when compute is faster).
     test_first_token_delay_s: float = 0.0
     test_token_delay_s: float = 0.0
 
@@ -122,6 +123,7 @@ class Engine:
         self._positions = torch.zeros(0, dtype=torch.long)  # [B] next position id per row
         self._params: sampling.BatchSampling | None = None
         self._stopping = False
+        self._last_emit_ns = 0  # when the latest step's tokens existed
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="streaming-engine", daemon=True)
         self._vocab_size = int(loaded.model.get_input_embeddings().weight.shape[0])
@@ -288,7 +290,7 @@ class Engine:
         self._live.extend(alive)
         self._params = None
         if self.config.test_first_token_delay_s:
-            time.sleep(self.config.test_first_token_delay_s)
+            _pace_until(alive[0].scheduled_ns, self.config.test_first_token_delay_s)
         self._emit(alive, logits)
 
     def _prefill(self, streams: list[_Stream]):
@@ -332,7 +334,7 @@ class Engine:
         )
         self._positions += 1
         if self.config.test_token_delay_s:
-            time.sleep(self.config.test_token_delay_s)
+            _pace_until(self._last_emit_ns, self.config.test_token_delay_s)
         self._emit(list(self._live), out.logits[:, -1, :].float())
 
     # ---- sampling and events -------------------------------------------------------------------
@@ -353,7 +355,7 @@ class Engine:
         logprobs = None
         if any(s.logprobs for s in streams):
             logprobs = sampling.token_logprobs(raw_logits, torch.tensor(ids)).tolist()
-        emitted_ns = time.monotonic_ns()
+        emitted_ns = self._last_emit_ns = time.monotonic_ns()
         done = set()
         for row, stream in enumerate(streams):
             try:
@@ -474,3 +476,10 @@ class Engine:
         for stream in waiting + self._live:
             self._finish(stream, FinishReason.CANCELLED, "", error)
         self._reset_batch()
+
+
+def _pace_until(start_ns: int, delay_s: float) -> None:
+    """Sleep until `delay_s` after `start_ns` (monotonic); no sleep when that is past."""
+    remaining = start_ns / 1e9 + delay_s - time.monotonic()
+    if remaining > 0:
+        time.sleep(remaining)

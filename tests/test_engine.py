@@ -326,3 +326,14 @@ def test_bad_prompts_are_rejected(tiny_loaded, kwargs, message):
     with pytest.raises(InvalidRequest) as info:
         encode_prompt(tiny_loaded.tokenizer, **kwargs)
     assert message in str(info.value)
+
+
+def test_test_delays_pace_tokens(tiny_loaded):
+    """The calibration delays put the first token at prefill + d1 and the next ones d2 apart."""
+    config = EngineConfig(test_first_token_delay_s=0.2, test_token_delay_s=0.05)
+    with Engine(tiny_loaded, config) as engine:
+        events = list(engine.submit([5, 6, 7], SamplingSettings(max_tokens=6, ignore_eos=True)))
+    first = (events[0].emitted_ns - events[0].scheduled_ns) / 1e9
+    gaps = [(b.emitted_ns - a.emitted_ns) / 1e9 for a, b in zip(events, events[1:])]
+    assert 0.2 <= first < 0.25
+    assert all(0.05 <= g < 0.08 for g in gaps), gaps
