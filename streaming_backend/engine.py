@@ -354,7 +354,8 @@ class Engine:
         ids = sampling.sample(logits, params, uniforms).tolist()
         logprobs = None
         if any(s.logprobs for s in streams):
-            logprobs = sampling.token_logprobs(raw_logits, torch.tensor(ids)).tolist()
+            chosen = torch.tensor(ids, device=raw_logits.device)
+            logprobs = sampling.token_logprobs(raw_logits, chosen).tolist()
         emitted_ns = self._last_emit_ns = time.monotonic_ns()
         done = set()
         for row, stream in enumerate(streams):

@@ -120,6 +120,7 @@ def sample(logits: torch.Tensor, params: BatchSampling, uniforms: torch.Tensor) 
     greedy_ids = logits.argmax(-1)  # [B]
     if params.all_greedy:
         return greedy_ids
+    uniforms = uniforms.to(logits.device)  # drawn on the CPU generators
     probs = torch.softmax(logits.float() / params.temperature[:, None], dim=-1)  # [B, V]
     if not (params.any_top_k or params.any_top_p):
         return torch.where(params.greedy, greedy_ids, draw(probs, uniforms))
