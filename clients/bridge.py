@@ -437,7 +437,8 @@ class Bridge:
             await asyncio.sleep(self.cfg.health_interval_s)
             ready = await self.client.is_ready(timeout_s=max(self.cfg.health_interval_s, 1.0))
             if ready != self.triton_ready:
-                log.warning("Triton at %s is %s", self.cfg.triton_url, _state(ready))
+                level = logging.INFO if ready else logging.WARNING
+                log.log(level, "Triton at %s is %s", self.cfg.triton_url, _state(ready))
             self.triton_ready = ready
 
     def health(self) -> dict[str, Any]:

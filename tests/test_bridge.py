@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
+import signal
 import socket
 import time
 import urllib.error
@@ -290,3 +293,237 @@ async def test_serve_bridge_stops_on_event():
     await asyncio.sleep(0.3)
     stop.set()
     await asyncio.wait_for(task, 10)
+
+
+# ---------------------------------------------------------------- against the real tritonserver
+
+
+def metric(server, name: str) -> float:
+    """One of the model's metrics on Triton's metrics port, summed over its label sets."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(server.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    values = re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+    assert values, f"the model exports no {name}"
+    return sum(float(v) for v in values)
+
+
+def active_streams(server) -> float:
+    """The model's active-streams gauge."""
+    return metric(server, "tokenstream_active_streams")
+
+
+def tokens_generated(server) -> float:
+    """The model's output-token counter."""
+    return metric(server, "tokenstream_generation_tokens_total")
+
+
+async def wait_idle_engine(server, timeout: float = 10.0) -> float:
+    """Seconds until the active-streams gauge reads 0 (fails after `timeout`)."""
+    start = time.monotonic()
+    while (value := await asyncio.to_thread(active_streams, server)) != 0:
+        assert time.monotonic() - start < timeout, f"active streams stuck at {value}"
+        await asyncio.sleep(0.05)
+    return time.monotonic() - start
+
+
+async def collect(ws, ids: set[str], timeout: float = 120.0) -> dict[str, list[dict]]:
+    """Frames by id until every id in `ids` got its done or error."""
+    frames: dict[str, list[dict]] = {i: [] for i in ids}
+    open_ids = set(ids)
+    while open_ids:
+        frame = await next_frame(ws, timeout)
+        frames[frame["id"]].append(frame)
+        if frame["type"] in ("done", "error"):
+            open_ids.discard(frame["id"])
+    return frames
+
+
+@asynccontextmanager
+async def bridge_to(server, **overrides):
+    async with running_bridge(triton_url=server.grpc_url, **overrides) as bridge:
+        yield bridge
+
+
+@pytest.mark.server
+async def test_streaming_tokens_then_done(triton_server):
+    """Tokens arrive one frame per response with a running count, then one done with usage."""
+    async with bridge_to(triton_server) as bridge, connect(ws_url(bridge)) as ws:
+        messages = [{"role": "user", "content": "Say hello 👋 in 中文"}]
+        params = {"max_tokens": 12, "seed": 3, "ignore_eos": True}
+        await ws.send(_frame(type="generate", id="g", messages=messages, params=params))
+        frames = (await collect(ws, {"g"}))["g"]
+    tokens, done = frames[:-1], frames[-1]
+    assert len(tokens) >= 2 and all(f["type"] == "token" for f in tokens)
+    assert [f["n"] for f in tokens] == sorted(f["n"] for f in tokens)
+    assert done["type"] == "done" and done["finish_reason"] == "length"
+    assert done["usage"]["completion_tokens"] == tokens[-1]["n"] == 12
+    assert done["usage"]["prompt_tokens"] > 0
+    assert done["timing"]["server"]["first_token_ms"] > 0
+    assert done["timing"]["bridge"]["ttft_ms"] >= done["timing"]["server"]["first_token_ms"]
+    assert "\ufffd" not in "".join(f["text"] for f in tokens)
+
+
+@pytest.mark.server
+async def test_two_concurrent_generations_on_one_connection(triton_server):
+    """Two generations on one socket both stream to the end, each under its own id."""
+    async with bridge_to(triton_server) as bridge, connect(ws_url(bridge)) as ws:
+        for gen_id in ("a", "b"):
+            params = {"max_tokens": 24, "ignore_eos": True, "seed": 1}
+            await ws.send(_frame(type="generate", id=gen_id, prompt="Once upon", params=params))
+        frames = await collect(ws, {"a", "b"})
+    for gen_id in ("a", "b"):
+        assert frames[gen_id][-1]["type"] == "done"
+        assert frames[gen_id][-1]["usage"]["completion_tokens"] == 24
+    # Same seed, same prompt: the same text, whatever the interleaving.
+    assert "".join(f.get("text", "") for f in frames["a"]) == "".join(
+        f.get("text", "") for f in frames["b"]
+    )
+
+
+@pytest.mark.server
+async def test_cancel_message_stops_generation_and_frees_slot(triton_server):
+    """cancel ends that generation with done(cancelled); the engine slot frees; others go on."""
+    async with bridge_to(triton_server) as bridge, connect(ws_url(bridge)) as ws:
+        long = {"max_tokens": 200, "ignore_eos": True}
+        await ws.send(_frame(type="generate", id="long", prompt="Tell a story", params=long))
+        first = await next_frame(ws)
+        assert (first["id"], first["type"]) == ("long", "token")
+        await ws.send(_frame(type="cancel", id="long"))
+        await ws.send(_frame(type="cancel", id="never-started"))  # ignored
+        frames = (await collect(ws, {"long"}))["long"]
+        done = frames[-1]
+        assert done["type"] == "done" and done["finish_reason"] == "cancelled"
+        assert done["usage"]["completion_tokens"] < 200
+        await wait_idle_engine(triton_server)
+        # The connection and the id are usable again.
+        short = {"max_tokens": 4, "ignore_eos": True}
+        await ws.send(_frame(type="generate", id="long", prompt="Again", params=short))
+        assert (await collect(ws, {"long"}))["long"][-1]["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.server
+async def test_socket_close_mid_stream_frees_engine_slots(triton_server):
+    """Closing the websocket cancels its generations upstream: active streams back to 0."""
+    before = tokens_generated(triton_server)
+    async with bridge_to(triton_server) as bridge:
+        async with connect(ws_url(bridge)) as ws:
+            long = {"max_tokens": 220, "ignore_eos": True}
+            for gen_id in ("a", "b"):
+                await ws.send(_frame(type="generate", id=gen_id, prompt="Story", params=long))
+            await next_frame(ws)
+            assert await asyncio.to_thread(active_streams, triton_server) >= 1
+        freed_in = await wait_idle_engine(triton_server)
+        status, _, body = await http_get(bridge, br.HEALTH_PATH)
+        assert json.loads(body)["generations"] == 0
+    assert freed_in < 5
+    assert tokens_generated(triton_server) - before < 2 * 220  # stopped, not run to the end
+
+
+@pytest.mark.server
+async def test_duplicate_id_and_cap(triton_server):
+    """A running id cannot be reused; past max_concurrent a generation is refused; others go on."""
+    async with bridge_to(triton_server, max_concurrent=2) as bridge, connect(ws_url(bridge)) as ws:
+        params = {"max_tokens": 40, "ignore_eos": True}
+        await ws.send(_frame(type="generate", id="a", prompt="One", params=params))
+        await ws.send(_frame(type="generate", id="a", prompt="Two", params=params))
+        await ws.send(_frame(type="generate", id="b", prompt="Three", params=params))
+        await ws.send(_frame(type="generate", id="c", prompt="Four", params=params))
+        frames = await collect(ws, {"a", "b", "c"})
+    errors = [f for fs in frames.values() for f in fs if f["type"] == "error"]
+    assert [(e["id"], e["code"]) for e in errors] == [("a", "duplicate_id"), ("c", "too_many")]
+    assert frames["a"][-1]["type"] == frames["b"][-1]["type"] == "done"
+
+
+@pytest.mark.server
+async def test_bad_params_get_the_servers_message(triton_server):
+    """A value the model refuses comes back as that id's error; a parallel generation completes."""
+    async with bridge_to(triton_server) as bridge, connect(ws_url(bridge)) as ws:
+        ok = {"max_tokens": 16, "ignore_eos": True}
+        await ws.send(_frame(type="generate", id="ok", prompt="Fine", params=ok))
+        await ws.send(_frame(type="generate", id="bad", prompt="Hm", params={"top_p": 2}))
+        await ws.send(_frame(type="generate", id="neg", prompt="Hm", params={"temperature": -1}))
+        frames = await collect(ws, {"ok", "bad", "neg"})
+    bad, neg = frames["bad"][-1], frames["neg"][-1]
+    assert (bad["type"], bad["code"]) == ("error", "invalid_request") and "top_p" in bad["message"]
+    assert neg["code"] == "invalid_request" and "temperature" in neg["message"]
+    assert frames["ok"][-1]["type"] == "done"
+
+
+@pytest.mark.server
+async def test_slow_reader_disconnected(triton_server):
+    """A client that stops reading is dropped once its queue fills; its streams are cancelled."""
+    tight = dict(send_queue=8, socket_send_buffer=4096, send_timeout_s=2.0, max_concurrent=8)
+    before = tokens_generated(triton_server)
+    async with bridge_to(triton_server, **tight) as bridge:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+        sock.connect(("127.0.0.1", bridge.port))
+        # max_queue=1: the client library stops reading the socket as soon as a frame waits.
+        ws = await connect(ws_url(bridge), sock=sock, max_queue=1)
+        try:
+            long = {"max_tokens": 240, "ignore_eos": True}
+            for i in range(8):
+                await ws.send(_frame(type="generate", id=f"g{i}", prompt="Go", params=long))
+            deadline = time.monotonic() + 60
+            while bridge.connections:
+                assert time.monotonic() < deadline, "the slow reader was never disconnected"
+                await asyncio.sleep(0.1)
+            await wait_idle_engine(triton_server)
+            assert tokens_generated(triton_server) - before < 8 * 240  # cancelled, not finished
+        finally:
+            ws.transport.abort()
+
+
+async def wait_health(bridge: br.Bridge, ready: bool, timeout: float = 30.0) -> float:
+    """Seconds until /healthz says `ready` (fails after `timeout`)."""
+    start = time.monotonic()
+    while True:
+        status, _, body = await http_get(bridge, br.HEALTH_PATH)
+        if json.loads(body)["ready"] is ready and (status == 200) is ready:
+            return time.monotonic() - start
+        assert time.monotonic() - start < timeout, f"/healthz stuck at {status} {body!r}"
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.server
+async def test_triton_restarted_under_the_bridge(tiny_model_dir):
+    """Triton dies mid-stream: an error frame, /healthz 503; back on its port: the socket works."""
+    from streaming_backend.launcher import ServerConfig, TritonServer, free_port
+
+    config = ServerConfig(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+    )
+    first = TritonServer(config, on_log=None).start()
+    second = None
+    try:
+        await asyncio.to_thread(first.wait_ready)
+        async with bridge_to(first) as bridge, connect(ws_url(bridge), ping_interval=None) as ws:
+            params = {"max_tokens": 220, "ignore_eos": True}
+            await ws.send(_frame(type="generate", id="a", prompt="Before", params=params))
+            await next_frame(ws)
+            os.kill(first.pid, signal.SIGKILL)  # a crash, with "a" still streaming
+            end = (await collect(ws, {"a"}, timeout=30))["a"][-1]
+            assert (end["type"], end["code"]) == ("error", "unavailable")
+            await asyncio.to_thread(first.stop)  # reaps the stub and the shm region
+            await wait_health(bridge, ready=False)
+            await ws.send(_frame(type="generate", id="b", prompt="During", params=params))
+            err = (await collect(ws, {"b"}))["b"][-1]
+            assert (err["type"], err["code"]) == ("error", "unavailable")
+            assert "not ready" in err["message"]
+
+            second = TritonServer(config, on_log=None).start()
+            await asyncio.to_thread(second.wait_ready)
+            back_in = await wait_health(bridge, ready=True)
+            short = {"max_tokens": 4, "ignore_eos": True}
+            await ws.send(_frame(type="generate", id="c", prompt="After", params=short))
+            assert (await collect(ws, {"c"}))["c"][-1]["usage"]["completion_tokens"] == 4
+        assert back_in < 10
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
