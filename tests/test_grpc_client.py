@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import re
+import threading
+import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -145,3 +151,131 @@ def test_error_codes(message, status, code):
     """Server messages and gRPC statuses map to error categories; the message is kept."""
     err = gc.to_generation_error(InferenceServerException(msg=message, status=status))
     assert (err.code, err.message, str(err)) == (code, message, message)
+
+
+# ---------------------------------------------------------------- against the real tritonserver
+
+
+def _metric(server, name: str) -> float:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(server.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    return sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
+
+
+LONG = {"max_tokens": 220, "ignore_eos": True}
+
+
+@pytest.mark.server
+def test_stream_generate_sync(triton_server):
+    """The sync stream yields text deltas and counts; only the last chunk is final."""
+    request = gc.GenerateRequest(
+        messages=[{"role": "user", "content": "Hi 你好"}],
+        sampling={"max_tokens": "8", "seed": 5, "ignore_eos": True},
+        return_output_ids=True,
+        return_timing=True,
+    )
+    chunks = list(gc.stream_generate(triton_server.grpc_url, request))
+    assert [c.final for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert sum(c.num_output_tokens for c in chunks) == 8
+    assert sum(len(c.output_ids) for c in chunks) == 8
+    assert chunks[-1].finish_reason == "length" and chunks[0].num_input_tokens > 0
+    t = chunks[0].timing
+    assert t["received_ns"] <= t["queued_ns"] <= t["prefill_start_ns"] <= t["emitted_ns"]
+    assert t["emitted_ns"] <= chunks[0].received_ns  # one clock on one machine
+
+
+@pytest.mark.server
+def test_stream_generate_error_carries_servers_message(triton_server):
+    """A refused request raises GenerationError with the server's own message."""
+    request = gc.GenerateRequest(prompt="x", sampling={"top_p": 2})
+    with pytest.raises(gc.GenerationError) as info:
+        list(gc.stream_generate(triton_server.grpc_url, request))
+    assert info.value.code == "invalid_request"
+    assert info.value.message.startswith("invalid request:") and "top_p" in info.value.message
+
+
+@pytest.mark.server
+def test_stream_generate_cancel_event(triton_server):
+    """Setting the cancel event ends the iteration and the server stops the request."""
+    cancel = threading.Event()
+    before = _metric(triton_server, "tokenstream_generation_tokens_total")
+    seen = 0
+    request = gc.GenerateRequest(prompt="Story", sampling=LONG)
+    for _ in gc.stream_generate(triton_server.grpc_url, request, cancel=cancel):
+        seen += 1
+        if seen == 3:
+            cancel.set()
+    assert seen == 3
+    _wait_for(lambda: _metric(triton_server, "tokenstream_active_streams") == 0)
+    assert _metric(triton_server, "tokenstream_generation_tokens_total") - before < 220
+
+
+def _wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+@pytest.mark.server
+async def test_async_cancel_stops_exactly_one_generation(triton_server):
+    """Of several generations on one channel, aclose() cancels exactly that one upstream."""
+    async with gc.AsyncChatClient(triton_server.grpc_url) as client:
+        assert await client.is_ready()
+
+        async def run(stop_after: int | None) -> list[gc.Chunk]:
+            chunks = []
+            stream = client.generate(gc.GenerateRequest(prompt="Go", sampling=LONG))
+            async with contextlib.aclosing(stream):
+                async for chunk in stream:
+                    chunks.append(chunk)
+                    if len(chunks) == stop_after:
+                        break
+            return chunks
+
+        before = await asyncio.to_thread(
+            _metric, triton_server, "tokenstream_generation_tokens_total"
+        )
+        keep = [asyncio.create_task(run(None)) for _ in range(2)]
+        stopped = await run(stop_after=2)
+        finished = await asyncio.gather(*keep)
+    assert len(stopped) == 2
+    for chunks in finished:
+        assert chunks[-1].final and chunks[-1].finish_reason == "length"
+        assert sum(c.num_output_tokens for c in chunks) == 220
+    generated = await asyncio.to_thread(
+        _metric, triton_server, "tokenstream_generation_tokens_total"
+    )
+    assert 2 * 220 <= generated - before < 3 * 220  # the third stopped early
+    assert await asyncio.to_thread(_metric, triton_server, "tokenstream_active_streams") == 0
+
+
+@pytest.mark.server
+async def test_async_task_cancel_cancels_upstream(triton_server):
+    """Cancelling the asyncio task that consumes a generation cancels it on the server."""
+    async with gc.AsyncChatClient(triton_server.grpc_url) as client:
+        first = asyncio.Event()
+
+        async def consume():
+            async for _ in client.generate(gc.GenerateRequest(prompt="Go", sampling=LONG)):
+                first.set()
+
+        task = asyncio.create_task(consume())
+        await first.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.to_thread(
+            _wait_for, lambda: _metric(triton_server, "tokenstream_active_streams") == 0
+        )
+
+
+async def test_async_unreachable_server_is_unavailable():
+    """A generation against a closed port fails with code 'unavailable'."""
+    async with gc.AsyncChatClient("127.0.0.1:9") as client:
+        assert not await client.is_ready(timeout_s=1.0)
+        with pytest.raises(gc.GenerationError) as info:
+            async for _ in client.generate(gc.GenerateRequest(prompt="x")):
+                pass
+    assert info.value.code == "unavailable"
