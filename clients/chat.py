@@ -101,17 +101,23 @@ def run_chat(cfg: ChatConfig, read_line: Callable[[str], str], out: TextIO) -> N
             return
         if not line.strip():
             continue
-        history.append({"role": "user", "content": line})
         try:
-            text, stats = answer(cfg, history, out)
-        except GenerationError as exc:
-            out.write(f"\nerror ({exc.code}): {exc.message}\n")
-            history.pop()  # the failed question is not part of the conversation
-            continue
-        if text:
-            history.append({"role": "assistant", "content": text})
-        out.write(f"\n{format_stats(stats)}\n")
-        out.flush()
+            history += turn(cfg, history, line, out)
+        except KeyboardInterrupt:  # a Ctrl-C that landed just outside the stream
+            out.write("\n[interrupted]\n")
+
+
+def turn(cfg: ChatConfig, history: list[dict], line: str, out: TextIO) -> list[dict]:
+    """One question and its streamed answer; the messages to add to the history."""
+    question = {"role": "user", "content": line}
+    try:
+        text, stats = answer(cfg, [*history, question], out)
+    except GenerationError as exc:
+        out.write(f"\nerror ({exc.code}): {exc.message}\n")
+        return []  # the failed question is not part of the conversation
+    out.write(f"\n{format_stats(stats)}\n")
+    out.flush()
+    return [question, {"role": "assistant", "content": text}] if text else [question]
 
 
 def answer(cfg: ChatConfig, history: list[dict], out: TextIO) -> tuple[str, AnswerStats]:

@@ -155,24 +155,38 @@ class Terminal:
 
 
 @pytest.mark.server
-def test_chat_cli_streams_cancels_and_exits(triton_server):
-    """A turn streams with stats; ^C stops the next answer but not the program; ^D exits."""
-    term = Terminal(["--url", triton_server.grpc_url, "--max-tokens", "200", "--seed", "1"])
+def test_chat_cli_streams_two_turns_then_eof(triton_server):
+    """Each answer streams and ends with a stats line; Ctrl-D at the prompt exits 0."""
+    term = Terminal(["--url", triton_server.grpc_url, "--max-tokens", "8", "--seed", "1"])
+    try:
+        for question in ("Hello there", "And again"):
+            mark = len(term.read_until(chat.PROMPT))
+            term.write(question + "\r")
+            out = term.read_until("tok/s", timeout=120, start=mark)
+            assert "[TTFT" in out[mark:] and "8 tokens · length]" in out[mark:]
+            term.output = out[out.index("tok/s", mark) :]  # forget what was matched
+        term.read_until(chat.PROMPT)
+        term.write("\x04")
+        assert term.wait() == 0
+    finally:
+        term.close()
+
+
+@pytest.mark.server
+def test_chat_cli_ctrl_c_cancels_answer_not_program(triton_server):
+    """^C during an answer stops it (marked cancelled) and returns to the prompt; ^C there exits."""
+    term = Terminal(["--url", triton_server.grpc_url, "--max-tokens", "190"])
     try:
         term.read_until(chat.PROMPT)
-        term.write("Hello there\r")
-        out = term.read_until("tok/s", timeout=120)
-        assert "[TTFT" in out
-        term.read_until(chat.PROMPT, start=len(out))
-
-        mark = len(term.output)
         term.write("Tell me a long story\r")
-        echoed = len(term.read_until("long story\r\n", start=mark))
+        echoed = len(term.read_until("long story\r\n"))
         term.read_at_least(echoed + 8)  # the answer has begun
         term.write("\x03")
         out = term.read_until("cancelled]", start=echoed)
-        term.read_until(chat.PROMPT, start=len(out))
-        term.write("\x04")
+        stats = out[out.index("[TTFT", echoed) :]
+        assert "190 tokens" not in stats
+        term.read_until(chat.PROMPT, start=out.index("cancelled]", echoed))
+        term.write("\x03")
         assert term.wait() == 0
     finally:
         term.close()
