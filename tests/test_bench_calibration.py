@@ -5,9 +5,18 @@ A real tritonserver runs the `chat` model (tiny random Llama) with the test-only
 `test_token_delay_ms=50` (a sleep in every decode step). Whatever the transport, the bench must see
 TTFT >= 300 ms plus a small overhead and ITL >= 50 ms plus one tiny decode step.
 
-Tolerances: the lower bounds are physical (a token cannot arrive before its delay has passed), with
-1 ms of receive jitter allowed on ITL; the upper slack covers prefill and decode of the tiny model
-and a loaded 2-core machine, and is checked on the median so that one stall does not fail the test.
+The calibration proper is tight and holds on a busy machine, because it holds the bench against
+the server's own stamps on the same clock:
+- lower bounds are physical: no token can arrive before its delay has passed (TTFT >= 300 ms,
+  the server's prefill part >= 300 ms, ITL >= 50 ms less 1 ms of receive jitter);
+- reported TTFT = the server's own time to first token (the 300 ms delay plus the tiny model's
+  prefill, as stamped by the server) + two loopback hops, whose median must stay under 25 ms;
+- reported ITL = the server's own token spacing (50 ms plus one decode step) within 2 ms (median),
+  over grpc and sse, which carry the stamps on every response.
+The absolute medians against 300 ms and 50 ms get only a loose guard against gross errors (units,
+counting chunks as tokens): the tiny model's own steps stretch under load. Seen on this 2-core
+machine: medians of 302-304 ms TTFT and 51 ms ITL when quiet, up to 354 ms and 127 ms while other
+jobs loaded it, with the bench within 1 ms of the server's ITL every time.
 """
 
 from __future__ import annotations
@@ -22,10 +31,11 @@ from clients.bench.report import format_run, validate_report
 pytestmark = pytest.mark.server
 
 FIRST_MS, NEXT_MS = 300.0, 50.0
-OUTPUT_TOKENS, INPUT_TOKENS, REQUESTS = 8, 16, 4
-TTFT_SLACK_MS = 40.0  # median: prefill of a 16-token prompt + two loopback hops
-NETWORK_SLACK_MS = 15.0  # median of each hop (client -> server, server -> client)
-ITL_SLACK_MS = 10.0  # median: one decode step of the tiny model + sleep overshoot
+OUTPUT_TOKENS, INPUT_TOKENS, REQUESTS = 8, 16, 6
+TTFT_GUARD_MS = 250.0  # loose: the model's own prefill and the hops on a loaded machine
+ITL_GUARD_MS = 100.0  # loose: a decode step of the tiny model on a loaded machine
+HOPS_MS = 25.0  # median of client -> server + server -> client (gRPC/HTTP/ws, python backend)
+AGREE_MS = 2.0  # median |client ITL - server ITL|: jitter of two stamps spread over 7 gaps
 JITTER_MS = 1.0
 
 
@@ -92,34 +102,50 @@ def breakdown(run: dict, part: str) -> list[float]:
 
 @pytest.mark.parametrize("transport", ["grpc", "sse", "ws"])
 async def test_bench_reports_injected_delays(delayed_server, transport):
-    """TTFT ~ 300 ms + overhead, ITL ~ 50 ms, the breakdown puts the delay in prefill."""
+    """TTFT ~ 300 ms + overhead, ITL ~ 50 ms, and the delay shows up in the prefill part."""
     run = await run_transport(delayed_server, transport)
     s = run["summary"]
     assert (s["completed"], s["errors"], s["cancelled"]) == (REQUESTS, 0, 0), run["requests"]
     assert run["same_clock"] is True
     assert per_request(run, "output_tokens") == [OUTPUT_TOKENS] * REQUESTS
     assert per_request(run, "input_tokens") == [INPUT_TOKENS] * REQUESTS
-
-    ttft = per_request(run, "ttft_ms")
-    assert min(ttft) >= FIRST_MS, ttft
-    assert statistics.median(ttft) <= FIRST_MS + TTFT_SLACK_MS, ttft
-
-    itl = per_request(run, "itl_ms")
-    assert min(itl) >= NEXT_MS - JITTER_MS, itl
-    assert statistics.median(itl) <= NEXT_MS + ITL_SLACK_MS, itl
-
-    # The delay sits between prefill start and the first token, on the server's own clock.
+    ttft, itl = per_request(run, "ttft_ms"), per_request(run, "itl_ms")
     prefill = breakdown(run, "prefill")
-    assert min(prefill) >= FIRST_MS and statistics.median(prefill) <= FIRST_MS + TTFT_SLACK_MS
-    # Client and server stamps on one clock: both hops are positive and small.
-    for hop in ("to_server", "to_client"):
-        values = breakdown(run, hop)
-        assert min(values) >= 0 and statistics.median(values) <= NETWORK_SLACK_MS, (hop, values)
-    # The parts add up to the client's TTFT.
+
+    # physical lower bounds
+    assert min(ttft) >= FIRST_MS, ttft
+    assert min(prefill) >= FIRST_MS, prefill
+    assert min(itl) >= NEXT_MS - JITTER_MS, itl
+
+    # the bench agrees with the server's own clock
+    hops = [
+        r["ttft_breakdown_ms"]["to_server"] + r["ttft_breakdown_ms"]["to_client"]
+        for r in run["requests"]
+    ]
+    assert min(breakdown(run, "to_server")) >= 0 and min(breakdown(run, "to_client")) >= 0
+    assert statistics.median(hops) <= HOPS_MS, hops
     for r in run["requests"]:
         assert sum(r["ttft_breakdown_ms"].values()) == pytest.approx(r["ttft_ms"], abs=1e-3)
+    if transport == "ws":
+        # the bridge's own TTFT (frame accepted -> first token frame queued) lies inside ours
+        gaps = [
+            r["ttft_ms"] - r["extra"]["bridge_timing"]["bridge"]["ttft_ms"] for r in run["requests"]
+        ]
+        assert min(gaps) >= 0 and statistics.median(gaps) <= HOPS_MS, gaps
+    else:
+        # the server's token spacing rides on every response over grpc and sse
+        server_itl = [server_itl_ms(r) for r in run["requests"]]
+        assert min(server_itl) >= NEXT_MS, server_itl
+        diffs = [abs(a - b) for a, b in zip(itl, server_itl, strict=True)]
+        assert statistics.median(diffs) <= AGREE_MS, (itl, server_itl)
 
-    # ITL seen by the client matches the server's own token spacing (grpc and sse carry it).
-    if transport != "ws":
-        server_itl = s["server_itl_ms"]["p50"]
-        assert server_itl >= NEXT_MS and abs(s["itl_ms"]["p50"] - server_itl) <= JITTER_MS
+    # gross-error guard on the absolute figures
+    assert statistics.median(ttft) <= FIRST_MS + TTFT_GUARD_MS, ttft
+    assert statistics.median(itl) <= NEXT_MS + ITL_GUARD_MS, itl
+
+
+def server_itl_ms(request: dict) -> float:
+    """Server-side ITL of one request from its raw responses' emitted stamps."""
+    rows = request["responses"]
+    first = next(row for row in rows if row[2] > 0)
+    return (rows[-1][3] - first[3]) / (request["output_tokens"] - 1) / 1e6

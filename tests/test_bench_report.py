@@ -172,3 +172,57 @@ def test_first_error_only_when_nothing_completed():
     for run in doc["runs"]:
         run["summary"]["completed"] = 0
     assert first_error(doc) == "overloaded: queue full"
+
+
+def genai_perf_export(with_outputs: bool = True) -> dict:
+    """A minimal profile_export.json: one request, 3 responses, wall-clock ns."""
+    wall = 1_700_000_000_000 * MS  # wall = monotonic + this
+    timing = {
+        "received_ns": 1 * MS,
+        "queued_ns": 2 * MS,
+        "prefill_start_ns": 3 * MS,
+        "emitted_ns": 99 * MS,
+        "wall_minus_monotonic_ns": wall,
+    }
+    outputs = [
+        {"text_output": t, "num_output_tokens": 1, "timing": json.dumps(timing)} for t in "abc"
+    ]
+    if not with_outputs:
+        outputs = [{"text_output": t} for t in "abc"]
+    request = {
+        "timestamp": wall,
+        "response_timestamps": [wall + 100 * MS, wall + 150 * MS, wall + 200 * MS],
+        "response_outputs": outputs,
+    }
+    return {
+        "experiments": [{"experiment": {"mode": "concurrency", "value": 2}, "requests": [request]}],
+        "version": "2.51.0",
+    }
+
+
+def test_genai_perf_export_reads_with_our_definitions(tmp_path, capsys):
+    """A genai-perf raw export is summarised with our metrics, breakdown on wall time."""
+    path = tmp_path / "profile_export.json"
+    path.write_text(json.dumps(genai_perf_export()))
+    rc = cli.main(["bench", "--from-genai-perf", str(path), "--out", str(tmp_path / "o")])
+    assert rc == 0 and "genai-perf's wall-clock stamps" in capsys.readouterr().out
+    doc = load_report(tmp_path / "o" / "bench.json")
+    (run,) = doc["runs"]
+    s = run["summary"]
+    assert run["concurrency"] == 2 and s["ttft_ms"]["avg"] == pytest.approx(100)
+    assert s["itl_ms"]["avg"] == pytest.approx(50) and s["total_output_tokens"] == 3
+    b = run["requests"][0]["ttft_breakdown_ms"]
+    assert b["to_server"] == pytest.approx(1) and b["to_client"] == pytest.approx(1)
+    assert b["prefill"] == pytest.approx(96)
+
+
+def test_genai_perf_export_without_our_outputs_says_what_to_add(tmp_path, capsys):
+    """Without token counts there is no ITL, and the message names the missing option."""
+    from clients.bench.genai_perf import genai_perf_runs, missing_outputs
+
+    path = tmp_path / "profile_export.json"
+    path.write_text(json.dumps(genai_perf_export(with_outputs=False)))
+    runs = genai_perf_runs(path)
+    notes = missing_outputs(runs)
+    assert any("return_num_output_tokens:true" in n for n in notes)
+    assert any("return_timing:true" in n for n in notes)

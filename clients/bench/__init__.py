@@ -160,6 +160,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="do client and server share CLOCK_MONOTONIC (auto: loopback/hostname)",
     )
     g.add_argument(
+        "--from-genai-perf",
+        type=Path,
+        metavar="profile_export.json",
+        help="summarise a genai-perf run's raw export with our definitions, and exit",
+    )
+    g.add_argument(
         "--compare",
         nargs=2,
         type=Path,
@@ -306,19 +312,38 @@ def main(args: argparse.Namespace) -> int:
         print(format_compare(a, b, names=tuple(str(p) for p in args.compare)))
         return 0
     cfg = config_from_args(args)
-    try:
-        doc = asyncio.run(run_bench(cfg))
-    except ConnectionError as exc:
-        print(f"bench: cannot reach the server: {exc}", file=sys.stderr)
-        return 2
+    if args.from_genai_perf:
+        doc = import_genai_perf(args.from_genai_perf)
+    else:
+        try:
+            doc = asyncio.run(run_bench(cfg))
+        except ConnectionError as exc:
+            print(f"bench: cannot reach the server: {exc}", file=sys.stderr)
+            return 2
+    report(doc, cfg)
+    error = first_error(doc)
+    if error:
+        print(f"bench: every request failed; first error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def import_genai_perf(path: Path) -> dict:
+    """A report document from a genai-perf profile_export.json."""
+    from clients.bench.genai_perf import genai_perf_runs, missing_outputs
+
+    runs = genai_perf_runs(path)
+    for note in missing_outputs(runs):
+        print(f"bench: {path}: {note}", file=sys.stderr)
+    created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return build_report({"source": str(path), "tool": "genai-perf"}, runs, created)
+
+
+def report(doc: dict, cfg: BenchConfig) -> None:
+    """Print the tables and write the files."""
     for run in doc["runs"]:
         print(format_run(run), end="\n\n")
     print(format_overview(doc))
     if cfg.out is not None:
         for path in write_outputs(doc, cfg.out, cfg.plot):
             print(f"wrote {path}")
-    error = first_error(doc)
-    if error:
-        print(f"bench: every request failed; first error: {error}", file=sys.stderr)
-        return 1
-    return 0

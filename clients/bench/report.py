@@ -45,6 +45,7 @@ class RunResult:
     request_rate: float | None
     clock: ClockMap
     records: list[RequestRecord]
+    note: str | None = None  # replaces the clock note (e.g. for imported runs)
 
 
 def _ms(ns: float | None) -> float | None:
@@ -91,7 +92,7 @@ def run_json(run: RunResult) -> dict:
         "concurrency": run.concurrency,
         "request_rate": run.request_rate,
         "same_clock": run.clock.same_clock,
-        "clock_note": clock_note(run.clock),
+        "clock_note": run.note or clock_note(run.clock),
         "summary": summarize(run.records, run.clock),
         "requests": [record_json(r, run.clock) for r in run.records],
     }

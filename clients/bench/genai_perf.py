@@ -1,0 +1,66 @@
+"""Read a genai-perf run's raw export (profile_export.json) as bench runs.
+
+genai-perf (through perf_analyzer) keeps every request's send time and every response's receive
+time, in wall-clock ns, plus the outputs of each response. Asked to with
+`--extra-inputs return_num_output_tokens:true --extra-inputs return_timing:true`, those outputs hold
+the server's token counts and timestamps, so the very same requests can be summarised with our
+definitions and TTFT breakdown, beside genai-perf's own figures.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from clients.bench.metrics import ClockMap, RequestRecord
+from clients.bench.report import RunResult
+from clients.bench.transports import record_response
+
+# genai-perf stamps are wall clock: a client "monotonic" offset of 0 makes ClockMap convert the
+# server's monotonic stamps to wall time through wall_minus_monotonic_ns.
+WALL_CLOCK = ClockMap(same_clock=False, client_wall_minus_monotonic_ns=0)
+
+
+def request_record(index: int, req: dict) -> RequestRecord:
+    """One perf_analyzer request: send stamp, response stamps and outputs."""
+    rec = RequestRecord(index=index, sent_ns=int(req["timestamp"]))
+    for ts, out in zip(req["response_timestamps"], req["response_outputs"], strict=False):
+        timing = out.get("timing")
+        record_response(
+            rec,
+            int(ts),
+            text=out.get("text_output") or "",
+            tokens=out.get("num_output_tokens"),
+            timing=json.loads(timing) if timing else None,
+            finish_reason=out.get("finish_reason") or None,
+        )
+    return rec
+
+
+def experiment_run(exp: dict, url: str) -> RunResult:
+    """One genai-perf experiment (a concurrency or a request rate) as a RunResult."""
+    setting = exp.get("experiment", {})
+    concurrency = setting.get("value") if setting.get("mode") == "concurrency" else None
+    rate = setting.get("value") if setting.get("mode") == "request_rate" else None
+    records = [request_record(i, req) for i, req in enumerate(exp["requests"])]
+    note = "genai-perf's wall-clock stamps; server stamps converted via wall_minus_monotonic_ns"
+    return RunResult("grpc", url, concurrency, rate, WALL_CLOCK, records, note)
+
+
+def genai_perf_runs(path: Path, url: str = "genai-perf") -> list[RunResult]:
+    """Every experiment of a profile_export.json."""
+    doc = json.loads(Path(path).read_text())
+    if "experiments" not in doc:
+        raise ValueError(f"{path}: not a genai-perf profile_export.json (no 'experiments')")
+    return [experiment_run(exp, url) for exp in doc["experiments"]]
+
+
+def missing_outputs(runs: list[RunResult]) -> list[str]:
+    """What the export lacks for our figures (token counts, server timing)."""
+    responses = [x for run in runs for r in run.records for x in r.responses]
+    notes = []
+    if responses and not any(x.tokens for x in responses):
+        notes.append("no num_output_tokens: add --extra-inputs return_num_output_tokens:true")
+    if responses and not any(r.server_timing for run in runs for r in run.records):
+        notes.append("no server timing: add --extra-inputs return_timing:true")
+    return notes
