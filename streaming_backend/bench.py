@@ -163,7 +163,8 @@ def run_engine(loaded: LoadedModel, prompts: list[list[int]], concurrency: int, 
     streams = []
     with Engine(loaded, EngineConfig(max_streams=max(concurrency, 1))) as engine:
         list(engine.submit(prompts[0], replace_tokens(settings, 4)))  # warm-up
-        for _ in range(cfg.rounds):
+        # At least 6 requests per level, so single-stream percentiles rest on a few samples.
+        for _ in range(max(cfg.rounds, math.ceil(6 / concurrency))):
             handles = [
                 engine.submit(prompts[i % len(prompts)], settings) for i in range(concurrency)
             ]

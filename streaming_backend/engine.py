@@ -43,7 +43,10 @@ class EngineConfig:
 
     max_streams: int = 32  # live streams stepped together
     queue_limit: int = 256  # submitted requests waiting for a slot; beyond it: Overloaded
-    max_prefill_tokens: int = 4096  # prompt tokens prefilled together in one forward pass
+    max_prefill_tokens: int = 4096  # prompt tokens admitted for prefill in one engine step
+    # Admitted prompts are prefilled in groups of similar length: a group is cut where left
+    # padding would exceed this fraction of its real tokens (padding is wasted compute).
+    max_padding: float = 0.25
     default_max_tokens: int = 512  # when a request names no max_tokens (bounded by the context)
     # Test-only, for benchmark calibration: the first token exists exactly this long after its
     # prefill starts, each next token this long after the previous step (when compute is faster).
@@ -230,8 +233,8 @@ class Engine:
                     break
                 try:
                     self._drop_cancelled()
-                    if new:
-                        self._prefill_group(new)
+                    for group in length_groups(new, self.config.max_padding):
+                        self._prefill_group(group)  # each group's first tokens go out at once
                     if self._live:
                         self._decode_step()
                 except Exception as exc:  # a bug must not kill the thread: fail the batch
@@ -477,6 +480,23 @@ class Engine:
         for stream in waiting + self._live:
             self._finish(stream, FinishReason.CANCELLED, "", error)
         self._reset_batch()
+
+
+def length_groups(streams: list[_Stream], max_padding: float) -> list[list[_Stream]]:
+    """Split prompts, shortest first, into groups whose padding stays under max_padding."""
+    groups: list[list[_Stream]] = []
+    real = 0
+    for stream in sorted(streams, key=lambda s: len(s.prompt_ids)):
+        n = len(stream.prompt_ids)
+        group = groups[-1] if groups else None
+        # Sorted ascending, so the newest prompt is the longest: every row pads to n.
+        if group and n * (len(group) + 1) <= (1 + max_padding) * (real + n):
+            group.append(stream)
+            real += n
+        else:
+            groups.append([stream])
+            real = n
+    return groups
 
 
 def _pace_until(start_ns: int, delay_s: float) -> None:

@@ -58,6 +58,7 @@ def test_tiny_run_writes_json(tiny_model_dir, tmp_path, capsys):
         ("engine", 1),
         ("engine", 2),
     ]
+    assert [r["requests"] for r in doc["results"]] == [1, 6, 6]
     assert all(r["output_tokens"] == 4 * r["requests"] for r in doc["results"])
     assert set(doc["ratios"]["float32"]) == {
         "throughput_2_vs_baseline",

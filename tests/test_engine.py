@@ -337,3 +337,23 @@ def test_test_delays_pace_tokens(tiny_loaded):
     gaps = [(b.emitted_ns - a.emitted_ns) / 1e9 for a, b in zip(events, events[1:])]
     assert 0.2 <= first < 0.25
     assert all(0.05 <= g < 0.08 for g in gaps), gaps
+
+
+@pytest.mark.parametrize(
+    "lengths, groups",
+    [
+        ([], []),
+        ([10], [[10]]),
+        ([10, 10, 10], [[10, 10, 10]]),
+        ([40, 10, 11, 42, 12], [[10, 11, 12], [40, 42]]),
+        ([10, 20], [[10], [20]]),  # padding 10 on 30 real tokens: over 25 %
+        ([30, 31, 32, 33, 80], [[30, 31, 32, 33], [80]]),
+    ],
+)
+def test_length_groups_bound_padding(tiny_loaded, lengths, groups):
+    """Prompts are prefilled shortest first, in groups that waste little compute on padding."""
+    from streaming_backend.engine import _Stream, length_groups
+
+    streams = [_Stream(None, [1] * n, SamplingSettings(), False, 0, None, None, None)
+               for n in lengths]
+    assert [[len(s.prompt_ids) for s in g] for g in length_groups(streams, 0.25)] == groups
