@@ -388,7 +388,11 @@ class Bridge:
         self._numbers = itertools.count(1)
 
     async def __aenter__(self) -> Bridge:
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            await self.close()  # e.g. the port is taken: no health task or channel left behind
+            raise
         return self
 
     async def __aexit__(self, *exc_info) -> None:

@@ -527,3 +527,16 @@ async def test_triton_restarted_under_the_bridge(tiny_model_dir):
         first.stop()
         if second is not None:
             second.stop()
+
+
+async def test_port_taken_fails_cleanly():
+    """A bridge whose port is taken raises OSError and leaves no task running."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        cfg = br.BridgeConfig(triton_url=f"127.0.0.1:{free_port()}", port=taken.getsockname()[1])
+        before = len(asyncio.all_tasks())
+        with pytest.raises(OSError):
+            async with br.Bridge(cfg):
+                pass
+        assert len(asyncio.all_tasks()) == before
