@@ -285,3 +285,21 @@ def test_metrics_show_our_histograms(triton_server):
     ):
         assert name in text, name
     assert _metric(triton_server, "tokenstream_generation_tokens_total") >= 12
+
+
+def test_sixteen_streams_round_after_round_keep_the_server_alive(triton_server):
+    """Rounds of 16 concurrent streams (beyond max_streams: some wait) all complete and the
+    server survives; this load crashed a version calling Triton from several stub threads."""
+
+    def run(i):
+        return _chunks(
+            triton_server,
+            prompt=f"round robin {i}",
+            sampling={"max_tokens": 24, "ignore_eos": True, "seed": i},
+        )
+
+    with ThreadPoolExecutor(16) as pool:
+        for _ in range(4):
+            results = list(pool.map(run, range(16)))
+            assert all(sum(c.num_output_tokens for c in r) == 24 for r in results)
+    assert triton_server.returncode is None and triton_server.is_ready()

@@ -1,8 +1,9 @@
 """Triton adapter for the streaming engine: tensors in, one response per token out.
 
-`initialize` parses the config and starts the engine, a sender thread and a cancellation
-watcher; `execute` copies each request's inputs, hands it to the engine and returns None. Every
-request gets exactly one response with the FINAL flag, whatever happens.
+`initialize` parses the config and starts the engine and the outbox thread; `execute` copies each
+request's inputs, hands it to the engine and returns None. The outbox thread makes every call
+into Triton (responses, cancellation checks, metrics). Every request gets exactly one response
+with the FINAL flag, whatever happens.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ class TritonPythonModel:
     """The decoupled chat model."""
 
     def initialize(self, args):
-        """Load the model, start the engine, the sender thread and the cancellation watcher."""
+        """Load the model, start the engine and the outbox thread."""
         config = json.loads(args["model_config"])
         self.settings = ModelSettings.from_config(config)
         loaded = load_model(self.settings.model, self.settings.dtype)
@@ -122,36 +123,32 @@ class TritonPythonModel:
         self.tokenizer = loaded.tokenizer
         self.engine = Engine(loaded, self.settings.engine).start()
         self.metrics = Metrics(args["model_name"], args["model_version"])
-        self.events: queue.Queue[TokenEvent | None] = queue.Queue()
+        # Every call into Triton after execute() (send, is_cancelled, metrics) is made from the
+        # one outbox thread: calls racing from several stub threads crashed the server, and
+        # is_cancelled() on a request already sent FINAL touches a released response sender.
+        self.outbox: queue.Queue[TokenEvent | _Rejected | None] = queue.Queue()
         self.live: dict[str, _Live] = {}
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # guards `live` and `counter` between execute and outbox
         self.counter = 0
-        self.stopping = threading.Event()
-        self.sender_thread = threading.Thread(target=self._send_loop, name="sender", daemon=True)
-        self.watcher_thread = threading.Thread(
-            target=self._watch_cancel, name="cancel-watch", daemon=True
-        )
-        self.sender_thread.start()
-        self.watcher_thread.start()
+        self.outbox_thread = threading.Thread(target=self._outbox_loop, name="outbox", daemon=True)
+        self.outbox_thread.start()
 
     def execute(self, requests):
-        """Hand each request to the engine; responses are sent from the sender thread."""
+        """Hand each request to the engine; responses are sent from the outbox thread."""
         for request in requests:
             self._accept(request)
         return None
 
     def finalize(self):
-        """End in-flight streams (CANCELLED), then stop the threads."""
-        self.stopping.set()
+        """End in-flight streams (CANCELLED, sent by the outbox), then stop its thread."""
         self.engine.shutdown()
-        self.events.put(None)
-        self.sender_thread.join(timeout=10)
-        self.watcher_thread.join(timeout=2)
+        self.outbox.put(None)
+        self.outbox_thread.join(timeout=10)
 
     # ---- requests in ---------------------------------------------------------------------------
 
     def _accept(self, request) -> None:
-        """Validate and submit one request; a bad one gets its error and FINAL at once."""
+        """Validate and submit one request; a bad one is queued for its error and FINAL."""
         received_ns = time.monotonic_ns()
         sender = request.get_response_sender()
         with self.lock:
@@ -177,36 +174,64 @@ class TritonPythonModel:
                 parsed.settings,
                 request_id=request_id,
                 logprobs=_wants_logprobs(parsed),
-                sink=self.events,
+                sink=self.outbox,
             )
-            self.metrics.active.increment(1)
         except Exception as exc:  # noqa: BLE001 - every failure becomes this request's error
             with self.lock:
                 self.live.pop(request_id, None)
-            _send_error(sender, exc)
-            self.metrics.rejected.increment(1)
+            self.outbox.put(_Rejected(sender, exc))
 
-    # ---- responses out -------------------------------------------------------------------------
+    # ---- responses out: the only thread that calls Triton --------------------------------------
 
-    def _send_loop(self) -> None:
-        """Send each token event as a response; the last one of a request carries FINAL."""
-        while (event := self.events.get()) is not None:
-            with self.lock:
-                live = self.live.get(event.request_id)
-            if live is None:
-                continue
+    def _outbox_loop(self) -> None:
+        """Send responses in order; between them, poll cancellation at a bounded rate."""
+        interval = self.settings.cancel_check_s
+        next_check = time.monotonic() + interval
+        while True:
             try:
-                self._send(live, event)
-            except Exception as exc:  # noqa: BLE001 - a send failure ends that stream only
-                log.exception("sending a response of request %s failed", event.request_id)
-                if live.handle is not None:
-                    live.handle.cancel()
-                if event.final:
-                    _send_error(live.sender, exc)
+                item = self.outbox.get(timeout=max(0.0, next_check - time.monotonic()))
+            except queue.Empty:
+                item = _TICK
+            if item is None:
+                break
+            if isinstance(item, _Rejected):
+                _send_error(item.sender, item.error)
+                self.metrics.rejected.increment(1)
+            elif isinstance(item, TokenEvent):
+                self._deliver(item)
+            if time.monotonic() >= next_check:
+                self._poll_cancelled()
+                next_check = time.monotonic() + interval
+
+    def _deliver(self, event: TokenEvent) -> None:
+        """Send one event's response; after a FINAL the request is forgotten."""
+        with self.lock:
+            live = self.live.get(event.request_id)
+        if live is None:
+            return
+        try:
+            self._send(live, event)
+        except Exception as exc:  # noqa: BLE001 - a send failure ends that stream only
+            log.exception("sending a response of request %s failed", event.request_id)
+            if live.handle is not None:
+                live.handle.cancel()
             if event.final:
-                with self.lock:
-                    self.live.pop(event.request_id, None)
-                self.metrics.active.increment(-1)
+                _send_error(live.sender, exc)
+        if event.final:
+            with self.lock:
+                self.live.pop(event.request_id, None)
+                active = len(self.live)
+            self.metrics.active.set(active)
+
+    def _poll_cancelled(self) -> None:
+        """Ask Triton (a round trip each) whether live requests were cancelled by their client."""
+        with self.lock:
+            entries = list(self.live.values())
+        for entry in entries:  # none of these has had its FINAL: only this thread sends them
+            if entry.handle is not None and not entry.handle.cancelled:
+                if entry.sender.is_cancelled():
+                    entry.handle.cancel()
+        self.metrics.active.set(len(entries))
 
     def _send(self, live: _Live, event: TokenEvent) -> None:
         self._observe(live, event)
@@ -237,20 +262,16 @@ class TritonPythonModel:
                 (event.emitted_ns - first) / 1e9 / (event.num_output_tokens - 1)
             )
 
-    # ---- cancellation --------------------------------------------------------------------------
 
-    def _watch_cancel(self) -> None:
-        """Poll is_cancelled() (a round trip to the server) for live requests at a bounded rate."""
-        while not self.stopping.wait(self.settings.cancel_check_s):
-            with self.lock:
-                live = list(self.live.values())
-            for entry in live:
-                if entry.handle is not None and not entry.handle.cancelled:
-                    try:
-                        if entry.sender.is_cancelled():
-                            entry.handle.cancel()
-                    except Exception:  # noqa: BLE001 - the request may have just finished
-                        log.debug("is_cancelled failed", exc_info=True)
+@dataclass(frozen=True)
+class _Rejected:
+    """A request refused in execute(): its error response waits in the outbox."""
+
+    sender: object
+    error: Exception
+
+
+_TICK = object()  # the outbox's "no item, time to poll cancellation"
 
 
 class _Cancelled(StreamingError):
