@@ -289,7 +289,7 @@ def test_metrics_show_our_histograms(triton_server):
 
 def test_sixteen_streams_round_after_round_keep_the_server_alive(triton_server):
     """Rounds of 16 concurrent streams (beyond max_streams: some wait) all complete and the
-    server survives; this load crashed a version calling Triton from several stub threads."""
+    server survives."""
 
     def run(i):
         return _chunks(
@@ -299,7 +299,21 @@ def test_sixteen_streams_round_after_round_keep_the_server_alive(triton_server):
         )
 
     with ThreadPoolExecutor(16) as pool:
-        for _ in range(4):
+        for _ in range(2):
             results = list(pool.map(run, range(16)))
             assert all(sum(c.num_output_tokens for c in r) == 24 for r in results)
+    assert triton_server.returncode is None and triton_server.is_ready()
+
+
+def test_many_short_requests_one_after_another(triton_server):
+    """150 short requests in a row, each on a fresh stream, all finish; the server lives on.
+    A version polling is_cancelled() from a second thread crashed here (SIGSEGV) within ~50."""
+    for i in range(150):
+        chunks = _chunks(
+            triton_server,
+            prompt="hello " * 30,
+            return_timing=True,
+            sampling={"max_tokens": 4, "ignore_eos": True, "seed": i},
+        )
+        assert sum(c.num_output_tokens for c in chunks) == 4, i
     assert triton_server.returncode is None and triton_server.is_ready()
