@@ -432,7 +432,10 @@ async def test_duplicate_id_and_cap(triton_server):
         frames = await collect(ws, {"a", "b", "c"})
     errors = [f for fs in frames.values() for f in fs if f["type"] == "error"]
     # frames of different ids interleave in any order: compare the set of errors
-    assert sorted((e["id"], e["code"]) for e in errors) == [("a", "duplicate_id"), ("c", "too_many")]
+    assert sorted((e["id"], e["code"]) for e in errors) == [
+        ("a", "duplicate_id"),
+        ("c", "too_many"),
+    ]
     assert frames["a"][-1]["type"] == frames["b"][-1]["type"] == "done"
 
 
