@@ -354,6 +354,7 @@ def test_length_groups_bound_padding(tiny_loaded, lengths, groups):
     """Prompts are prefilled shortest first, in groups that waste little compute on padding."""
     from streaming_backend.engine import _Stream, length_groups
 
-    streams = [_Stream(None, [1] * n, SamplingSettings(), False, 0, None, None, None)
-               for n in lengths]
+    streams = [
+        _Stream(None, [1] * n, SamplingSettings(), False, 0, None, None, None) for n in lengths
+    ]
     assert [[len(s.prompt_ids) for s in g] for g in length_groups(streams, 0.25)] == groups
