@@ -15,8 +15,9 @@ the server's own stamps on the same clock:
   over grpc and sse, which carry the stamps on every response.
 The absolute medians against 300 ms and 50 ms get only a loose guard against gross errors (units,
 counting chunks as tokens): the tiny model's own steps stretch under load. Seen on this 2-core
-machine: medians of 302-304 ms TTFT and 51 ms ITL when quiet, up to 354 ms and 127 ms while other
-jobs loaded it, with the bench within 1 ms of the server's ITL every time.
+machine with other jobs running: TTFT medians 312-318 ms (the prefill part 302-308 ms), ITL medians
+53 ms, up to 127 ms when the machine was saturated, with the bench within 1.3 ms of the server's
+own ITL every time.
 """
 
 from __future__ import annotations
