@@ -179,8 +179,18 @@ def test_breakdown_on_one_clock_adds_up_to_ttft():
         "queue": 7,
         "prefill": 290,
         "to_client": 1,
+        "held_back": 0,
     }
     assert sum(b[p] for p in BREAKDOWN_PARTS) == ttft_ns(r)
+
+
+def test_breakdown_splits_off_a_held_back_first_token():
+    """A first token without text (half a character): TTFT waits for text; parts add up."""
+    r = timed_record()
+    r.responses[0].chars = 0  # the 1301 ms response carried a token but no text yet
+    b = ttft_breakdown_ns(r, SAME)
+    assert b["to_client"] == 1 * MS and b["held_back"] == 50 * MS
+    assert ttft_ns(r) == 351 * MS and sum(b.values()) == ttft_ns(r)
 
 
 def test_breakdown_across_clocks_goes_through_wall_time():

@@ -46,14 +46,16 @@ def test_sse_lines():
     assert parse_sse_line(b"\n") is None and parse_sse_line(b": keep-alive\n") is None
 
 
-def test_record_response_keeps_first_content_timing():
-    """Server timing is taken from the first response with text; tokens from the server."""
+def test_record_response_keeps_first_token_timing():
+    """Server timing is the first token's (text or not); token counts come from the server."""
     rec = RequestRecord(index=0, sent_ns=0)
+    record_response(rec, 4, text="", tokens=0, timing=TIMING | {"emitted_ns": 38})
     record_response(rec, 5, text="", tokens=1, timing=TIMING | {"emitted_ns": 39})
     record_response(rec, 6, text="x", tokens=2, timing=TIMING, input_tokens=9)
     record_response(rec, 7, text="y", tokens=1, timing=TIMING | {"emitted_ns": 99})
-    assert rec.server_timing.emitted_ns == 40 and rec.prompt_tokens == 9
-    assert output_tokens(rec) == 4 and [r.emitted_ns for r in rec.responses] == [39, 40, 99]
+    assert rec.server_timing.emitted_ns == 39 and rec.prompt_tokens == 9
+    assert output_tokens(rec) == 4 and [r.emitted_ns for r in rec.responses] == [38, 39, 40, 99]
+    assert ttft_ns(rec) == 6
 
 
 def test_bridge_messages_become_a_timeline():

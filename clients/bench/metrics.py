@@ -24,13 +24,14 @@ NS_PER_S = 1_000_000_000
 OK, ERROR, CANCELLED = "ok", "error", "cancelled"
 
 # The parts of a TTFT, in timeline order; on one clock they add up to the TTFT exactly.
-BREAKDOWN_PARTS = ("to_server", "admission", "queue", "prefill", "to_client")
+BREAKDOWN_PARTS = ("to_server", "admission", "queue", "prefill", "to_client", "held_back")
 BREAKDOWN_HELP = {
     "to_server": "request sent -> server received (network, HTTP/gRPC front end, bridge)",
     "admission": "server received -> queued in the engine (model.py execute)",
     "queue": "queued -> prefill start (waiting for a batch slot)",
     "prefill": "prefill start -> first token emitted (prefill and first sampling step)",
     "to_client": "first token emitted -> client received (sender thread, network, bridge)",
+    "held_back": "first token received -> first text received (part of a character held back)",
 }
 
 
@@ -73,7 +74,7 @@ class RequestRecord:
     index: int
     sent_ns: int = 0
     responses: list[Response] = field(default_factory=list)
-    server_timing: ServerTiming | None = None  # timing of the first response with content
+    server_timing: ServerTiming | None = None  # timing of the first response with a token
     prompt_tokens: int | None = None
     finish_reason: str | None = None
     error: str | None = None
@@ -107,6 +108,11 @@ class ClockMap:
 def first_content(r: RequestRecord) -> Response | None:
     """The first response carrying text, as genai-perf drops empty responses."""
     return next((x for x in r.responses if x.chars > 0), None)
+
+
+def first_token(r: RequestRecord) -> Response | None:
+    """The first response carrying a token, with or without text (falls back to content)."""
+    return next((x for x in r.responses if x.tokens > 0), None) or first_content(r)
 
 
 def ttft_ns(r: RequestRecord) -> int | None:
@@ -145,9 +151,14 @@ def server_itl_ns(r: RequestRecord) -> float | None:
 
 
 def ttft_breakdown_ns(r: RequestRecord, clock: ClockMap) -> dict[str, int] | None:
-    """Split a TTFT into BREAKDOWN_PARTS from the first content response's server timing."""
-    t, first = r.server_timing, first_content(r)
-    if t is None or first is None:
+    """Split a TTFT into BREAKDOWN_PARTS at the server stamps of the first token's response.
+
+    The first token can arrive without text (half a UTF-8 character, held back by the
+    detokeniser); the wait from it to the first text is `held_back`, so the parts still add up
+    to the TTFT, which counts from the first response with text.
+    """
+    t, token, text = r.server_timing, first_token(r), first_content(r)
+    if t is None or token is None or text is None:
         return None
     received = clock.to_client(t.received_ns, t.wall_minus_monotonic_ns)
     emitted = clock.to_client(t.emitted_ns, t.wall_minus_monotonic_ns)
@@ -156,7 +167,8 @@ def ttft_breakdown_ns(r: RequestRecord, clock: ClockMap) -> dict[str, int] | Non
         "admission": t.queued_ns - t.received_ns,
         "queue": t.prefill_start_ns - t.queued_ns,
         "prefill": t.emitted_ns - t.prefill_start_ns,
-        "to_client": first.recv_ns - emitted,
+        "to_client": token.recv_ns - emitted,
+        "held_back": text.recv_ns - token.recv_ns,
     }
 
 

@@ -8,7 +8,7 @@ from clients.bench.metrics import BREAKDOWN_PARTS
 from clients.bench.report import level_label
 
 PERCENTILES = (("p50", "-"), ("p90", "--"), ("p99", ":"))
-PART_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3")
+PART_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")
 
 
 def load_of(run: dict) -> float:

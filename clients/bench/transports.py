@@ -79,7 +79,8 @@ def record_response(
             emitted_ns=None if server is None else server.emitted_ns,
         )
     )
-    if text and rec.server_timing is None:
+    # the stamps of the first token, as the bridge's done.timing.server holds them
+    if (tokens or text) and rec.server_timing is None:
         rec.server_timing = server
     if input_tokens is not None:
         rec.prompt_tokens = int(input_tokens)
