@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,14 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPTS_FILE = REPO_ROOT.parent / "shared" / "prompts" / "chat.jsonl"
 TINY_CONTEXT = 256
+
+
+def wait_for(condition, timeout: float = 20.0) -> None:
+    """Poll a condition another thread or process makes true, up to a deadline."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
 
 
 def chat_prompts() -> list[list[dict[str, str]]]:

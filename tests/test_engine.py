@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
+from conftest import wait_for
 
 from streaming_backend.engine import Engine, EngineConfig
 from streaming_backend.errors import EngineStopped, InvalidRequest, Overloaded
@@ -25,14 +25,6 @@ def engine(tiny_loaded):
 
 def _prompt(loaded, text: str) -> list[int]:
     return encode_prompt(loaded.tokenizer, text=text)
-
-
-def _wait_for(condition, timeout: float = 10.0) -> None:
-    """Poll a condition the engine thread makes true after it sent the last event."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def _first_event(handle):
@@ -168,7 +160,7 @@ def test_cancel_frees_the_slot(tiny_loaded):
         assert tail[-1].finish_reason is FinishReason.CANCELLED
         assert tail[-1].num_output_tokens < 200
         assert list(waiting)[-1].finish_reason is FinishReason.LENGTH
-        _wait_for(lambda: engine.live_streams == 0 and engine._batch is None)
+        wait_for(lambda: engine.live_streams == 0 and engine._batch is None)
 
 
 def test_cancel_while_waiting(tiny_loaded):

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from conftest import wait_for
 
 from clients.grpc_client import GenerateRequest, GenerationError, stream_generate
 from streaming_backend.detokenize import REPLACEMENT
@@ -45,13 +45,6 @@ def _metric(server, name: str) -> float:
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
     values = [float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
     return sum(values)
-
-
-def _wait_for(condition, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def test_one_response_per_token_and_final_on_the_last(triton_server):
@@ -166,7 +159,7 @@ def test_cancel_stops_the_stream_and_frees_its_slot(triton_server):
             cancel.set()
     assert 3 <= len(received) < 200 and not received[-1].final
     assert sum(c.num_output_tokens for c in other.result(timeout=60)) == 60
-    _wait_for(lambda: _metric(triton_server, "tokenstream_active_streams") == baseline)
+    wait_for(lambda: _metric(triton_server, "tokenstream_active_streams") == baseline)
 
 
 @pytest.mark.parametrize(
