@@ -130,6 +130,7 @@ class TritonPythonModel:
         self.live: dict[str, _Live] = {}
         self.lock = threading.Lock()  # guards `live` and `counter` between execute and outbox
         self.counter = 0
+        self.reported_active = 0  # the active-streams gauge's value (set by the outbox only)
         self.outbox_thread = threading.Thread(target=self._outbox_loop, name="outbox", daemon=True)
         self.outbox_thread.start()
 
@@ -209,6 +210,7 @@ class TritonPythonModel:
             live = self.live.get(event.request_id)
         if live is None:
             return
+        self._report_active()  # before the response: a client that sees a token sees it counted
         try:
             self._send(live, event)
         except Exception as exc:  # noqa: BLE001 - a send failure ends that stream only
@@ -220,8 +222,15 @@ class TritonPythonModel:
         if event.final:
             with self.lock:
                 self.live.pop(event.request_id, None)
-                active = len(self.live)
+            self._report_active()
+
+    def _report_active(self) -> None:
+        """Set the active-streams gauge when the number of live requests changed."""
+        with self.lock:
+            active = len(self.live)
+        if active != self.reported_active:
             self.metrics.active.set(active)
+            self.reported_active = active
 
     def _poll_cancelled(self) -> None:
         """Ask Triton (a round trip each) whether live requests were cancelled by their client."""
@@ -231,7 +240,7 @@ class TritonPythonModel:
             if entry.handle is not None and not entry.handle.cancelled:
                 if entry.sender.is_cancelled():
                     entry.handle.cancel()
-        self.metrics.active.set(len(entries))
+        self._report_active()
 
     def _send(self, live: _Live, event: TokenEvent) -> None:
         self._observe(live, event)
