@@ -310,3 +310,23 @@ def test_many_short_requests_one_after_another(triton_server):
         )
         assert sum(c.num_output_tokens for c in chunks) == 4, i
     assert triton_server.returncode is None and triton_server.is_ready()
+
+
+def test_logprobs_and_cumulative_logprob(triton_server):
+    """When asked, each response carries its token's logprob; the cumulative one is their sum."""
+    body = {
+        "text_input": "Hello",
+        "stream": True,
+        "exclude_input_in_output": True,
+        "sampling_parameters": json.dumps(FIXED | {"seed": 3}),
+        "return_logprobs": True,
+        "return_cumulative_logprob": True,
+    }
+    events = _sse(triton_server, body)
+    assert len(events) == 12
+    running = 0.0
+    for event in events:
+        entries = json.loads(event["logprobs"])
+        assert len(entries) == 1 and entries[0]["logprob"] <= 0
+        running += entries[0]["logprob"]
+        assert event["cumulative_logprob"] == pytest.approx(running, rel=1e-4, abs=1e-4)
