@@ -93,7 +93,7 @@ class StreamHandle:
         return "".join(e.text for e in events)
 
 
-@dataclass
+@dataclass(eq=False)  # streams compare by identity (list equality in _emit)
 class _Stream:
     """Engine-thread state of one request."""
 
