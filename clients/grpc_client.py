@@ -24,28 +24,28 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
+# Tensor names (docs/interface.md): one definition, shared with the model's side.
+from streaming_backend.protocol import (
+    EXCLUDE_INPUT_IN_OUTPUT,
+    FINISH_REASON,
+    INPUT_IDS,
+    MESSAGES,
+    NUM_INPUT_TOKENS,
+    NUM_OUTPUT_TOKENS,
+    OUTPUT_IDS,
+    RETURN_FINISH_REASON,
+    RETURN_NUM_INPUT_TOKENS,
+    RETURN_NUM_OUTPUT_TOKENS,
+    RETURN_OUTPUT_IDS,
+    RETURN_TIMING,
+    SAMPLING_PARAMETERS,
+    STREAM,
+    TEXT_INPUT,
+    TEXT_OUTPUT,
+    TIMING,
+)
+
 MODEL_NAME = "chat"
-
-# Input tensor names (docs/interface.md).
-TEXT_INPUT = "text_input"
-MESSAGES = "messages"
-INPUT_IDS = "input_ids"
-STREAM = "stream"
-SAMPLING_PARAMETERS = "sampling_parameters"
-EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
-RETURN_FINISH_REASON = "return_finish_reason"
-RETURN_NUM_INPUT_TOKENS = "return_num_input_tokens"
-RETURN_NUM_OUTPUT_TOKENS = "return_num_output_tokens"
-RETURN_OUTPUT_IDS = "return_output_ids"
-RETURN_TIMING = "return_timing"
-
-# Output tensor names.
-TEXT_OUTPUT = "text_output"
-FINISH_REASON = "finish_reason"
-NUM_INPUT_TOKENS = "num_input_tokens"
-NUM_OUTPUT_TOKENS = "num_output_tokens"
-OUTPUT_IDS = "output_ids"
-TIMING = "timing"
 
 # Request/response parameters of Triton's decoupled streaming protocol.
 ENABLE_EMPTY_FINAL = "triton_enable_empty_final_response"

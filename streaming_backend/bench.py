@@ -15,7 +15,7 @@ import math
 import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -162,7 +162,7 @@ def run_engine(loaded: LoadedModel, prompts: list[list[int]], concurrency: int, 
     )
     streams = []
     with Engine(loaded, EngineConfig(max_streams=max(concurrency, 1))) as engine:
-        list(engine.submit(prompts[0], replace_tokens(settings, 4)))  # warm-up
+        list(engine.submit(prompts[0], replace(settings, max_tokens=4)))  # warm-up
         # At least 6 requests per level, so single-stream percentiles rest on a few samples.
         for _ in range(max(cfg.rounds, math.ceil(6 / concurrency))):
             handles = [
@@ -174,13 +174,6 @@ def run_engine(loaded: LoadedModel, prompts: list[list[int]], concurrency: int, 
                     StreamTimes(events[0].submitted_ns, tuple(e.emitted_ns for e in events))
                 )
     return summarize("engine", str(loaded.dtype).removeprefix("torch."), concurrency, streams)
-
-
-def replace_tokens(settings: SamplingSettings, n: int) -> SamplingSettings:
-    """The same settings with max_tokens = n."""
-    from dataclasses import replace
-
-    return replace(settings, max_tokens=n)
 
 
 def run(cfg: BenchConfig) -> list[LevelResult]:

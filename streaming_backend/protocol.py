@@ -24,14 +24,21 @@ SAMPLING_PARAMETERS = "sampling_parameters"
 EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
 MESSAGES = "messages"
 INPUT_IDS = "input_ids"
+RETURN_FINISH_REASON = "return_finish_reason"
+RETURN_NUM_INPUT_TOKENS = "return_num_input_tokens"
+RETURN_NUM_OUTPUT_TOKENS = "return_num_output_tokens"
+RETURN_LOGPROBS = "return_logprobs"
+RETURN_CUMULATIVE_LOGPROB = "return_cumulative_logprob"
+RETURN_OUTPUT_IDS = "return_output_ids"
+RETURN_TIMING = "return_timing"
 RETURN_FLAGS = (
-    "return_finish_reason",
-    "return_num_input_tokens",
-    "return_num_output_tokens",
-    "return_logprobs",
-    "return_cumulative_logprob",
-    "return_output_ids",
-    "return_timing",
+    RETURN_FINISH_REASON,
+    RETURN_NUM_INPUT_TOKENS,
+    RETURN_NUM_OUTPUT_TOKENS,
+    RETURN_LOGPROBS,
+    RETURN_CUMULATIVE_LOGPROB,
+    RETURN_OUTPUT_IDS,
+    RETURN_TIMING,
 )
 BOOL_INPUTS = (STREAM, EXCLUDE_INPUT_IN_OUTPUT, *RETURN_FLAGS)
 STRING_INPUTS = (TEXT_INPUT, SAMPLING_PARAMETERS, MESSAGES)
@@ -139,7 +146,6 @@ class ResponseBuilder:
     _ids: list[int] = field(default_factory=list)
     _logprobs: list[float] = field(default_factory=list)
     _cumulative: float = 0.0
-    _last_sent: int = 0
 
     def outputs(self, event: TokenEvent) -> dict[str, np.ndarray] | None:
         """Output arrays to send for this event; None while a non-streamed answer accumulates."""
