@@ -24,11 +24,14 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
-# Tensor names (docs/interface.md): one definition, shared with the model's side.
-from streaming_backend.protocol import (
+from streaming_backend.wire import (
+    CHAT_MODEL,
+    ENABLE_EMPTY_FINAL,
     EXCLUDE_INPUT_IN_OUTPUT,
+    FINAL_RESPONSE,
     FINISH_REASON,
     INPUT_IDS,
+    INTERNAL,
     MESSAGES,
     NUM_INPUT_TOKENS,
     NUM_OUTPUT_TOKENS,
@@ -43,21 +46,11 @@ from streaming_backend.protocol import (
     TEXT_INPUT,
     TEXT_OUTPUT,
     TIMING,
+    UNAVAILABLE,
+    error_code,
 )
 
-MODEL_NAME = "chat"
-
-# Request/response parameters of Triton's decoupled streaming protocol.
-ENABLE_EMPTY_FINAL = "triton_enable_empty_final_response"
-FINAL_RESPONSE = "triton_final_response"
-
-# Error categories: the model prefixes its messages with these (docs/interface.md, "Errors").
-ERROR_PREFIXES = {
-    "invalid request": "invalid_request",
-    "overloaded": "overloaded",
-    "cancelled": "cancelled",
-    "internal error": "internal",
-}
+MODEL_NAME = CHAT_MODEL
 
 # gRPC channel: Triton's limits plus a short reconnect backoff, so a client notices a restarted
 # server within about two seconds instead of gRPC's default of up to two minutes.
@@ -73,7 +66,7 @@ CHANNEL_ARGS = [
 class GenerationError(Exception):
     """A generation failed; `code` is a category, the message is the server's own."""
 
-    def __init__(self, message: str, code: str = "error") -> None:
+    def __init__(self, message: str, code: str = INTERNAL.code) -> None:
         super().__init__(message)
         self.message = message
         self.code = code
@@ -170,19 +163,6 @@ def _first_string(result: grpcclient.InferResult, name: str) -> str | None:
 def _first_int(result: grpcclient.InferResult, name: str) -> int | None:
     value = result.as_numpy(name)
     return None if value is None or value.size == 0 else int(value.reshape(-1)[0])
-
-
-def error_code(message: str, status: str | None = None) -> str:
-    """The category of an error from the server's message prefix or the gRPC status."""
-    lowered = message.lower()
-    for prefix, code in ERROR_PREFIXES.items():
-        if lowered.startswith(prefix):
-            return code
-    if status and ("UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status):
-        return "unavailable"
-    if "locally cancelled" in lowered or (status and "CANCELLED" in status):
-        return "cancelled"
-    return "error"
 
 
 def to_generation_error(error: InferenceServerException | grpc.RpcError) -> GenerationError:
@@ -330,7 +310,7 @@ async def _next_chunk(responses) -> Chunk:
     try:
         result, error = await responses.__anext__()
     except StopAsyncIteration:
-        raise GenerationError("stream ended before the final response", "unavailable") from None
+        raise GenerationError("stream ended before the final response", UNAVAILABLE.code) from None
     except grpc.RpcError as exc:
         raise to_generation_error(exc) from None
     received_ns = time.monotonic_ns()

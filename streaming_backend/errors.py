@@ -1,30 +1,46 @@
-"""Errors a request can end with; each maps to one Triton error code at the edge."""
+"""Errors a request can end with; each carries its wire.ErrorKind (message prefix, Triton code)."""
 
 from __future__ import annotations
+
+from streaming_backend import wire
 
 
 class StreamingError(Exception):
     """Base of the errors a single request can fail with."""
 
-    category = "internal error"
+    kind: wire.ErrorKind = wire.INTERNAL
+
+    @property
+    def category(self) -> str:
+        """The message prefix clients read the kind back from."""
+        return self.kind.prefix
 
     def __str__(self) -> str:
-        return f"{self.category}: {super().__str__()}"
+        return f"{self.kind.prefix}: {super().__str__()}"
 
 
 class InvalidRequest(StreamingError):
     """The request itself is wrong (bad settings, empty or too long prompt)."""
 
-    category = "invalid request"
+    kind = wire.INVALID_REQUEST
 
 
 class Overloaded(StreamingError):
     """The admission queue is full; retry later."""
 
-    category = "overloaded"
+    kind = wire.OVERLOADED
 
 
 class EngineStopped(StreamingError):
     """The engine is shut down (or never started) and takes no requests."""
 
-    category = "unavailable"
+    kind = wire.UNAVAILABLE
+
+
+class Cancelled(StreamingError):
+    """The client cancelled the request, or the server ended it."""
+
+    kind = wire.CANCELLED
+
+    def __str__(self) -> str:
+        return self.kind.prefix if not self.args else super().__str__()

@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 from streaming_backend.errors import StreamingError
+from streaming_backend.wire import FinishReason
 
-
-class FinishReason(str, Enum):
-    """Why a stream ended (the strings of Triton's vLLM backend dialect)."""
-
-    STOP = "stop"  # EOS token or a stop string
-    LENGTH = "length"  # max_tokens or the model's context
-    CANCELLED = "cancelled"  # the client cancelled, or the engine shut down
-    ERROR = "error"  # this request failed; `error` says why
+__all__ = ["FinishReason", "TokenEvent"]
 
 
 @dataclass(frozen=True)

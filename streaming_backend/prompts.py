@@ -7,8 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from streaming_backend.errors import InvalidRequest
-
-ROLES = ("system", "user", "assistant", "tool")
+from streaming_backend.wire import INPUT_IDS, MESSAGES, ROLES, TEXT_INPUT
 
 
 def parse_messages(messages: str | bytes | Sequence[Any]) -> list[dict[str, str]]:
@@ -43,7 +42,7 @@ def encode_prompt(
     """Token ids of the prompt given by exactly one of text, messages or input_ids."""
     given = [
         name
-        for name, v in (("text_input", text), ("messages", messages), ("input_ids", input_ids))
+        for name, v in ((TEXT_INPUT, text), (MESSAGES, messages), (INPUT_IDS, input_ids))
         if v is not None
     ]
     if len(given) != 1:

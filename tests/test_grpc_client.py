@@ -144,7 +144,7 @@ def test_parse_result_missing_outputs_are_none():
         ("internal error: boom", None, "internal"),
         ("failed to connect to all addresses", "StatusCode.UNAVAILABLE", "unavailable"),
         ("Locally cancelled by application!", "StatusCode.CANCELLED", "cancelled"),
-        ("something else", None, "error"),
+        ("something else", None, "internal"),
     ],
 )
 def test_error_codes(message, status, code):

@@ -17,12 +17,14 @@ from dataclasses import dataclass
 
 import triton_python_backend_utils as pb_utils
 
+from streaming_backend.adapter.request import ModelRequest, parse_request
+from streaming_backend.adapter.response import ResponseBuilder
 from streaming_backend.engine import Engine, EngineConfig, StreamHandle
-from streaming_backend.errors import EngineStopped, InvalidRequest, Overloaded, StreamingError
+from streaming_backend.errors import Cancelled, StreamingError
 from streaming_backend.events import FinishReason, TokenEvent
 from streaming_backend.loading import load_model
 from streaming_backend.prompts import encode_prompt
-from streaming_backend.protocol import INPUT_NAMES, ModelRequest, ResponseBuilder, parse_request
+from streaming_backend.wire import INPUT_NAMES, RETURN_CUMULATIVE_LOGPROB, RETURN_LOGPROBS
 
 log = logging.getLogger("tokenstream.model")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -245,7 +247,7 @@ class TritonPythonModel:
     def _send(self, live: _Live, event: TokenEvent) -> None:
         self._observe(live, event)
         if event.error is not None or event.finish_reason is FinishReason.CANCELLED:
-            _send_error(live.sender, event.error or _Cancelled())
+            _send_error(live.sender, event.error or Cancelled())
             return
         outputs = live.builder.outputs(event)
         if outputs is None:
@@ -283,13 +285,6 @@ class _Rejected:
 _TICK = object()  # the outbox's "no item, time to poll cancellation"
 
 
-class _Cancelled(StreamingError):
-    category = "cancelled"
-
-    def __str__(self) -> str:
-        return "cancelled"
-
-
 def _copy_inputs(request) -> dict:
     """Copy every input out of Triton's memory (released when execute returns)."""
     arrays = {}
@@ -308,17 +303,13 @@ def _prompt_text(parsed: ModelRequest, prompt_ids, tokenizer) -> str:
 
 
 def _wants_logprobs(parsed: ModelRequest) -> bool:
-    return parsed.wants("logprobs") or parsed.wants("cumulative_logprob")
+    return parsed.wants(RETURN_LOGPROBS) or parsed.wants(RETURN_CUMULATIVE_LOGPROB)
 
 
 def _error_code(exc: Exception):
-    if isinstance(exc, InvalidRequest):
-        return pb_utils.TritonError.INVALID_ARG
-    if isinstance(exc, (Overloaded, EngineStopped)):
-        return pb_utils.TritonError.UNAVAILABLE
-    if isinstance(exc, _Cancelled):
-        return pb_utils.TritonError.CANCELLED
-    return pb_utils.TritonError.INTERNAL
+    """The Triton error code of an exception (wire.ErrorKind names it)."""
+    kind = exc.kind.triton_code if isinstance(exc, StreamingError) else "INTERNAL"
+    return getattr(pb_utils.TritonError, kind)
 
 
 def _send_error(sender, exc: Exception) -> None:

@@ -1,0 +1,174 @@
+"""The wire contract: every name and code a request or response carries between a client and the
+`chat` model, defined once. Standard library only, so the clients, the bridge, the benchmark and
+the model all import it without paying for torch (docs/interface.md documents the same facts).
+
+Nothing else in the project spells a tensor name, a sampling key, a timing key, a finish reason
+or an error category: tests/test_layout.py checks that.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from enum import Enum
+
+CHAT_MODEL = "chat"  # the decoupled streaming model's name in repository/
+
+# ---- input tensors (the vLLM backend's dialect, then ours) --------------------------------------
+TEXT_INPUT = "text_input"  # STRING [1]: a raw prompt
+STREAM = "stream"  # BOOL [1]: false (default) = one response holding the whole answer
+SAMPLING_PARAMETERS = "sampling_parameters"  # STRING [1]: a JSON object of SAMPLING_KEYS
+EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"  # BOOL [1]
+MESSAGES = "messages"  # STRING [1]: chat messages as JSON (ours)
+INPUT_IDS = "input_ids"  # INT64 [-1]: prompt token ids (ours)
+RETURN_FINISH_REASON = "return_finish_reason"
+RETURN_NUM_INPUT_TOKENS = "return_num_input_tokens"
+RETURN_NUM_OUTPUT_TOKENS = "return_num_output_tokens"
+RETURN_LOGPROBS = "return_logprobs"
+RETURN_CUMULATIVE_LOGPROB = "return_cumulative_logprob"
+RETURN_OUTPUT_IDS = "return_output_ids"  # ours
+RETURN_TIMING = "return_timing"  # ours: server timestamps per response (TIMING)
+RETURN_FLAGS = (
+    RETURN_FINISH_REASON,
+    RETURN_NUM_INPUT_TOKENS,
+    RETURN_NUM_OUTPUT_TOKENS,
+    RETURN_LOGPROBS,
+    RETURN_CUMULATIVE_LOGPROB,
+    RETURN_OUTPUT_IDS,
+    RETURN_TIMING,
+)
+BOOL_INPUTS = (STREAM, EXCLUDE_INPUT_IN_OUTPUT, *RETURN_FLAGS)
+STRING_INPUTS = (TEXT_INPUT, SAMPLING_PARAMETERS, MESSAGES)
+PROMPT_INPUTS = (TEXT_INPUT, MESSAGES, INPUT_IDS)  # exactly one of these per request
+INPUT_NAMES = (*STRING_INPUTS, INPUT_IDS, *BOOL_INPUTS)
+
+# ---- output tensors -----------------------------------------------------------------------------
+TEXT_OUTPUT = "text_output"  # STRING: the new text (a delta when streaming)
+FINISH_REASON = "finish_reason"  # STRING: a FinishReason value, on the last response
+NUM_INPUT_TOKENS = "num_input_tokens"  # UINT32
+NUM_OUTPUT_TOKENS = "num_output_tokens"  # UINT32: tokens in this response (not a running total)
+LOGPROBS = "logprobs"  # STRING: JSON [{"token_id", "logprob"}]
+CUMULATIVE_LOGPROB = "cumulative_logprob"  # FP32
+OUTPUT_IDS = "output_ids"  # INT64: token ids of this response
+TIMING = "timing"  # STRING: ServerTiming as JSON
+OUTPUT_NAMES = (
+    TEXT_OUTPUT,
+    FINISH_REASON,
+    NUM_INPUT_TOKENS,
+    NUM_OUTPUT_TOKENS,
+    LOGPROBS,
+    CUMULATIVE_LOGPROB,
+    OUTPUT_IDS,
+    TIMING,
+)
+
+# ---- Triton's decoupled streaming parameters ----------------------------------------------------
+ENABLE_EMPTY_FINAL = "triton_enable_empty_final_response"  # request parameter
+FINAL_RESPONSE = "triton_final_response"  # response parameter: this response carries FINAL
+
+# ---- sampling_parameters keys (streaming_backend.settings.SamplingSettings has these fields) ----
+TEMPERATURE = "temperature"
+TOP_P = "top_p"
+TOP_K = "top_k"
+REPETITION_PENALTY = "repetition_penalty"
+MAX_TOKENS = "max_tokens"
+MIN_TOKENS = "min_tokens"
+SEED = "seed"
+STOP = "stop"
+IGNORE_EOS = "ignore_eos"
+SAMPLING_KEYS = (
+    TEMPERATURE,
+    TOP_P,
+    TOP_K,
+    REPETITION_PENALTY,
+    MAX_TOKENS,
+    MIN_TOKENS,
+    SEED,
+    STOP,
+    IGNORE_EOS,
+)
+
+# ---- chat messages ------------------------------------------------------------------------------
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class FinishReason(str, Enum):
+    """Why a stream ended (the strings of Triton's vLLM backend dialect)."""
+
+    STOP = "stop"  # EOS token or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    CANCELLED = "cancelled"  # the client cancelled, or the engine shut down
+    ERROR = "error"  # this request failed; the error says why
+
+
+# ---- errors -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ErrorKind:
+    """One error category: the model's message prefix, the code clients see, the Triton code."""
+
+    prefix: str  # the model's messages start with "<prefix>: "
+    code: str  # what clients, the bridge and the benchmark call it
+    triton_code: str  # the name of the pb_utils.TritonError code it is sent with
+
+
+INVALID_REQUEST = ErrorKind("invalid request", "invalid_request", "INVALID_ARG")
+OVERLOADED = ErrorKind("overloaded", "overloaded", "UNAVAILABLE")
+UNAVAILABLE = ErrorKind("unavailable", "unavailable", "UNAVAILABLE")
+CANCELLED = ErrorKind("cancelled", "cancelled", "CANCELLED")
+INTERNAL = ErrorKind("internal error", "internal", "INTERNAL")
+ERROR_KINDS = (INVALID_REQUEST, OVERLOADED, UNAVAILABLE, CANCELLED, INTERNAL)
+ERROR_CODES = tuple(kind.code for kind in ERROR_KINDS)
+
+
+def error_code(message: str, status: str | None = None) -> str:
+    """A client's reading of an error: the category from the message prefix or the RPC status."""
+    lowered = message.lower()
+    for kind in ERROR_KINDS:
+        if lowered.startswith(kind.prefix):
+            return kind.code
+    status = status or ""
+    if "UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status:
+        return UNAVAILABLE.code
+    if "locally cancelled" in lowered or "CANCELLED" in status:
+        return CANCELLED.code
+    return INTERNAL.code
+
+
+# ---- server timing ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ServerTiming:
+    """Server timestamps of one response, CLOCK_MONOTONIC ns of the server's machine."""
+
+    received_ns: int  # execute() saw the request
+    queued_ns: int  # the engine queued it
+    prefill_start_ns: int  # its prefill started (0 before it did)
+    emitted_ns: int  # this response's token existed
+    wall_minus_monotonic_ns: int = 0  # maps the stamps onto wall time (clients on other hosts)
+
+    def to_json(self) -> str:
+        """The TIMING tensor's text."""
+        return json.dumps({"clock": "monotonic", **asdict(self)})
+
+    @classmethod
+    def from_json(cls, value: str | bytes | Mapping | None) -> ServerTiming | None:
+        """Parse the TIMING tensor's text (or its decoded object); None when absent."""
+        if value is None or value == "" or value == b"":
+            return None
+        d = json.loads(value) if isinstance(value, (str, bytes)) else value
+        return cls(
+            received_ns=int(d["received_ns"]),
+            queued_ns=int(d["queued_ns"]),
+            prefill_start_ns=int(d["prefill_start_ns"]),
+            emitted_ns=int(d["emitted_ns"]),
+            wall_minus_monotonic_ns=int(d.get("wall_minus_monotonic_ns", 0)),
+        )
+
+    @staticmethod
+    def wall_offset_ns() -> int:
+        """This machine's wall clock minus its monotonic clock, now."""
+        return time.time_ns() - time.monotonic_ns()
+
+
+TIMING_KEYS = tuple(ServerTiming.__dataclass_fields__)
