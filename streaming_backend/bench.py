@@ -22,11 +22,8 @@ import torch
 
 from streaming_backend.engine import Engine, EngineConfig
 from streaming_backend.loading import LoadedModel, load_model
-from streaming_backend.prompts import encode_prompt
+from streaming_backend.prompts import encode_prompt, load_chat_prompts
 from streaming_backend.settings import SamplingSettings
-
-PROMPTS_FILE = Path(__file__).resolve().parents[2] / "shared" / "prompts" / "chat.jsonl"
-FALLBACK_PROMPT = [{"role": "user", "content": "Explain what a KV cache is in one paragraph."}]
 
 
 @dataclass(frozen=True)
@@ -98,11 +95,8 @@ def summarize(system: str, dtype: str, concurrency: int, streams: list[StreamTim
 
 
 def load_prompts() -> list[list[dict[str, str]]]:
-    """The shared chat prompts, or one built-in prompt when the file is absent."""
-    if not PROMPTS_FILE.is_file():
-        return [FALLBACK_PROMPT]
-    lines = PROMPTS_FILE.read_text(encoding="utf-8").splitlines()
-    return [json.loads(line)["messages"] for line in lines if line.strip()]
+    """The chat prompts shipped in the package."""
+    return load_chat_prompts()
 
 
 def run_baseline(loaded: LoadedModel, prompts: list[list[int]], cfg: BenchConfig):

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from streaming_backend.errors import InvalidRequest
 from streaming_backend.wire import INPUT_IDS, MESSAGES, ROLES, TEXT_INPUT
+
+# Chat prompts shipped with the package (English, Chinese, emoji, multi-turn, a system prompt):
+# the default workload of the benchmarks and the tests' real-text prompts.
+DEFAULT_PROMPTS_FILE = Path(__file__).resolve().parent / "data" / "chat_prompts.jsonl"
 
 
 def parse_messages(messages: str | bytes | Sequence[Any]) -> list[dict[str, str]]:
@@ -73,3 +78,9 @@ def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
         raise InvalidRequest(f"the chat template rejected these messages: {exc}") from None
     # The template already holds the special tokens it wants.
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def load_chat_prompts(path: Path | None = None) -> list[list[dict[str, str]]]:
+    """The chat conversations of a JSONL file ({"messages": [...]} per line); default: ours."""
+    lines = (path or DEFAULT_PROMPTS_FILE).read_text(encoding="utf-8").splitlines()
+    return [parse_messages(json.loads(line)[MESSAGES]) for line in lines if line.strip()]

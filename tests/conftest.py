@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PROMPTS_FILE = REPO_ROOT.parent / "shared" / "prompts" / "chat.jsonl"
 TINY_CONTEXT = 256
 
 
@@ -22,9 +20,10 @@ def wait_for(condition, timeout: float = 20.0) -> None:
 
 
 def chat_prompts() -> list[list[dict[str, str]]]:
-    """The shared chat prompts (English, Chinese, emoji, multi-turn)."""
-    lines = PROMPTS_FILE.read_text(encoding="utf-8").splitlines()
-    return [json.loads(line)["messages"] for line in lines if line.strip()]
+    """The chat prompts shipped in the package (English, Chinese, emoji, multi-turn)."""
+    from streaming_backend.prompts import load_chat_prompts
+
+    return load_chat_prompts()
 
 
 @pytest.fixture(scope="session")

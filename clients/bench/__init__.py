@@ -218,7 +218,7 @@ def clock_map(cfg: BenchConfig, endpoint: str) -> ClockMap:
 
 
 def workload_prompts(cfg: BenchConfig) -> list[Prompt]:
-    """Synthetic prompts when asked, else the JSONL file (default: the shared chat prompts)."""
+    """Synthetic prompts when asked, else the JSONL file (default: the shipped chats)."""
     if cfg.synthetic_input_tokens:
         return synthetic_prompts(cfg.synthetic_input_tokens, 64, cfg.seed)
     if cfg.prompts is not None:

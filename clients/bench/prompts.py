@@ -9,9 +9,6 @@ from pathlib import Path
 
 from clients.bench.transports import Prompt
 
-# <repo>/../shared/prompts/chat.jsonl: the project's shared chat prompts, beside the checkout.
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[2].parent / "shared" / "prompts" / "chat.jsonl"
-
 # Common English words that are one token each (with their leading space) in BPE vocabularies
 # such as SmolLM2's and Llama's, so N words make a prompt of about N tokens. The server reports
 # the exact count (num_input_tokens), which the benchmark records.
