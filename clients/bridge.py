@@ -35,10 +35,10 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
+from clients.chunk import Chunk
 from clients.grpc_client import (
     MODEL_NAME,
     AsyncChatClient,
-    Chunk,
     GenerateRequest,
     GenerationError,
 )

@@ -17,7 +17,8 @@ from typing import Any, TextIO
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from clients.grpc_client import MODEL_NAME, Chunk, GenerateRequest, GenerationError, stream_generate
+from clients.chunk import Chunk
+from clients.grpc_client import MODEL_NAME, GenerateRequest, GenerationError, stream_generate
 
 PROMPT = "you> "
 

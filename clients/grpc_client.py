@@ -24,6 +24,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
+from clients.chunk import Chunk
 from streaming_backend.wire import (
     CHAT_MODEL,
     ENABLE_EMPTY_FINAL,
@@ -98,21 +99,6 @@ class GenerateRequest:
         if self.input_ids is not None:
             object.__setattr__(self, "input_ids", tuple(int(t) for t in self.input_ids))
         object.__setattr__(self, "sampling", dict(self.sampling))
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One response of a generation, as the client received it."""
-
-    text: str
-    num_output_tokens: int | None
-    num_input_tokens: int | None
-    output_ids: tuple[int, ...] | None
-    finish_reason: str | None
-    timing: Mapping[str, int] | None
-    final: bool
-    request_id: str
-    received_ns: int  # time.monotonic_ns() when the response reached this process
 
 
 def _tensor(name: str, value: np.ndarray, datatype: str) -> grpcclient.InferInput:

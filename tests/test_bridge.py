@@ -18,7 +18,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from clients import bridge as br
-from clients.grpc_client import Chunk
+from clients.chunk import Chunk
 
 # ---------------------------------------------------------------- protocol values
 

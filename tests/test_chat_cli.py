@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from clients import chat
-from clients.grpc_client import Chunk, GenerationError
+from clients.chunk import Chunk
+from clients.grpc_client import GenerationError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clients.bench.transports import Prompt
+from streaming_backend.prompts import DEFAULT_PROMPTS_FILE
+
+DEFAULT_PROMPTS = DEFAULT_PROMPTS_FILE  # the chats shipped in the package
 
 # Common English words that are one token each (with their leading space) in BPE vocabularies
 # such as SmolLM2's and Llama's, so N words make a prompt of about N tokens. The server reports
