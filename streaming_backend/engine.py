@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from streaming_backend import kvcache, sampling
+from streaming_backend.config import EngineConfig
 from streaming_backend.detokenize import IncrementalDetokenizer
 from streaming_backend.errors import EngineStopped, InvalidRequest, Overloaded, StreamingError
 from streaming_backend.events import FinishReason, TokenEvent
@@ -35,27 +36,6 @@ class EventSink(Protocol):
     """Where a stream's events go: anything with `put`, such as a queue.Queue."""
 
     def put(self, event: TokenEvent) -> None: ...
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine limits and defaults."""
-
-    max_streams: int = 32  # live streams stepped together
-    queue_limit: int = 256  # submitted requests waiting for a slot; beyond it: Overloaded
-    max_prefill_tokens: int = 4096  # prompt tokens admitted for prefill in one engine step
-    # Admitted prompts are prefilled in groups of similar length: a group is cut where left
-    # padding would exceed this fraction of its real tokens (padding is wasted compute).
-    max_padding: float = 0.25
-    default_max_tokens: int = 512  # when a request names no max_tokens (bounded by the context)
-    # Test-only, for benchmark calibration: the first token exists exactly this long after its
-    # prefill starts, each next token this long after the previous step (when compute is faster).
-    test_first_token_delay_s: float = 0.0
-    test_token_delay_s: float = 0.0
-
-    def __post_init__(self):
-        if self.max_streams < 1 or self.queue_limit < 0 or self.max_prefill_tokens < 1:
-            raise ValueError(f"invalid engine limits: {self}")
 
 
 class StreamHandle:

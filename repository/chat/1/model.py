@@ -19,7 +19,8 @@ import triton_python_backend_utils as pb_utils
 
 from streaming_backend.adapter.request import ModelRequest, parse_request
 from streaming_backend.adapter.response import ResponseBuilder
-from streaming_backend.engine import Engine, EngineConfig, StreamHandle
+from streaming_backend.config import ModelSettings
+from streaming_backend.engine import Engine, StreamHandle
 from streaming_backend.errors import Cancelled, StreamingError
 from streaming_backend.events import FinishReason, TokenEvent
 from streaming_backend.loading import load_model
@@ -30,33 +31,6 @@ log = logging.getLogger("tokenstream.model")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0]
 ITL_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5]
-
-
-@dataclass(frozen=True)
-class ModelSettings:
-    """The chat model's config.pbtxt `parameters`, typed."""
-
-    model: str | None
-    dtype: str
-    engine: EngineConfig
-    cancel_check_s: float
-
-    @classmethod
-    def from_config(cls, config: dict) -> ModelSettings:
-        """Read the string parameters of the model config."""
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        return cls(
-            model=params.get("model") or None,
-            dtype=params.get("dtype", "auto"),
-            engine=EngineConfig(
-                max_streams=int(params.get("max_streams", 32)),
-                queue_limit=int(params.get("queue_limit", 256)),
-                default_max_tokens=int(params.get("default_max_tokens", 512)),
-                test_first_token_delay_s=float(params.get("test_first_token_delay_ms", 0)) / 1e3,
-                test_token_delay_s=float(params.get("test_token_delay_ms", 0)) / 1e3,
-            ),
-            cancel_check_s=float(params.get("cancel_check_ms", 40)) / 1e3,
-        )
 
 
 @dataclass

@@ -1,0 +1,331 @@
+"""One tritonserver process on a runtime copy of a model repository, with a bounded stop().
+
+Shutdown is owned here because a python-backend server can hang for its whole exit timeout and
+leave its `triton_python_backend_stub` children and a /dev/shm region behind: stop() ends with
+SIGKILL for the server's process group and every recorded descendant, deletes the shared-memory
+files of its own unique prefix, and returns within 15 seconds.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from streaming_backend.config import ModelSettings
+from streaming_backend.launcher.binary import TritonBinary, find_tritonserver
+from streaming_backend.launcher.processes import (
+    descendants,
+    is_alive,
+    kill_processes,
+    parent_death_prefix,
+    remove_shm,
+    wait_gone,
+)
+from streaming_backend.launcher.repository import make_runtime_repository
+from streaming_backend.paths import default_repository
+
+DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+LOG_TAIL_LINES = 200
+ERROR_TAIL_LINES = 40
+MAX_EXIT_TIMEOUT_S = 10.0  # stop() adds at most ~4 s to this; the whole stop stays under 15 s
+READY_POLL_S = 0.2
+MODEL_DEFAULTS = ModelSettings()
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything needed to start one tritonserver on a model repository."""
+
+    repository: Path = field(default_factory=default_repository)
+    model: str | None = None  # HF directory, GGUF file or hub id; None: the model's default
+    dtype: str = MODEL_DEFAULTS.dtype  # always set: a repository of your own may say otherwise
+    max_streams: int | None = None
+    queue_limit: int | None = None
+    model_parameters: Mapping[str, str] = field(default_factory=dict)  # extra config.pbtxt keys
+    host: str = "127.0.0.1"
+    http_port: int = DEFAULT_PORTS["http"]
+    grpc_port: int = DEFAULT_PORTS["grpc"]
+    metrics_port: int = DEFAULT_PORTS["metrics"]
+    log_level: int = 0  # tritonserver --log-verbose
+    exit_timeout_s: float = 5.0
+    startup_timeout_s: float = 300.0
+    tritonserver: Path | None = None  # explicit binary; None: find_tritonserver()
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.exit_timeout_s <= MAX_EXIT_TIMEOUT_S:
+            raise ValueError(f"exit_timeout_s must be within 0..{MAX_EXIT_TIMEOUT_S:g} s")
+        if self.startup_timeout_s <= 0:
+            raise ValueError("startup_timeout_s must be positive")
+
+    def parameters(self) -> dict[str, str]:
+        """The config.pbtxt `parameters` this config sets on the models."""
+        settings = {"model": self.model, "dtype": self.dtype}
+        settings |= {"max_streams": self.max_streams, "queue_limit": self.queue_limit}
+        chosen = {key: str(value) for key, value in settings.items() if value is not None}
+        return chosen | {key: str(value) for key, value in self.model_parameters.items()}
+
+
+def client_host(host: str) -> str:
+    """The address a local client connects to for a server bound to `host`."""
+    if host in ("", "0.0.0.0", "localhost"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+class ServerDied(RuntimeError):
+    """tritonserver exited while we waited for it; the message holds its last log lines."""
+
+
+class TritonServer:
+    """One tritonserver process on a runtime copy of a repository, with a bounded stop()."""
+
+    def __init__(
+        self,
+        config: ServerConfig | None = None,
+        on_log: Callable[[str], None] | None = lambda line: print(line, flush=True),
+    ) -> None:
+        """`on_log` gets each server log line (default: our stdout); None keeps only the tail."""
+        self.config = config or ServerConfig()
+        self.shm_prefix = f"tokenstream_{os.getpid()}_{secrets.token_hex(4)}"
+        self._on_log = on_log
+        self._tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+        self._process: subprocess.Popen[str] | None = None
+        self._reader: threading.Thread | None = None
+        self._runtime_repository: Path | None = None
+        self._stopped = False
+        self.killed: list[int] = []  # pids stop() had to SIGKILL: a hung server or its stubs
+
+    # ----- addresses and state
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the HTTP/REST endpoint, e.g. http://127.0.0.1:8000."""
+        return f"http://{client_host(self.config.host)}:{self.config.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        """host:port of the gRPC endpoint, as tritonclient.grpc expects it."""
+        return f"{client_host(self.config.host)}:{self.config.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        """URL of the Prometheus metrics page."""
+        return f"http://{client_host(self.config.host)}:{self.config.metrics_port}/metrics"
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of tritonserver, None before start()."""
+        return self._process.pid if self._process else None
+
+    @property
+    def returncode(self) -> int | None:
+        """Exit status of tritonserver, None while it runs (or before start())."""
+        return self._process.poll() if self._process else None
+
+    @property
+    def log_lines(self) -> list[str]:
+        """The last log lines of the server (at most LOG_TAIL_LINES)."""
+        return list(self._tail)
+
+    @property
+    def runtime_repository(self) -> Path | None:
+        """The patched temp copy of the repository the server runs on."""
+        return self._runtime_repository
+
+    # ----- lifecycle
+
+    def start(self) -> TritonServer:
+        """Launch tritonserver in its own session; returns at once (see wait_ready)."""
+        if self._process is not None or self._stopped:
+            raise RuntimeError("a TritonServer starts once; make a new one")
+        binary = find_tritonserver(self.config.tritonserver)
+        self._runtime_repository = make_runtime_repository(
+            self.config.repository, self.config.parameters()
+        )
+        try:
+            # a new session: Ctrl-C in a terminal does not reach the server behind our back, and
+            # its stub children share one process group that stop() can kill as a whole
+            self._process = subprocess.Popen(
+                self.command(binary),
+                env={**os.environ, **binary.env},
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                encoding="utf-8",
+                errors="replace",
+                start_new_session=True,
+            )
+        except BaseException:
+            self._remove_runtime_repository()
+            raise
+        self._reader = threading.Thread(target=self._read_log, name="tritonserver-log", daemon=True)
+        self._reader.start()
+        return self
+
+    def command(self, binary: TritonBinary) -> list[str]:
+        """The tritonserver command line for this config."""
+        c = self.config
+        return parent_death_prefix() + [
+            str(binary.binary),
+            f"--model-repository={self._runtime_repository}",
+            f"--backend-directory={binary.backend_dir}",
+            f"--http-address={c.host}",
+            f"--grpc-address={c.host}",
+            f"--metrics-address={c.host}",
+            f"--http-port={c.http_port}",
+            f"--grpc-port={c.grpc_port}",
+            f"--metrics-port={c.metrics_port}",
+            f"--exit-timeout-secs={math.ceil(c.exit_timeout_s)}",
+            f"--log-verbose={c.log_level}",
+            # our own shm name prefix, so stop() deletes exactly this server's regions
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+        ]
+
+    def wait_ready(
+        self, timeout: float | None = None, abort: threading.Event | None = None
+    ) -> bool:
+        """Poll /v2/health/ready: True when ready, False if `abort` was set first.
+
+        Raises ServerDied if the process exits and TimeoutError after `timeout` seconds.
+        """
+        if self._process is None:
+            raise RuntimeError("start() the server first")
+        timeout = self.config.startup_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        abort = abort or threading.Event()
+        while not abort.is_set():
+            if self._process.poll() is not None:
+                raise self._died("before it was ready")
+            if self.is_ready():
+                return True
+            if time.monotonic() >= deadline:
+                tail = self._tail_text()
+                raise TimeoutError(f"tritonserver not ready after {timeout:g} s. Last log:\n{tail}")
+            abort.wait(READY_POLL_S)
+        return False
+
+    def is_ready(self) -> bool:
+        """One GET /v2/health/ready: True on 200."""
+        # no proxies: a proxy from the environment must not answer for our loopback server
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            with opener.open(f"{self.http_url}/v2/health/ready", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False  # not listening yet, or 400 while models load
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Wait for tritonserver to exit; its exit status, or None on timeout."""
+        if self._process is None:
+            raise RuntimeError("start() the server first")
+        try:
+            return self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def died_error(self) -> ServerDied:
+        """A ServerDied describing the exit, with the last log lines."""
+        return self._died("unexpectedly")
+
+    def stop(self) -> float:
+        """Stop the server, its stubs, its shm files and its repository copy; seconds taken.
+
+        SIGTERM, up to exit_timeout_s + 1 s for a clean exit, then SIGKILL the process group and
+        every recorded descendant. Idempotent; bounded to about exit_timeout_s + 4 s.
+        """
+        if self._stopped:
+            return 0.0
+        self._stopped = True
+        started = time.monotonic()
+        try:
+            if self._process is not None:
+                self._terminate(self._process)
+        finally:
+            remove_shm(self.shm_prefix)
+            self._remove_runtime_repository()
+        return time.monotonic() - started
+
+    def _terminate(self, process: subprocess.Popen[str]) -> None:
+        """SIGTERM, bounded wait, SIGKILL what is left, reap."""
+        # record the tree now: once the server dies its children are reparented and lost to us
+        family = descendants(process.pid)
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(self.config.exit_timeout_s + 1.0)
+            except subprocess.TimeoutExpired:
+                family |= descendants(process.pid)
+        self.killed = [pid for pid, start in family.items() if is_alive(pid, start)]
+        if process.poll() is None:
+            self.killed.insert(0, process.pid)
+        try:
+            # the group outlives its leader, and Linux never reuses the id while it exists
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # the whole group is gone already
+        kill_processes(family)
+        process.wait()
+        wait_gone(family, timeout=2.0)
+        if self._reader is not None:
+            self._reader.join(timeout=1.0)
+        if process.stdout is not None:
+            process.stdout.close()
+
+    def _read_log(self) -> None:
+        """Keep the log tail and forward lines to on_log (runs in the reader thread)."""
+        assert self._process is not None and self._process.stdout is not None
+        forward = self._on_log
+        for raw in self._process.stdout:
+            line = raw.rstrip("\n")
+            self._tail.append(line)
+            if forward is None:
+                continue
+            try:
+                forward(line)
+            except Exception as error:  # e.g. a closed stdout: keep draining, or Triton blocks
+                print(f"tokenstream: no longer forwarding Triton's log: {error}", file=sys.stderr)
+                forward = None
+
+    def _died(self, when: str) -> ServerDied:
+        """A ServerDied for an exit `when`, after the reader has caught up with the log."""
+        if self._reader is not None:
+            self._reader.join(timeout=2.0)  # stub children may hold the pipe open: bounded
+        code = self.returncode
+        return ServerDied(
+            f"tritonserver exited {when} (status {code}). Last log:\n{self._tail_text()}"
+        )
+
+    def _tail_text(self) -> str:
+        return "\n".join(list(self._tail)[-ERROR_TAIL_LINES:])
+
+    def _remove_runtime_repository(self) -> None:
+        if self._runtime_repository is not None:
+            shutil.rmtree(self._runtime_repository, ignore_errors=True)
+
+    def __enter__(self) -> TritonServer:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

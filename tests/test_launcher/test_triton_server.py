@@ -1,0 +1,141 @@
+"""Tests for streaming_backend/launcher/server.py: a real tritonserver on a tiny echo model."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import alive, shm_files, write_echo_model
+
+from streaming_backend.config import ModelSettings, default_parameters
+from streaming_backend.launcher import ServerConfig, ServerDied, TritonServer, free_port
+from streaming_backend.launcher.processes import descendants
+
+STOP_LIMIT_S = 15.0
+
+
+def loopback_config(repository: Path, **overrides: object) -> ServerConfig:
+    """A ServerConfig on free loopback ports."""
+    ports = {"http_port": free_port(), "grpc_port": free_port(), "metrics_port": free_port()}
+    return ServerConfig(repository=repository, **(ports | overrides))
+
+
+def stream(server: TritonServer, model: str, text: str) -> list[dict]:
+    """POST generate_stream and return the SSE events as dicts."""
+    body = json.dumps({"text_input": text}).encode()
+    url = f"{server.http_url}/v2/models/{model}/generate_stream"
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        lines = response.read().decode().splitlines()
+    return [json.loads(line[len("data: ") :]) for line in lines if line.startswith("data: ")]
+
+
+@pytest.fixture
+def running_server(echo_repository: Path):
+    """A ready server on the echo model whose suffix is patched to "?"."""
+    server = TritonServer(loopback_config(echo_repository, model_parameters={"suffix": "?"}))
+    try:
+        server.start()
+        server.wait_ready(timeout=120)
+        yield server
+    finally:
+        server.stop()
+
+
+# --------------------------------------------------------------------------- no server
+
+
+def test_config_parameters_skip_unset_and_add_extras() -> None:
+    """Unset settings are left to the model's config; extra parameters are added as strings."""
+    config = ServerConfig(max_streams=8, model_parameters={"test_first_token_delay_ms": "50"})
+    assert config.parameters() == {
+        "dtype": "auto",
+        "max_streams": "8",
+        "test_first_token_delay_ms": "50",
+    }
+
+
+def test_config_sets_only_parameters_the_model_knows() -> None:
+    """Every setting ServerConfig names is a parameter of streaming_backend.config."""
+    config = ServerConfig(model="m", dtype="float32", max_streams=2, queue_limit=3)
+    assert config.parameters().keys() <= default_parameters().keys()
+    assert ServerConfig().dtype == ModelSettings().dtype
+
+
+def test_config_rejects_an_exit_timeout_that_breaks_the_stop_bound() -> None:
+    """An exit timeout that would push stop() past 15 s is refused up front."""
+    with pytest.raises(ValueError, match="exit_timeout_s"):
+        ServerConfig(exit_timeout_s=60)
+
+
+def test_repository_defaults_to_the_checkout_or_the_variable(monkeypatch, tmp_path: Path) -> None:
+    """The checkout's repository/ by default; $TOKENSTREAM_REPOSITORY (installed copies) wins."""
+    monkeypatch.delenv("TOKENSTREAM_REPOSITORY", raising=False)
+    checkout = Path(__file__).resolve().parents[2]
+    assert ServerConfig().repository == checkout / "repository"
+    monkeypatch.setenv("TOKENSTREAM_REPOSITORY", str(tmp_path))
+    assert ServerConfig().repository == tmp_path
+
+
+# --------------------------------------------------------------------------- real server
+
+
+@pytest.mark.server
+def test_server_is_ready_on_loopback_and_streams(running_server: TritonServer) -> None:
+    """The server answers on loopback ports; the patched parameter reaches the model."""
+    assert running_server.http_url.startswith("http://127.0.0.1:")
+    assert running_server.grpc_url.startswith("127.0.0.1:")
+    assert running_server.metrics_url.endswith("/metrics")
+    events = stream(running_server, "echo", "hi")
+    assert [event["text_output"] for event in events] == ["hi?"] * 3
+
+
+@pytest.mark.server
+def test_stop_leaves_no_process_and_no_shm(running_server: TritonServer) -> None:
+    """stop() takes < 15 s, leaves no descendant and no shm file, and is idempotent."""
+    family = descendants(running_server.pid)
+    assert family, "the python backend stub should be a child of tritonserver"
+    assert shm_files(running_server.shm_prefix), "the stub should have made its shm region"
+    runtime = running_server.runtime_repository
+    seconds = running_server.stop()
+    print(f"stop() took {seconds:.2f} s")
+    assert seconds < STOP_LIMIT_S
+    assert alive(family) == []
+    assert shm_files(running_server.shm_prefix) == []
+    assert running_server.returncode is not None and not runtime.exists()
+    assert running_server.stop() == 0.0
+
+
+@pytest.mark.server
+def test_stop_kills_a_server_that_hangs_on_exit(tmp_path: Path) -> None:
+    """A model whose finalize hangs: stop() falls back to SIGKILL and still cleans up in time."""
+    write_echo_model(tmp_path, finalize_line="time.sleep(120)")
+    server = TritonServer(loopback_config(tmp_path, exit_timeout_s=2))
+    try:
+        server.start()
+        server.wait_ready(timeout=120)
+        family = descendants(server.pid)
+        seconds = server.stop()
+        print(f"stop() of a hanging server took {seconds:.2f} s")
+        assert seconds < STOP_LIMIT_S
+        assert server.killed, "the hanging stub should have needed SIGKILL"
+        assert alive(family) == [] and shm_files(server.shm_prefix) == []
+    finally:
+        server.stop()
+
+
+@pytest.mark.server
+def test_failing_model_raises_server_died_with_log(tmp_path: Path) -> None:
+    """A model that fails to load makes wait_ready raise ServerDied holding the log lines."""
+    write_echo_model(tmp_path, init_line='raise RuntimeError("broken on purpose")')
+    server = TritonServer(loopback_config(tmp_path))
+    try:
+        server.start()
+        with pytest.raises(ServerDied, match="broken on purpose") as caught:
+            server.wait_ready(timeout=120)
+        assert "Last log:" in str(caught.value)
+    finally:
+        server.stop()
+    assert shm_files(server.shm_prefix) == []
