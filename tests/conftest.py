@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import threading
 import time
 from pathlib import Path
 
@@ -180,3 +183,133 @@ def alive(processes: dict[int, int]) -> list[int]:
     from streaming_backend.launcher.processes import is_alive
 
     return [pid for pid, start in processes.items() if is_alive(pid, start)]
+
+
+# --------------------------------------------------------------------------- supervised servers
+
+
+@contextlib.contextmanager
+def supervised_server(model_dir, canary_interval_s: float = 0.5, **server_overrides):
+    """A Supervisor watching a tiny-model server from a thread, and its HTTP port's URL.
+
+    Yields (supervisor, health_url, events): events collects the supervisor's log lines.
+    """
+    from streaming_backend.launcher import ServerConfig, free_port
+    from streaming_backend.launcher.health import HealthServer
+    from streaming_backend.launcher.supervisor import Supervisor, SupervisorConfig
+    from streaming_backend.launcher.watch import CanaryConfig
+
+    server = ServerConfig(
+        model=str(model_dir),
+        dtype="float32",
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+        **server_overrides,
+    )
+    canary = CanaryConfig(interval_s=canary_interval_s, timeout_s=5.0)
+    events: list[str] = []
+    supervisor = Supervisor(SupervisorConfig(server, canary=canary), events.append, None)
+    stop = threading.Event()
+    health = HealthServer(supervisor, "127.0.0.1", free_port()).start()
+    watcher = threading.Thread(target=supervisor.watch, args=(stop,), daemon=True)
+    try:
+        assert supervisor.start(stop)
+        watcher.start()
+        yield supervisor, f"http://127.0.0.1:{health.port}", events
+    finally:
+        stop.set()
+        if watcher.is_alive():
+            watcher.join(timeout=30)
+        health.close()
+        supervisor.shutdown()
+
+
+class GrpcStream:
+    """One streamed generation with plain tritonclient on its own gRPC stream, in the background.
+
+    Records the tokens received, whether a FINAL came, the error if one came, and when it ended.
+    """
+
+    def __init__(self, grpc_url: str, prompt: str = "Hello", max_tokens: int = 32, **extra):
+        import numpy as np
+        import tritonclient.grpc as grpcclient
+
+        from streaming_backend import wire
+
+        self.client = grpcclient.InferenceServerClient(grpc_url)
+        self.texts: list[str] = []
+        self.tokens = 0
+        self.final = False
+        self.error: Exception | None = None
+        self.ended = threading.Event()
+        self.ended_at = 0.0
+        sampling = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0} | extra
+        values = {
+            wire.TEXT_INPUT: np.array([prompt.encode()], dtype=np.object_),
+            wire.SAMPLING_PARAMETERS: np.array([json.dumps(sampling).encode()], dtype=np.object_),
+            wire.STREAM: np.array([True]),
+            wire.RETURN_NUM_OUTPUT_TOKENS: np.array([True]),
+        }
+        self.inputs = []
+        for name, array in values.items():
+            dtype = "BOOL" if array.dtype == bool else "BYTES"
+            self.inputs.append(grpcclient.InferInput(name, [1], dtype))
+            self.inputs[-1].set_data_from_numpy(array)
+
+    def start(self) -> GrpcStream:
+        """Send the request; responses arrive on tritonclient's thread."""
+        from streaming_backend import wire
+
+        self.client.start_stream(callback=self._on_response)
+        self.client.async_stream_infer(
+            wire.CHAT_MODEL, self.inputs, enable_empty_final_response=True
+        )
+        return self
+
+    def _on_response(self, result, error) -> None:
+        from streaming_backend import wire
+
+        if self.ended.is_set():
+            return
+        if error is not None:
+            self.error = error
+            self._end()
+            return
+        text = result.as_numpy(wire.TEXT_OUTPUT)
+        count = result.as_numpy(wire.NUM_OUTPUT_TOKENS)
+        self.texts.append(text[0].decode() if text is not None and len(text) else "")
+        self.tokens += int(count[0]) if count is not None and len(count) else 0
+        if result.get_response().parameters[wire.FINAL_RESPONSE].bool_param:
+            self.final = True
+            self._end()
+
+    def _end(self) -> None:
+        self.ended_at = time.monotonic()
+        self.ended.set()
+
+    def cancel(self) -> None:
+        """Cancel on the server (tritonclient's stop_stream with cancel_requests)."""
+        self.client.stop_stream(cancel_requests=True)
+
+    def close(self) -> None:
+        """Stop the stream and close the channel (idempotent)."""
+        try:
+            self.client.stop_stream()
+        finally:
+            self.client.close()
+
+
+def stub_pids(server) -> list[int]:
+    """The triton_python_backend_stub processes of a TritonServer."""
+    from streaming_backend.launcher.processes import descendants
+
+    found = []
+    for pid in descendants(server.pid):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"triton_python_backend_stub" in command:
+            found.append(pid)
+    return found

@@ -11,17 +11,14 @@ import urllib.request
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from conftest import supervised_server
 from tritonclient.utils import InferenceServerException
 
-from streaming_backend.launcher import ServerConfig, free_port
 from streaming_backend.launcher.control import ControlError, control, unload_model
-from streaming_backend.launcher.health import HealthServer, metrics_text
+from streaming_backend.launcher.health import metrics_text
 from streaming_backend.launcher.supervisor import (
     RestartBudget,
-    Supervisor,
-    SupervisorConfig,
 )
-from streaming_backend.launcher.watch import CanaryConfig
 from streaming_backend.wire import (
     ADMIN_HEADER,
     CHAT_MODEL,
@@ -70,31 +67,8 @@ def post(url: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
 @pytest.fixture(scope="module")
 def supervised(tiny_model_dir):
     """A Supervisor watching a tiny-model server (canary every 0.5 s), and its HTTP port."""
-    server = ServerConfig(
-        model=str(tiny_model_dir),
-        dtype="float32",
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
-        max_streams=8,
-        queue_limit=16,
-    )
-    config = SupervisorConfig(server, canary=CanaryConfig(interval_s=0.5, timeout_s=5.0))
-    events: list[str] = []
-    supervisor = Supervisor(config, say=events.append, server_log=None)
-    stop = threading.Event()
-    health = HealthServer(supervisor, "127.0.0.1", free_port()).start()
-    watcher = threading.Thread(target=supervisor.watch, args=(stop,), daemon=True)
-    try:
-        assert supervisor.start(stop)
-        watcher.start()
-        yield supervisor, f"http://127.0.0.1:{health.port}", events
-    finally:
-        stop.set()
-        if watcher.is_alive():
-            watcher.join(timeout=10)
-        health.close()
-        supervisor.shutdown()
+    with supervised_server(tiny_model_dir, max_streams=8, queue_limit=16) as running:
+        yield running
 
 
 def infer_text(grpc_url: str, prompt: str, max_tokens: int = 4) -> str:
