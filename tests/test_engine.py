@@ -160,7 +160,7 @@ def test_cancel_frees_the_slot(tiny_loaded):
         assert tail[-1].finish_reason is FinishReason.CANCELLED
         assert tail[-1].num_output_tokens < 200
         assert list(waiting)[-1].finish_reason is FinishReason.LENGTH
-        wait_for(lambda: engine.live_streams == 0 and engine._batch is None)
+        wait_for(lambda: engine.live_streams == 0 and engine._batch.cache is None)
 
 
 def test_cancel_while_waiting(tiny_loaded):
