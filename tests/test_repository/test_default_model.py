@@ -37,7 +37,7 @@ def test_default_model_behind_triton(default_model_dir):  # fixture: converted o
 
     server = start_server(None, dtype="auto")  # the model config's own default: the GGUF
     try:
-        chinese = next(m for m in chat_prompts() if "长城" in m[-1]["content"])
+        chinese = next(m for m in chat_prompts() if "黄河" in m[-1]["content"])
         chunks = list(
             stream_generate(
                 server.grpc_url,

@@ -354,32 +354,6 @@ def test_shutdown_ends_streams_with_cancelled(tiny_loaded):
         engine.submit([5], GREEDY)
 
 
-def test_chat_messages_use_the_chat_template(tiny_loaded):
-    """Messages are rendered with the model's chat template, ready for the answer."""
-    ids = encode_prompt(tiny_loaded.tokenizer, messages=[{"role": "user", "content": "hi"}])
-    text = tiny_loaded.tokenizer.decode(ids)
-    assert text.endswith("<|im_start|>assistant\n") and "hi" in text
-
-
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        ({}, "give exactly one of text_input, messages or input_ids"),
-        ({"text": "a", "input_ids": [1]}, "(got text_input, input_ids)"),
-        ({"text": "  "}, "text_input is empty"),
-        ({"messages": "[{"}, "messages is not valid JSON"),
-        ({"messages": []}, "messages must be a non-empty JSON list"),
-        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role must be one of"),
-        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content must be a string"),
-    ],
-)
-def test_bad_prompts_are_rejected(tiny_loaded, kwargs, message):
-    """Each malformed prompt names what was wrong."""
-    with pytest.raises(InvalidRequest) as info:
-        encode_prompt(tiny_loaded.tokenizer, **kwargs)
-    assert message in str(info.value)
-
-
 def test_test_delays_pace_tokens(tiny_loaded):
     """The calibration delays put the first token at prefill + d1 and the next ones d2 apart."""
     config = EngineConfig(test_first_token_delay_s=0.2, test_token_delay_s=0.05)
