@@ -19,6 +19,7 @@ from tritonclient.utils import InferenceServerException
 
 from clients.chunk import Chunk
 from clients.grpc_client import MODEL_NAME, GenerateRequest, GenerationError, stream_generate
+from clients.prompt import InterruptiblePrompt
 
 PROMPT = "you> "
 
@@ -76,7 +77,8 @@ def main(args: argparse.Namespace) -> int:
     except ImportError:
         pass
     print(f"connected to {cfg.url} (model {cfg.model!r}); Ctrl-C stops an answer, Ctrl-D quits")
-    run_chat(cfg, input, sys.stdout)
+    with InterruptiblePrompt() as prompt:  # Ctrl-C at the prompt quits at once, always
+        run_chat(cfg, prompt.read_line, sys.stdout)
     return 0
 
 
