@@ -19,6 +19,8 @@ from tritonclient.utils import InferenceServerException
 
 from clients.chunk import Chunk
 from clients.grpc_client import MODEL_NAME, GenerateRequest, GenerationError, stream_generate
+from clients.prompt import InterruptiblePrompt
+from streaming_backend.wire import SAMPLING_KEYS
 
 PROMPT = "you> "
 
@@ -59,8 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ChatConfig:
     """A ChatConfig from parsed arguments; sampling holds only the options given."""
-    names = ("temperature", "top_p", "top_k", "max_tokens", "seed", "repetition_penalty", "stop")
-    sampling = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    # The options' dests are the wire's sampling keys (those the CLI does not offer are absent).
+    sampling = {k: getattr(args, k) for k in SAMPLING_KEYS if getattr(args, k, None) is not None}
     return ChatConfig(url=args.url, model=args.model, system=args.system, sampling=sampling)
 
 
@@ -76,7 +78,8 @@ def main(args: argparse.Namespace) -> int:
     except ImportError:
         pass
     print(f"connected to {cfg.url} (model {cfg.model!r}); Ctrl-C stops an answer, Ctrl-D quits")
-    run_chat(cfg, input, sys.stdout)
+    with InterruptiblePrompt() as prompt:  # Ctrl-C at the prompt quits at once, always
+        run_chat(cfg, prompt.read_line, sys.stdout)
     return 0
 
 

@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from streaming_backend import kvcache, sampling
+from streaming_backend.batch import RunningBatch
 from streaming_backend.config import EngineConfig
 from streaming_backend.detokenize import IncrementalDetokenizer
 from streaming_backend.errors import EngineStopped, InvalidRequest, Overloaded, StreamingError
@@ -78,7 +79,7 @@ class StreamHandle:
         return "".join(e.text for e in events)
 
 
-@dataclass(eq=False)  # streams compare by identity (list equality in _emit)
+@dataclass(eq=False)  # streams compare by identity
 class _Stream:
     """Engine-thread state of one request."""
 
@@ -92,6 +93,7 @@ class _Stream:
     matcher: StopStringMatcher
     output_ids: list[int] = field(default_factory=list)
     scheduled_ns: int = 0
+    ended: bool = False  # its final event went out: it must never get a second one
 
     @property
     def total_tokens(self) -> int:
@@ -106,10 +108,7 @@ class Engine:
         self.config = config or EngineConfig()
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Stream] = collections.deque()
-        self._live: list[_Stream] = []
-        self._batch: kvcache.BatchCache | None = None
-        self._positions = torch.zeros(0, dtype=torch.long)  # [B] next position id per row
-        self._params: sampling.BatchSampling | None = None
+        self._batch: RunningBatch[_Stream] = RunningBatch()  # owned by the engine thread
         self._stopping = False
         self._failed_steps = 0  # consecutive steps that raised
         self._fault: str | None = None  # why the engine is unhealthy; None while healthy
@@ -137,7 +136,7 @@ class Engine:
     @property
     def live_streams(self) -> int:
         """Streams in the running batch."""
-        return len(self._live)
+        return len(self._batch)
 
     @property
     def waiting_streams(self) -> int:
@@ -232,14 +231,13 @@ class Engine:
                     self._drop_cancelled()
                     for group in length_groups(new, self.config.max_padding):
                         self._prefill_group(group)  # each group's first tokens go out at once
-                    if self._live:
+                    if self._batch.rows:
                         self._decode_step()
                     self._failed_steps = 0
                 except Exception as exc:  # a bug must not kill the thread: fail the batch
                     log.exception("engine step failed")
                     self._note_failure(exc)
-                    self._fail(self._live, exc)
-                    self._reset_batch()
+                    self._fail(self._batch.clear(), exc)
         self._shutdown_streams()
 
     def _note_failure(self, exc: Exception) -> None:
@@ -265,12 +263,12 @@ class Engine:
     def _admit(self) -> list[_Stream] | None:
         """Take waiting requests into free slots (blocks while idle); None when stopping."""
         with self._cond:
-            while not self._stopping and not self._waiting and not self._live:
+            while not self._stopping and not self._waiting and not self._batch.rows:
                 self._cond.wait()
             if self._stopping:
                 return None
             new, tokens = [], 0
-            free = self.config.max_streams - len(self._live)
+            free = self.config.max_streams - len(self._batch)
             while self._waiting and len(new) < free:
                 size = len(self._waiting[0].prompt_ids)
                 if new and tokens + size > self.config.max_prefill_tokens:
@@ -285,9 +283,10 @@ class Engine:
             cancelled = [s for s in self._waiting if s.handle.cancelled]
             for stream in cancelled:
                 self._waiting.remove(stream)
-        for stream in cancelled + [s for s in self._live if s.handle.cancelled]:
+        live = [s for s in self._batch.rows if s.handle.cancelled]
+        for stream in cancelled + live:
             self._finish(stream, FinishReason.CANCELLED, "")
-        self._remove({id(s) for s in self._live if s.handle.cancelled})
+        self._batch.remove(live)
 
     def _prefill_group(self, streams: list[_Stream]) -> None:
         """Prefill new streams together; if that fails, alone, so only a bad one fails."""
@@ -298,23 +297,21 @@ class Engine:
         if not alive:
             return
         try:
-            batch, logits, positions = self._prefill(alive)
+            cache, logits, positions = self._prefill(alive)
         except Exception as exc:
             if len(alive) == 1:
                 log.exception("prefill failed for %s", alive[0].handle.request_id)
                 self._fail(alive, exc)
                 self._check_poison(exc)
                 return
-            for stream in alive:
+            for stream in alive:  # split and retry: only the bad prompt fails
                 self._prefill_group([stream])
             return
-        self._batch = kvcache.merge(self._batch, batch)
-        self._positions = torch.cat([self._positions, positions])
-        self._live.extend(alive)
-        self._params = None
+        self._batch.add(alive, cache, positions)
         if self.config.test_first_token_delay_s:
             _pace_until(alive[0].scheduled_ns, self.config.test_first_token_delay_s)
-        self._emit(alive, logits)
+        params = sampling.BatchSampling.from_settings([s.settings for s in alive], logits.device)
+        self._emit(alive, logits, params)
 
     def _prefill(self, streams: list[_Stream]):
         """One forward pass over left-padded prompts -> (cache, last logits [N, V], positions)."""
@@ -344,33 +341,27 @@ class Engine:
 
     def _decode_step(self) -> None:
         """One forward pass for every live stream, one new token each."""
-        device = self.loaded.device
         batch = self._batch
-        last = torch.tensor([s.output_ids[-1] for s in self._live], dtype=torch.long)
-        batch.mask = torch.cat([batch.mask, batch.mask.new_ones((batch.rows, 1))], dim=1)
+        inputs = batch.decode_inputs(self.loaded.device)
         out = self.loaded.model(
-            input_ids=last[:, None].to(device),
-            attention_mask=batch.mask,
-            position_ids=self._positions[:, None].to(device),
+            input_ids=inputs.input_ids,
+            attention_mask=inputs.attention_mask,
+            position_ids=inputs.position_ids,
             use_cache=True,
-            **{self._cache_kwarg: batch.cache},
+            **{self._cache_kwarg: batch.cache.cache},
         )
-        self._positions += 1
+        batch.advance(inputs)
         if self.config.test_token_delay_s:
             _pace_until(self._last_emit_ns, self.config.test_token_delay_s)
-        self._emit(list(self._live), out.logits[:, -1, :].float())
+        logits = out.logits[:, -1, :].float()  # [B, V]
+        self._emit(list(batch.rows), logits, batch.sampling_params(logits.device))
 
     # ---- sampling and events -------------------------------------------------------------------
 
-    def _emit(self, streams: list[_Stream], logits: torch.Tensor) -> None:
+    def _emit(
+        self, streams: list[_Stream], logits: torch.Tensor, params: sampling.BatchSampling
+    ) -> None:
         """Sample one token per row of logits [N, V]; hand out events; retire finished rows."""
-        params = self._params if streams == self._live and self._params else None
-        if params is None:
-            params = sampling.BatchSampling.from_settings(
-                [s.settings for s in streams], logits.device
-            )
-            if streams == self._live:
-                self._params = params
         raw_logits = logits
         logits = self._process_logits(streams, logits.clone())
         uniforms = sampling.draw_uniforms([s.generator for s in streams])
@@ -380,17 +371,16 @@ class Engine:
             chosen = torch.tensor(ids, device=raw_logits.device)
             logprobs = sampling.token_logprobs(raw_logits, chosen).tolist()
         emitted_ns = self._last_emit_ns = time.monotonic_ns()
-        done = set()
+        done = []
         for row, stream in enumerate(streams):
             try:
                 lp = (logprobs[row],) if logprobs is not None and stream.logprobs else None
                 if self._advance(stream, ids[row], lp, emitted_ns):
-                    done.add(id(stream))
+                    done.append(stream)
             except Exception as exc:  # one stream's failure must not end the others
                 log.exception("stream %s failed", stream.handle.request_id)
                 self._fail([stream], exc)
-                done.add(id(stream))
-        self._remove(done)
+        self._batch.remove(done)
 
     def _process_logits(self, streams: list[_Stream], logits: torch.Tensor) -> torch.Tensor:
         """Repetition penalty and EOS suppression (min_tokens) before sampling."""
@@ -426,6 +416,7 @@ class Engine:
         if done and not stream.matcher.matched:
             text += stream.matcher.feed(stream.detokenizer.flush())
             text += "" if stream.matcher.matched else stream.matcher.flush()
+        stream.ended = done
         stream.handle.sink.put(
             self._event(stream, text, (token,), emitted_ns, logprobs, reason if done else None)
         )
@@ -458,7 +449,14 @@ class Engine:
     def _finish(
         self, stream: _Stream, reason: FinishReason, text: str, error: StreamingError | None = None
     ) -> None:
-        """Send a stream's final event that carries no new token (cancel, error, shutdown)."""
+        """Send a stream's final event that carries no new token (cancel, error, shutdown).
+
+        Text held back because it might begin a stop string is dropped, not flushed: the stream
+        did not end normally, and a CANCELLED or ERROR final reaches the client as an error.
+        """
+        if stream.ended:
+            return
+        stream.ended = True
         event = self._event(stream, text, (), time.monotonic_ns(), None, reason, error)
         try:
             stream.handle.sink.put(event)
@@ -474,32 +472,15 @@ class Engine:
         )
         for stream in streams:
             self._finish(stream, FinishReason.ERROR, "", error)
-        self._remove({id(s) for s in streams})
-
-    def _remove(self, done: set[int]) -> None:
-        """Drop finished streams' rows from the batch and its cache."""
-        if not done or not self._live:
-            return
-        keep = [row for row, s in enumerate(self._live) if id(s) not in done]
-        if len(keep) == len(self._live):
-            return
-        self._live = [self._live[row] for row in keep]
-        self._positions = self._positions[keep]
-        self._batch = kvcache.select(self._batch, keep) if self._batch is not None else None
-        self._params = None
-
-    def _reset_batch(self) -> None:
-        self._live, self._batch, self._params = [], None, None
-        self._positions = torch.zeros(0, dtype=torch.long)
+        self._batch.remove(streams)
 
     def _shutdown_streams(self) -> None:
         """On shutdown: every waiting and live stream ends with CANCELLED."""
         with self._cond:
             waiting, self._waiting = list(self._waiting), collections.deque()
         error = EngineStopped("the server is shutting down")
-        for stream in waiting + self._live:
+        for stream in waiting + self._batch.clear():
             self._finish(stream, FinishReason.CANCELLED, "", error)
-        self._reset_batch()
 
 
 def length_groups(streams: list[_Stream], max_padding: float) -> list[list[_Stream]]:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import queue
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -61,22 +64,38 @@ def test_greedy_matches_hugging_face_generate(engine, tiny_loaded):
     assert ours == out[0, len(prompt) :].tolist()
 
 
-def test_logprobs_are_reported_when_asked(engine, tiny_loaded):
-    """Each event carries the log-probability of its token, <= 0."""
-    events = list(engine.submit(_prompt(tiny_loaded, "Hi"), GREEDY, logprobs=True))
-    assert all(e.logprobs is not None and e.logprobs[0] <= 0 for e in events)
+def _model_logprobs(loaded, prompt: list[int], output: list[int]) -> list[float]:
+    """Log-softmax of one full forward pass (no cache, no batch) at each output token."""
+    ids = torch.tensor([prompt + output])
+    with torch.inference_mode():
+        logits = loaded.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()  # [N, V]
+    chosen = torch.tensor(output)[:, None]
+    return torch.log_softmax(logits, -1).gather(-1, chosen).squeeze(-1).tolist()
+
+
+def test_logprobs_are_the_models_log_softmax(engine, tiny_loaded):
+    """Each event carries its token's log-probability under the model's raw distribution."""
+    prompt = _prompt(tiny_loaded, "Hi")
+    settings = SamplingSettings(temperature=1.5, max_tokens=12, seed=5, ignore_eos=True)
+    events = list(engine.submit(prompt, settings, logprobs=True))
+    output = [e.token_ids[0] for e in events]
+    expected = _model_logprobs(tiny_loaded, prompt, output)
+    assert [e.logprobs[0] for e in events] == pytest.approx(expected, abs=1e-4)
+    assert min(expected) < -1  # sampled at T=1.5: not all near-certain argmax tokens
 
 
 class RecordingEngine(Engine):
-    """Records each stream's raw logits per step (test-only peek at the batch)."""
+    """Records each stream's raw logits and the rows of each step (test-only peek)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.logits: dict[str, list[torch.Tensor]] = {}
         self.batch_sizes: list[int] = []
+        self.steps: list[list[str]] = []  # request ids sampled together, per step
 
     def _process_logits(self, streams, logits):
         self.batch_sizes.append(len(streams))
+        self.steps.append([s.handle.request_id for s in streams])
         for row, stream in enumerate(streams):
             self.logits.setdefault(stream.handle.request_id, []).append(logits[row].clone())
         return super()._process_logits(streams, logits)
@@ -119,8 +138,9 @@ def test_a_new_request_starts_before_running_ones_finish(engine, tiny_loaded):
     assert short[-1].emitted_ns < long_events[-1].emitted_ns
 
 
-def test_seed_reproduces_tokens_whatever_shares_the_batch(engine, tiny_loaded):
+def test_seed_reproduces_tokens_whatever_shares_the_batch(tiny_loaded):
     """The same seed and settings give the same tokens, alone or beside other streams."""
+    engine = RecordingEngine(tiny_loaded, EngineConfig(max_streams=8)).start()
     prompt = _prompt(tiny_loaded, "Tell me a story")
     settings = SamplingSettings(
         temperature=1.0, top_p=0.95, max_tokens=16, seed=1234, ignore_eos=True
@@ -129,12 +149,17 @@ def test_seed_reproduces_tokens_whatever_shares_the_batch(engine, tiny_loaded):
     again = [e.token_ids for e in engine.submit(prompt, settings)]
     neighbours = [
         engine.submit(
-            _prompt(tiny_loaded, f"noise {i} " * (i + 1)), SamplingSettings(max_tokens=30, seed=i)
+            _prompt(tiny_loaded, f"noise {i} " * (i + 1)),
+            SamplingSettings(max_tokens=200, seed=i, ignore_eos=True),
+            request_id=f"n{i}",
         )
         for i in range(4)
     ]
-    crowded = [e.token_ids for e in engine.submit(prompt, settings)]
     for n in neighbours:
+        _first_event(n)  # all running before the crowded one joins
+    crowded = [e.token_ids for e in engine.submit(prompt, settings, request_id="crowded")]
+    for n in neighbours:
+        n.cancel()
         list(n)
     other_seed = [
         e.token_ids
@@ -143,8 +168,11 @@ def test_seed_reproduces_tokens_whatever_shares_the_batch(engine, tiny_loaded):
             SamplingSettings(temperature=1.0, top_p=0.95, max_tokens=16, seed=99, ignore_eos=True),
         )
     ]
+    engine.shutdown()
     assert alone == again == crowded
     assert other_seed != alone
+    shared = [step for step in engine.steps if "crowded" in step]
+    assert len(shared) == 16 and all(len(step) == 5 for step in shared[1:]), shared
 
 
 def test_cancel_frees_the_slot(tiny_loaded):
@@ -160,7 +188,7 @@ def test_cancel_frees_the_slot(tiny_loaded):
         assert tail[-1].finish_reason is FinishReason.CANCELLED
         assert tail[-1].num_output_tokens < 200
         assert list(waiting)[-1].finish_reason is FinishReason.LENGTH
-        wait_for(lambda: engine.live_streams == 0 and engine._batch is None)
+        wait_for(lambda: engine.live_streams == 0 and engine._batch.cache is None)
 
 
 def test_cancel_while_waiting(tiny_loaded):
@@ -193,7 +221,19 @@ def test_overload_is_reported_at_once(tiny_loaded):
 
 
 class FailingEngine(Engine):
-    """Fails the stream named 'bad' at its third token and the prefill of 'bad-prefill'."""
+    """Fails the stream named 'bad' at its third token and the prefill of 'bad-prefill'.
+
+    It admits nothing until `gate` is set, so requests submitted before arrive together.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+        self.prefills: list[list[str]] = []  # request ids of each prefill attempt
+
+    def _admit(self):
+        self.gate.wait()
+        return super()._admit()
 
     def _advance(self, stream, token, logprobs, emitted_ns):
         if stream.handle.request_id == "bad" and len(stream.output_ids) == 2:
@@ -201,22 +241,27 @@ class FailingEngine(Engine):
         return super()._advance(stream, token, logprobs, emitted_ns)
 
     def _prefill(self, streams):
+        self.prefills.append([s.handle.request_id for s in streams])
         if any(s.handle.request_id == "bad-prefill" for s in streams):
             raise RuntimeError("prefill boom")
         return super()._prefill(streams)
 
 
 def test_one_failing_request_does_not_stop_the_others(tiny_loaded):
-    """A failure in one stream (decode or prefill) ends it with an error; the rest complete."""
+    """A failure in one stream (decode or prefill) ends it with an error; the rest complete.
+
+    The four arrive together: their joint prefill fails, and each is retried alone.
+    """
     with FailingEngine(tiny_loaded) as engine:
         prompt = _prompt(tiny_loaded, "hello")
-        gate = threading.Event()
         handles = {
             rid: engine.submit(prompt, GREEDY, request_id=rid)
             for rid in ("ok1", "bad", "bad-prefill", "ok2")
         }
-        gate.set()
+        engine.gate.set()
         results = {rid: list(h) for rid, h in handles.items()}
+        assert sorted(engine.prefills[0]) == sorted(handles)  # one group of four failed
+        assert sorted(engine.prefills[1:]) == [[rid] for rid in sorted(handles)]  # split
         assert results["bad"][-1].finish_reason is FinishReason.ERROR
         assert "RuntimeError: boom" in str(results["bad"][-1].error)
         assert results["bad-prefill"][-1].finish_reason is FinishReason.ERROR
@@ -246,16 +291,31 @@ def test_stop_string_ends_the_stream_and_is_not_emitted(engine, tiny_loaded):
     assert "".join(e.text for e in events) == text[: text.index(stop)]
 
 
-def test_min_tokens_suppresses_eos(engine, tiny_loaded):
-    """EOS cannot end a stream before min_tokens."""
-    eos = next(iter(tiny_loaded.eos_ids))
-    events = list(
-        engine.submit(
-            _prompt(tiny_loaded, "hi"), SamplingSettings(max_tokens=20, min_tokens=20, seed=3)
-        )
-    )
-    assert len(events) == 20
-    assert all(e.token_ids[0] != eos for e in events)
+@pytest.fixture
+def eos_loving(tiny_loaded):
+    """The tiny model with EOS's logit raised by 50: it would answer EOS at once, every time."""
+    model = copy.deepcopy(tiny_loaded.model)
+    eos = min(tiny_loaded.eos_ids)
+
+    def favour_eos(module, args, logits):
+        logits[..., eos] += 50.0  # logits: [B, L, V]
+        return logits
+
+    model.lm_head.register_forward_hook(favour_eos)
+    return replace(tiny_loaded, model=model)
+
+
+def test_min_tokens_suppresses_eos(eos_loving):
+    """EOS cannot end a stream before min_tokens; right after, it can."""
+    with Engine(eos_loving) as engine:
+        prompt = _prompt(eos_loving, "hi")
+        plain = list(engine.submit(prompt, SamplingSettings(max_tokens=20, seed=3)))
+        held = list(engine.submit(prompt, SamplingSettings(max_tokens=20, min_tokens=5, seed=3)))
+    eos_ids = eos_loving.eos_ids
+    assert len(plain) == 1 and plain[0].token_ids[0] in eos_ids  # the model wants EOS
+    assert all(e.token_ids[0] not in eos_ids for e in held[:5])
+    assert len(held) == 6 and held[-1].token_ids[0] in eos_ids
+    assert held[-1].finish_reason is FinishReason.STOP
 
 
 @pytest.mark.parametrize(
@@ -294,32 +354,6 @@ def test_shutdown_ends_streams_with_cancelled(tiny_loaded):
         engine.submit([5], GREEDY)
 
 
-def test_chat_messages_use_the_chat_template(tiny_loaded):
-    """Messages are rendered with the model's chat template, ready for the answer."""
-    ids = encode_prompt(tiny_loaded.tokenizer, messages=[{"role": "user", "content": "hi"}])
-    text = tiny_loaded.tokenizer.decode(ids)
-    assert text.endswith("<|im_start|>assistant\n") and "hi" in text
-
-
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        ({}, "give exactly one of text_input, messages or input_ids"),
-        ({"text": "a", "input_ids": [1]}, "(got text_input, input_ids)"),
-        ({"text": "  "}, "text_input is empty"),
-        ({"messages": "[{"}, "messages is not valid JSON"),
-        ({"messages": []}, "messages must be a non-empty JSON list"),
-        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role must be one of"),
-        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content must be a string"),
-    ],
-)
-def test_bad_prompts_are_rejected(tiny_loaded, kwargs, message):
-    """Each malformed prompt names what was wrong."""
-    with pytest.raises(InvalidRequest) as info:
-        encode_prompt(tiny_loaded.tokenizer, **kwargs)
-    assert message in str(info.value)
-
-
 def test_test_delays_pace_tokens(tiny_loaded):
     """The calibration delays put the first token at prefill + d1 and the next ones d2 apart."""
     config = EngineConfig(test_first_token_delay_s=0.2, test_token_delay_s=0.05)
@@ -350,3 +384,144 @@ def test_length_groups_bound_padding(tiny_loaded, lengths, groups):
         _Stream(None, [1] * n, SamplingSettings(), False, 0, None, None, None) for n in lengths
     ]
     assert [[len(s.prompt_ids) for s in g] for g in length_groups(streams, 0.25)] == groups
+
+
+def _events(handle, timeout: float = 30.0):
+    """A stream's events up to its final one, failing (not hanging) if the engine stalls."""
+    events, sink = [], handle.sink
+    while not events or not events[-1].final:
+        try:
+            events.append(sink.get(timeout=timeout))
+        except queue.Empty:
+            raise AssertionError(f"{handle.request_id} did not end; got {events}") from None
+    return events
+
+
+def _holding_stop(engine, loaded, prompt: list[int]) -> str:
+    """A stop string that holds back the whole greedy answer: its text plus a character that
+    never comes, so every token's text stays pending until the stream ends."""
+    settings = SamplingSettings(temperature=0, max_tokens=30, ignore_eos=True)
+    text = "".join(e.text for e in engine.submit(prompt, settings))
+    assert 0 < len(text) < 250
+    return text + "\x07"
+
+
+def _held_stream(engine, prompt, stop, request_id):
+    """Start a greedy stream whose text is all held back; return it after its third token."""
+    settings = SamplingSettings(temperature=0, max_tokens=30, stop=[stop], ignore_eos=True)
+    handle = engine.submit(prompt, settings, request_id=request_id, sink=queue.Queue())
+    first = [handle.sink.get(timeout=30) for _ in range(3)]
+    assert [e.text for e in first] == ["", "", ""] and all(e.token_ids for e in first)
+    return handle, first
+
+
+def test_held_back_text_is_dropped_on_cancel(engine, tiny_loaded):
+    """Text pending for a stop string is not sent when the stream is cancelled; one final."""
+    prompt = _prompt(tiny_loaded, "Once upon a time")
+    stop = _holding_stop(engine, tiny_loaded, prompt)
+    handle, first = _held_stream(engine, prompt, stop, "held")
+    handle.cancel()
+    rest = _events(handle)
+    assert [e.final for e in rest] == [False] * (len(rest) - 1) + [True]
+    assert rest[-1].finish_reason is FinishReason.CANCELLED and rest[-1].text == ""
+    assert "".join(e.text for e in first + rest) == ""
+    assert handle.sink.empty()
+
+
+def test_held_back_text_is_dropped_on_error(tiny_loaded):
+    """A stream that fails while text is pending ends with one error event and no text."""
+    with FailingEngine(tiny_loaded) as engine:
+        engine.gate.set()
+        prompt = _prompt(tiny_loaded, "Once upon a time")
+        stop = _holding_stop(engine, tiny_loaded, prompt)
+        settings = SamplingSettings(temperature=0, max_tokens=30, stop=[stop], ignore_eos=True)
+        handle = engine.submit(prompt, settings, request_id="bad", sink=queue.Queue())
+        events = _events(handle)
+        assert [e.finish_reason for e in events] == [None, None, FinishReason.ERROR]
+        assert [e.text for e in events] == ["", "", ""] and events[0].token_ids
+        assert handle.sink.empty()
+        # The same stream ending normally releases the pending text at its end.
+        assert "".join(e.text for e in engine.submit(prompt, settings)) == stop[:-1]
+
+
+def test_held_back_text_is_dropped_on_shutdown(tiny_loaded):
+    """On shutdown a stream with pending text ends once, CANCELLED, without that text."""
+    engine = Engine(tiny_loaded).start()
+    try:
+        prompt = _prompt(tiny_loaded, "Once upon a time")
+        stop = _holding_stop(engine, tiny_loaded, prompt)
+        slow = SamplingSettings(temperature=0, max_tokens=200, stop=[stop + "x"], ignore_eos=True)
+        handle = engine.submit(prompt, slow, sink=queue.Queue())
+        first = handle.sink.get(timeout=30)
+        assert first.text == "" and first.token_ids
+    finally:
+        engine.shutdown()
+    rest = _events(handle)
+    assert rest[-1].finish_reason is FinishReason.CANCELLED and "shutting down" in str(
+        rest[-1].error
+    )
+    assert "".join(e.text for e in rest) == "" and sum(e.final for e in rest) == 1
+    assert handle.sink.empty()
+
+
+def _greedy_with_penalty(loaded, prompt: list[int], penalty: float, n: int) -> list[int]:
+    """Reference: greedy decoding with full forward passes and the CTRL penalty, no engine."""
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = loaded.model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+            seen = torch.tensor(sorted(set(ids)))
+            scores = logits[seen]
+            logits[seen] = torch.where(scores > 0, scores / penalty, scores * penalty)
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt) :]
+
+
+def test_repetition_penalty_through_the_engine(engine, tiny_loaded):
+    """The engine penalises the prompt's and the answer's tokens, as a plain reference loop."""
+    prompt = _prompt(tiny_loaded, "the the the the the the")
+    settings = SamplingSettings(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = [e.token_ids[0] for e in engine.submit(prompt, settings)]
+    penalised = [
+        e.token_ids[0] for e in engine.submit(prompt, replace(settings, repetition_penalty=3.0))
+    ]
+    assert penalised == _greedy_with_penalty(tiny_loaded, prompt, 3.0, 16)
+    assert penalised != plain
+    assert len(set(penalised)) > len(set(plain))
+
+
+class BrokenStepEngine(Engine):
+    """Its decode step raises once `broken` is set, as a bug or a device failure would."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.broken = threading.Event()
+
+    def _decode_step(self):
+        if self.broken.is_set():
+            self.broken.clear()
+            raise RuntimeError("decode step exploded")
+        super()._decode_step()
+
+
+def test_a_failing_decode_step_fails_the_batch_and_the_engine_serves_on(tiny_loaded):
+    """Every live stream ends with one error event; the next requests are served normally."""
+    with BrokenStepEngine(tiny_loaded, EngineConfig(max_streams=4)) as engine:
+        long = SamplingSettings(max_tokens=200, ignore_eos=True)
+        handles = [
+            engine.submit(_prompt(tiny_loaded, f"row {i}"), long, sink=queue.Queue())
+            for i in range(3)
+        ]
+        for handle in handles:
+            handle.sink.get(timeout=30)  # all three are live
+        engine.broken.set()
+        for handle in handles:
+            events = _events(handle)
+            assert events[-1].finish_reason is FinishReason.ERROR
+            assert "RuntimeError: decode step exploded" in str(events[-1].error)
+            assert events[-1].num_output_tokens < 200 and handle.sink.empty()
+        wait_for(lambda: engine.live_streams == 0)
+        after = [engine.submit(_prompt(tiny_loaded, f"after {i}"), GREEDY) for i in range(2)]
+        for handle in after:
+            events = _events(handle)
+            assert len(events) == 12 and events[-1].finish_reason is FinishReason.LENGTH

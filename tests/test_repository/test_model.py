@@ -10,10 +10,13 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import wait_for
+import torch
+from conftest import start_server, wait_for
 
 from clients.grpc_client import GenerateRequest, GenerationError, stream_generate
+from streaming_backend import wire
 from streaming_backend.detokenize import REPLACEMENT
+from streaming_backend.prompts import encode_prompt
 
 pytestmark = pytest.mark.server
 
@@ -141,25 +144,89 @@ def test_eight_concurrent_streams_complete(triton_server):
     assert all(r[-1].finish_reason == "length" for r in results)
 
 
-def test_cancel_stops_the_stream_and_frees_its_slot(triton_server):
-    """A client cancel ends that stream (active streams back down); a parallel one completes."""
-    baseline = _metric(triton_server, "tokenstream_active_streams")
-    other = ThreadPoolExecutor(1).submit(
-        _chunks, triton_server, prompt="keep going", sampling={"max_tokens": 60, "ignore_eos": True}
+@pytest.fixture(scope="module")
+def paced_server(tiny_model_dir):
+    """One slot, a queue of one, 20 ms per token: streams overlap for as long as a test needs."""
+    server = start_server(
+        tiny_model_dir,
+        max_streams=1,
+        queue_limit=1,
+        model_parameters={"test_token_delay_ms": "20"},
     )
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _first_chunks(server, request: GenerateRequest, n: int, cancel: threading.Event):
+    """Start a stream in a thread; return (its chunks so far, the future) after n chunks."""
+    received, ready = [], threading.Event()
+
+    def run():
+        for chunk in stream_generate(server.grpc_url, request, cancel=cancel):
+            received.append(chunk)
+            if len(received) == n:
+                ready.set()
+        return received
+
+    future = ThreadPoolExecutor(1).submit(run)
+    assert ready.wait(60), "the stream never started"
+    return received, future
+
+
+def test_cancel_stops_the_stream_and_frees_its_slot(paced_server):
+    """A client cancel stops generation on the server (tokens counted there) and the request
+    waiting for the only slot then runs."""
+    tokens_before = _metric(paced_server, "tokenstream_generation_tokens_total")
     cancel = threading.Event()
-    received = []
-    for chunk in stream_generate(
-        triton_server.grpc_url,
-        GenerateRequest(prompt="long", sampling={"max_tokens": 200, "ignore_eos": True}),
-        cancel=cancel,
-    ):
-        received.append(chunk)
-        if len(received) == 3:
-            cancel.set()
+    long = GenerateRequest(prompt="long", sampling={"max_tokens": 200, "ignore_eos": True})
+    received, running = _first_chunks(paced_server, long, 3, cancel)
+    waiting = ThreadPoolExecutor(1).submit(
+        _chunks, paced_server, prompt="next", sampling={"max_tokens": 5, "ignore_eos": True}
+    )
+    wait_for(lambda: _metric(paced_server, "tokenstream_active_streams") == 2)
+    cancel.set()
+    running.result(timeout=60)
     assert 3 <= len(received) < 200 and not received[-1].final
-    assert sum(c.num_output_tokens for c in other.result(timeout=60)) == 60
-    wait_for(lambda: _metric(triton_server, "tokenstream_active_streams") == baseline)
+    assert sum(c.num_output_tokens for c in waiting.result(timeout=60)) == 5
+    wait_for(lambda: _metric(paced_server, "tokenstream_active_streams") == 0)
+    generated = _metric(paced_server, "tokenstream_generation_tokens_total") - tokens_before
+    # 200 tokens take 4 s here; the cancel is seen within a poll (40 ms) and a step (20 ms).
+    assert 5 + 3 <= generated < 5 + 100, generated
+
+
+def test_overloaded_server_refuses_with_unavailable(paced_server):
+    """Beyond max_streams + queue_limit a request fails at once as overloaded (Triton code
+    UNAVAILABLE: retry later), over gRPC and HTTP; the accepted ones complete."""
+    rejected_before = _metric(paced_server, "tokenstream_rejected_requests_total")
+    cancel = threading.Event()
+    long = GenerateRequest(prompt="busy", sampling={"max_tokens": 60, "ignore_eos": True})
+    _, running = _first_chunks(paced_server, long, 1, cancel)
+    queued = ThreadPoolExecutor(1).submit(
+        _chunks, paced_server, prompt="queued", sampling={"max_tokens": 3, "ignore_eos": True}
+    )
+    wait_for(lambda: _metric(paced_server, "tokenstream_active_streams") == 2)
+    with pytest.raises(GenerationError) as info:
+        _chunks(paced_server, prompt="one too many", sampling={"max_tokens": 3})
+    assert info.value.code == wire.OVERLOADED.code
+    assert info.value.message.startswith("overloaded: 1 requests are already waiting")
+    body = {"text_input": "x", "parameters": {"stream": True, "max_tokens": 3}}
+    assert wire.error_code(_sse_error(paced_server, body)) == wire.OVERLOADED.code
+    assert _metric(paced_server, "tokenstream_rejected_requests_total") == rejected_before + 2
+    assert wire.OVERLOADED.triton_code == "UNAVAILABLE"
+    cancel.set()
+    running.result(timeout=60)
+    assert sum(c.num_output_tokens for c in queued.result(timeout=60)) == 3
+
+
+def _sse_error(server, body: dict) -> str:
+    """The error message of a generate_stream request that fails (as an event or a status)."""
+    try:
+        events = _sse(server, body)
+    except urllib.error.HTTPError as exc:
+        return json.loads(exc.read().decode().removeprefix("data:").strip())["error"]
+    return next(e["error"] for e in events if "error" in e)
 
 
 @pytest.mark.parametrize(
@@ -312,8 +379,9 @@ def test_many_short_requests_one_after_another(triton_server):
     assert triton_server.returncode is None and triton_server.is_ready()
 
 
-def test_logprobs_and_cumulative_logprob(triton_server):
-    """When asked, each response carries its token's logprob; the cumulative one is their sum."""
+def test_logprobs_and_cumulative_logprob(triton_server, tiny_loaded):
+    """Each response carries its token's log-probability under the served model (checked with
+    an unbatched forward pass here); the cumulative one is their running sum."""
     body = {
         "text_input": "Hello",
         "stream": True,
@@ -324,9 +392,15 @@ def test_logprobs_and_cumulative_logprob(triton_server):
     }
     events = _sse(triton_server, body)
     assert len(events) == 12
+    entries = [entry for event in events for entry in json.loads(event["logprobs"])]
+    prompt = encode_prompt(tiny_loaded.tokenizer, text="Hello")
+    output = [entry["token_id"] for entry in entries]
+    with torch.inference_mode():
+        logits = tiny_loaded.model(input_ids=torch.tensor([prompt + output])).logits[0].float()
+    expected = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)  # [12, V]
+    expected = expected.gather(-1, torch.tensor(output)[:, None]).squeeze(-1).tolist()
+    assert [entry["logprob"] for entry in entries] == pytest.approx(expected, abs=1e-4)
     running = 0.0
-    for event in events:
-        entries = json.loads(event["logprobs"])
-        assert len(entries) == 1 and entries[0]["logprob"] <= 0
-        running += entries[0]["logprob"]
+    for event, logprob in zip(events, expected):
+        running += logprob
         assert event["cumulative_logprob"] == pytest.approx(running, rel=1e-4, abs=1e-4)

@@ -61,17 +61,35 @@ def test_top_p_keeps_the_smallest_set_reaching_the_mass():
     assert ids == {0, 1}
 
 
+def _tier(probs: torch.Tensor, top_k: int, top_p: float) -> int:
+    """The fewest candidates (64, 1024 or the vocabulary) that hold a row's kept set."""
+    for k in sampling.CANDIDATES:
+        if 0 < top_k <= k or (top_p < 1.0 and probs.topk(k).values.sum() >= top_p):
+            return k
+    return probs.shape[-1]
+
+
 def test_candidate_path_matches_full_sort():
-    """The fast path (top candidates) and the full sort pick the same ids for the same draws."""
-    logits = torch.cat([_logits(6, scale=8.0), _logits(6, scale=0.05, seed=1)])  # peaked + flat
-    settings = [SamplingSettings(top_p=0.9)] * 6 + [SamplingSettings(top_p=0.5, top_k=2000)] * 6
-    params = BatchSampling.from_settings(settings)
-    uniforms = torch.rand(12)
-    fast = sampling.sample(logits, params, uniforms)
+    """Every candidate tier (64, 1,024, the full sort) picks the ids a full sort picks, for
+    rows of all tiers mixed in one batch."""
+    peaked, flat = _logits(4, scale=8.0), _logits(8, scale=0.05, seed=1)
+    logits = torch.cat([peaked[:2], flat[:4], peaked[2:], flat[4:]])
+    settings = [SamplingSettings(top_p=0.9)] * 2  # peaked: a few dozen tokens hold 0.9
+    settings += [SamplingSettings(top_k=500)] * 2  # flat: 500 of 1,024
+    settings += [SamplingSettings(top_p=0.15)] * 2  # flat: ~700 tokens hold 0.15
+    settings += [SamplingSettings(top_k=40, top_p=0.95)] * 2
+    settings += [SamplingSettings(top_p=0.5, top_k=2000)] * 2  # flat: past 1,024
+    settings += [SamplingSettings(top_p=0.6)] * 2
     probs = torch.softmax(logits, -1)
+    tiers = [_tier(p, s.top_k, s.top_p) for p, s in zip(probs, settings)]
+    assert tiers == [64, 64, 1024, 1024, 1024, 1024, 64, 64, VOCAB, VOCAB, VOCAB, VOCAB]
+    params = BatchSampling.from_settings(settings)
     sorted_probs, order = probs.sort(-1, descending=True)
-    full = sampling._draw_truncated(sorted_probs, order, params.top_k, params.top_p, uniforms)
-    assert torch.equal(fast, full)
+    for seed in range(5):
+        uniforms = torch.rand(12, generator=torch.Generator().manual_seed(seed))
+        fast = sampling.sample(logits, params, uniforms)
+        full = sampling._draw_truncated(sorted_probs, order, params.top_k, params.top_p, uniforms)
+        assert torch.equal(fast, full), seed
 
 
 def test_temperature_scales_the_distribution():

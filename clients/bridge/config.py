@@ -1,0 +1,31 @@
+"""The bridge's settings: one frozen value built by the CLI (or a caller) and read everywhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from streaming_backend.wire import CHAT_MODEL
+
+
+@dataclass(frozen=True)
+class BridgeConfig:
+    """Settings of one bridge process."""
+
+    triton_url: str = "127.0.0.1:8001"
+    host: str = "127.0.0.1"
+    port: int = 8080  # 0 = any free port (Bridge.port tells which)
+    token: str | None = None  # bearer token required of every websocket client when set
+    origins: tuple[str, ...] = ()  # allowed browser Origins; () = same origin only; "*" = any
+    max_concurrent: int = 4  # generations at once per connection
+    max_connections: int = 256
+    send_queue: int = 256  # frames waiting for one client before it counts as too slow
+    send_timeout_s: float = 10.0  # one frame not taken by the client in this long: too slow
+    max_frame_bytes: int = 256 * 1024
+    idle_timeout_s: float = 300.0  # no message and no generation running for this long
+    auth_timeout_s: float = 10.0  # a client owing the token must send it within this
+    ping_interval_s: float | None = 20.0
+    ping_timeout_s: float | None = 20.0
+    close_timeout_s: float = 2.0
+    health_interval_s: float = 1.0
+    socket_send_buffer: int | None = None  # SO_SNDBUF per client socket; None = kernel default
+    model: str = CHAT_MODEL

@@ -1,0 +1,63 @@
+"""Tests of clients/bridge/frames.py: outgoing frames and the timing trace."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from clients.bridge.frames import Trace, done_frame, error_frame, token_frame
+from clients.chunk import Chunk
+
+
+def _chunk(text, n, t_ns, timing=None, n_in=None, reason=None, final=False) -> Chunk:
+    return Chunk(text, n, n_in, None, reason, timing, final, "r", t_ns)
+
+
+def test_done_frame_usage_and_timing():
+    """done carries usage summed from per-response counts and server/bridge spans in ms."""
+    server = {
+        "clock": "monotonic",
+        "received_ns": 1_000_000,
+        "queued_ns": 2_000_000,
+        "prefill_start_ns": 3_000_000,
+        "emitted_ns": 7_000_000,
+        "wall_minus_monotonic_ns": time.time_ns() - time.monotonic_ns(),
+    }
+    trace = Trace(accepted_ns=0, upstream_ns=1_000_000)
+    trace.observe(_chunk("a", 1, 9_000_000, timing=server, n_in=5), out_ns=9_500_000)
+    trace.observe(_chunk("b", 2, 10_000_000), out_ns=10_500_000)
+    frame = done_frame("g", "length", trace, now_ns=20_000_000)
+    assert frame["type"] == "done" and frame["finish_reason"] == "length"
+    assert frame["usage"] == {"prompt_tokens": 5, "completion_tokens": 3}
+    s, b = frame["timing"]["server"], frame["timing"]["bridge"]
+    assert (s["queue_ms"], s["prefill_ms"], s["first_token_ms"]) == (1.0, 4.0, 6.0)
+    assert s["prefill_start_ns"] == 3_000_000  # raw stamps ride along for benchmarks
+    assert (b["ttft_ms"], b["upstream_ttft_ms"], b["total_ms"]) == (9.5, 8.0, 20.0)
+    assert b["relay_mean_ms"] == 0.5
+    assert b["server_to_bridge_ms"] == pytest.approx(2.0, abs=0.5)
+
+
+def test_done_frame_without_tokens_or_server_timing():
+    """A generation cancelled before its first token still gets a complete done frame."""
+    frame = done_frame("g", "cancelled", Trace(accepted_ns=0), now_ns=3_000_000)
+    assert frame["usage"] == {"prompt_tokens": None, "completion_tokens": 0}
+    assert frame["timing"]["server"] == {
+        "queue_ms": None,
+        "prefill_ms": None,
+        "first_token_ms": None,
+    }
+    bridge = frame["timing"]["bridge"]
+    assert bridge["ttft_ms"] is None and bridge["relay_mean_ms"] is None
+    assert bridge["total_ms"] == 3.0
+
+
+def test_token_and_error_frames():
+    """Token frames carry the delta and the running count; errors an id (or None) and a code."""
+    assert token_frame("g", "hi", 3) == {"type": "token", "id": "g", "text": "hi", "n": 3}
+    assert error_frame(None, "bad_frame", "m") == {
+        "type": "error",
+        "id": None,
+        "code": "bad_frame",
+        "message": "m",
+    }

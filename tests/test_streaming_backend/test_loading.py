@@ -1,0 +1,103 @@
+"""Loading: dtype and device names, EOS ids, context length, the cached GGUF conversion."""
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import TINY_CONTEXT
+
+from streaming_backend import loading
+
+
+@pytest.mark.parametrize(
+    "name, dtype",
+    [
+        ("auto", torch.bfloat16),
+        ("float32", torch.float32),
+        ("fp32", torch.float32),
+        ("bf16", torch.bfloat16),
+        ("fp16", torch.float16),
+        ("half", torch.float16),
+    ],
+)
+def test_dtype_names(name, dtype):
+    """Full names and the usual short ones; auto is bfloat16."""
+    assert loading.resolve_dtype(name, torch.device("cpu")) == dtype
+
+
+def test_unknown_dtype_is_refused():
+    """A dtype we do not know is refused with the choices."""
+    with pytest.raises(ValueError, match="unknown dtype 'int8'; choose auto, float32"):
+        loading.resolve_dtype("int8", torch.device("cpu"))
+
+
+def test_devices():
+    """auto is CUDA when there is one, else the CPU; an explicit device is taken as given."""
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert loading.resolve_device("auto").type == expected
+    assert loading.resolve_device("cpu") == torch.device("cpu")
+    assert loading.resolve_device("cuda:1") == torch.device("cuda", 1)
+
+
+def _model(eos, max_positions):
+    return SimpleNamespace(
+        generation_config=SimpleNamespace(eos_token_id=eos),
+        config=SimpleNamespace(max_position_embeddings=max_positions),
+    )
+
+
+@pytest.mark.parametrize(
+    "model_eos, tokenizer_eos, ids",
+    [
+        (2, 2, {2}),
+        ([2, 7], 2, {2, 7}),
+        (None, 3, {3}),
+        ((4,), None, {4}),
+        (None, None, set()),
+    ],
+)
+def test_eos_ids_from_model_and_tokenizer(model_eos, tokenizer_eos, ids):
+    """EOS ids are the union of the generation config's (an int or a list) and the tokenizer's."""
+    tokenizer = SimpleNamespace(eos_token_id=tokenizer_eos)
+    assert loading._eos_ids(_model(model_eos, 1), tokenizer) == frozenset(ids)
+
+
+@pytest.mark.parametrize(
+    "max_positions, tokenizer_max, length",
+    [(2048, 10**30, 2048), (None, 512, 512), (None, 10**30, 1_000_000)],
+)
+def test_context_length(max_positions, tokenizer_max, length):
+    """The model's position limit, else the tokenizer's, capped (tokenizers say 1e30 for none)."""
+    tokenizer = SimpleNamespace(model_max_length=tokenizer_max)
+    assert loading._context_length(_model(None, max_positions), tokenizer) == length
+
+
+def test_load_a_model_folder(tiny_model_dir):
+    """A Hugging Face folder loads in the asked dtype, with its EOS ids and context."""
+    loaded = loading.load_model(str(tiny_model_dir), dtype="fp32", device="cpu")
+    assert loaded.dtype == torch.float32 and loaded.device == torch.device("cpu")
+    assert next(loaded.model.parameters()).dtype == torch.float32
+    assert loaded.eos_ids == {loaded.tokenizer.eos_token_id}
+    assert loaded.context_length == TINY_CONTEXT
+    assert loaded.name == tiny_model_dir.name
+    assert not loaded.model.training
+
+
+def test_a_missing_gguf_file(tmp_path):
+    """A .gguf path that is not there fails with its path, before any conversion."""
+    with pytest.raises(FileNotFoundError, match="no GGUF file at"):
+        loading.load_model(str(tmp_path / "absent.gguf"))
+
+
+def test_the_default_model_is_converted_once(default_model_dir):
+    """The bundled GGUF converts to a cached folder named by its content; later calls reuse it."""
+    gguf = loading.default_model_path()
+    assert gguf.name == loading.DEFAULT_MODEL_FILE
+    config = default_model_dir / "config.json"
+    stamp = os.stat(config).st_mtime_ns
+    assert loading.convert_gguf(gguf) == default_model_dir
+    assert os.stat(config).st_mtime_ns == stamp  # reused, not rewritten
+    assert default_model_dir.name.startswith(gguf.stem + "-")
+    assert (default_model_dir / "tokenizer.json").is_file()
+    assert list(default_model_dir.glob("*.safetensors"))
