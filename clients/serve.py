@@ -217,7 +217,7 @@ def _serve(
         print(f"tokenstream: {error}", file=sys.stderr, flush=True)
         return 1
     server = supervisor.server
-    bridge = _bridge(server, cfg.bridge_port) if cfg.bridge_port else None
+    bridge = _bridge(server, cfg.bridge_port, supervisor.ready) if cfg.bridge_port else None
     _print_endpoints(server, cfg.bridge_port if bridge else 0, cfg.supervisor_port)
     bridge_stop = threading.Event()
     bridge_thread = None
@@ -260,7 +260,7 @@ def _print_endpoints(server: TritonServer, bridge_port: int, supervisor_port: in
     print("\n".join(lines), flush=True)
 
 
-def _bridge(server: TritonServer, port: int) -> RunUntil | None:
+def _bridge(server: TritonServer, port: int, ready: Callable[[], bool]) -> RunUntil | None:
     """The websocket bridge in front of `server`; None, with a warning, when it cannot run."""
     # optional: `serve` goes on without it when websockets or tritonclient are not installed
     try:
@@ -268,7 +268,9 @@ def _bridge(server: TritonServer, port: int) -> RunUntil | None:
     except ImportError as error:
         print(f"tokenstream: warning: websocket bridge not started ({error})", flush=True)
         return None
-    cfg = BridgeConfig(triton_url=server.grpc_url, host=server.config.host, port=port)
+    cfg = BridgeConfig(
+        triton_url=server.grpc_url, host=server.config.host, port=port, also_ready=ready
+    )
     return functools.partial(serve_bridge, cfg)
 
 

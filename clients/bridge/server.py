@@ -57,7 +57,9 @@ class Bridge:
 
     async def start(self) -> None:
         """Connect to Triton, start the health watch, listen."""
-        self.client = AsyncChatClient(self.cfg.triton_url, self.cfg.model)
+        self.client = AsyncChatClient(
+            self.cfg.triton_url, self.cfg.model, idle_timeout_s=self.cfg.upstream_idle_timeout_s
+        )
         self.triton_ready = await self.client.is_ready()
         self._health_task = asyncio.create_task(self._watch_triton())
         self._server = await serve(
@@ -97,10 +99,16 @@ class Bridge:
                 log.log(level, "Triton at %s is %s", self.cfg.triton_url, _state(ready))
             self.triton_ready = ready
 
+    @property
+    def ready(self) -> bool:
+        """Triton is ready, and so is whatever else the config names (the supervisor)."""
+        also = self.cfg.also_ready
+        return self.triton_ready and (also is None or also())
+
     def health(self) -> dict[str, Any]:
         """The /healthz body."""
         return {
-            "ready": self.triton_ready,
+            "ready": self.ready,
             "triton": self.cfg.triton_url,
             "triton_state": _state(self.triton_ready),
             "connections": len(self.connections),
@@ -113,7 +121,8 @@ class Bridge:
         if not http.host_allowed(request.headers.get("Host"), self.cfg.host):
             return http.json_response(403, {"error": "host not allowed"})
         if path == http.HEALTH_PATH:
-            return http.json_response(200 if self.triton_ready else 503, self.health())
+            health = self.health()
+            return http.json_response(200 if health["ready"] else 503, health)
         if path in http.STATIC_FILES:
             return http.static_response(path)
         if path != http.WS_PATH:

@@ -111,9 +111,10 @@ class Supervisor:
     # ---- readiness --------------------------------------------------------------------------
 
     def ready(self) -> bool:
-        """Ready for traffic: serving, not recovering, reloading a failed state or draining."""
+        """Ready for traffic: serving (also while a reload swaps the model), not starting,
+        recovering, draining or failed. Cheap (no request to Triton): the bridge asks per frame."""
         server = self.server
-        return self.state in (READY, RELOADING) and server is not None and server.is_ready()
+        return self.state in (READY, RELOADING) and server is not None and server.returncode is None
 
     def status(self) -> dict:
         """State, reason, counters and endpoints, as /status shows them."""
