@@ -28,6 +28,9 @@ class BridgeConfig:
     ping_interval_s: float | None = 20.0
     ping_timeout_s: float | None = 20.0
     close_timeout_s: float = 2.0
+    # on stop, running generations get this long to end (under `serve` the drain has ended them
+    # upstream already) and their last frames to go out, before sockets close with 1001
+    stop_grace_s: float = 2.0
     health_interval_s: float = 1.0
     socket_send_buffer: int | None = None  # SO_SNDBUF per client socket; None = kernel default
     model: str = CHAT_MODEL

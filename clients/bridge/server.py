@@ -105,6 +105,14 @@ class Bridge:
         also = self.cfg.also_ready
         return self.triton_ready and (also is None or also())
 
+    async def settle(self, grace_s: float) -> None:
+        """Wait up to `grace_s` for running generations to end and every queued frame to go."""
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while any(c.generations or not c.outbox.empty() for c in self.connections):
+            if asyncio.get_running_loop().time() >= deadline:
+                return
+            await asyncio.sleep(0.02)
+
     def health(self) -> dict[str, Any]:
         """The /healthz body."""
         return {
@@ -161,8 +169,9 @@ def _state(ready: bool) -> str:
 async def serve_bridge(cfg: BridgeConfig, stop: asyncio.Event | None = None) -> None:
     """Run the bridge until `stop` is set (forever without one)."""
     stop = stop or asyncio.Event()
-    async with Bridge(cfg):
+    async with Bridge(cfg) as bridge:
         await stop.wait()
+        await bridge.settle(cfg.stop_grace_s)
 
 
 def run_bridge(cfg: BridgeConfig) -> None:
