@@ -313,3 +313,55 @@ def stub_pids(server) -> list[int]:
         if b"triton_python_backend_stub" in command:
             found.append(pid)
     return found
+
+
+def ws_generation(port: int, max_tokens: int, result: dict, prompt: str = "Hello") -> None:
+    """One websocket generation through a bridge on `port`: fills `result` with the tokens
+    received, `started`, the last frame (`done` or `error`) and when it came (`at`)."""
+    from websockets.sync.client import connect
+
+    with connect(f"ws://127.0.0.1:{port}/ws") as ws:
+        params = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+        ws.send(json.dumps({"type": "generate", "id": "g", "prompt": prompt, "params": params}))
+        result["tokens"] = 0
+        while True:
+            got = json.loads(ws.recv(timeout=60))
+            if got["type"] == "token":
+                result["tokens"] += 1
+                result["started"] = True
+            else:
+                result.update(last=got, at=time.monotonic())
+                return
+
+
+@contextlib.contextmanager
+def bridge_thread(triton_grpc_url: str, **overrides):
+    """A websocket bridge in front of `triton_grpc_url`, on its own event loop thread; yields
+    its port."""
+    import asyncio
+
+    from clients.bridge import BridgeConfig, serve_bridge
+    from streaming_backend.launcher import free_port
+
+    port = free_port()
+    cfg = BridgeConfig(triton_url=triton_grpc_url, port=port, health_interval_s=0.2, **overrides)
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    thread = threading.Thread(
+        target=loop.run_until_complete, args=(serve_bridge(cfg, stop),), daemon=True
+    )
+    thread.start()
+    try:
+        wait_for(lambda: _listening(port), timeout=30)
+        yield port
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(timeout=30)
+        loop.close()
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0

@@ -10,7 +10,6 @@ in Triton until the exit timeout (then the launcher kills it), so clients here c
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -22,8 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import GrpcStream, alive, shm_files, wait_for
-from websockets.sync.client import connect
+from conftest import GrpcStream, alive, shm_files, wait_for, ws_generation
 
 from streaming_backend.launcher import free_port
 from streaming_backend.launcher.processes import descendants, is_alive
@@ -69,22 +67,6 @@ def ready_status(port: int) -> int | None:
         return error.code
     except OSError:
         return None
-
-
-def ws_generation(port: int, max_tokens: int, result: dict) -> None:
-    """One websocket generation through the bridge; records its last frame and when it came."""
-    with connect(f"ws://127.0.0.1:{port}/ws") as ws:
-        params = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
-        ws.send(json.dumps({"type": "generate", "id": "g", "prompt": "Hello", "params": params}))
-        while True:
-            got = json.loads(ws.recv(timeout=60))
-            result.setdefault("tokens", 0)
-            if got["type"] == "token":
-                result["tokens"] += 1
-                result["started"] = True
-            else:
-                result.update(last=got, at=time.monotonic())
-                return
 
 
 def test_sigterm_drains_then_exits_cleanly(tiny_model_dir: Path) -> None:

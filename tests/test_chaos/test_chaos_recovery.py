@@ -19,10 +19,18 @@ import urllib.request
 
 import numpy as np
 import pytest
-from conftest import GrpcStream, stub_pids, supervised_server, wait_for
+from conftest import (
+    GrpcStream,
+    bridge_thread,
+    stub_pids,
+    supervised_server,
+    wait_for,
+    ws_generation,
+)
 
 from streaming_backend import wire
 from streaming_backend.launcher.control import control
+from streaming_backend.wire import SERVER_LOST, UNAVAILABLE
 
 pytestmark = [pytest.mark.chaos, pytest.mark.server]
 
@@ -50,14 +58,18 @@ def second_tiny_model_dir(tmp_path_factory, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def chaos_server(tiny_model_dir):
-    """One supervised tiny-model server for the whole module."""
+    """One supervised tiny-model server for the whole module, and a bridge in front of it.
+
+    Yields (supervisor, health_url, events, bridge_port).
+    """
     with supervised_server(
         tiny_model_dir,
         max_streams=32,
         queue_limit=1100,
         model_parameters={"test_token_delay_ms": str(TOKEN_DELAY_MS)},
-    ) as running:
-        yield running
+    ) as (supervisor, health_url, events):
+        with bridge_thread(supervisor.server.grpc_url, also_ready=supervisor.ready) as port:
+            yield supervisor, health_url, events, port
 
 
 def greedy_text(grpc_url: str) -> str:
@@ -89,7 +101,7 @@ def test_reload_under_16_streams_finishes_them_and_serves_the_new_model(
 ) -> None:
     """All 16 streams open during a reload end with FINAL and their full length; probes sent
     all along never fail; requests after the reload get the new model's text."""
-    supervisor, health_url, events = chaos_server
+    supervisor, health_url, events, _ = chaos_server
     grpc_url = supervisor.server.grpc_url
     before = greedy_text(grpc_url)
     streams = [GrpcStream(grpc_url, max_tokens=LONG).start() for _ in range(16)]
@@ -132,7 +144,7 @@ def test_reload_under_16_streams_finishes_them_and_serves_the_new_model(
 def test_cancel_storm_leaves_no_live_stream(chaos_server) -> None:
     """1,000 streams over 20 channels: random cancels and channel closes. After it, no request
     is active in the model and a normal request works."""
-    supervisor, _, _ = chaos_server
+    supervisor = chaos_server[0]
     started = time.monotonic()
     outcome = asyncio.run(cancel_storm(supervisor.server.grpc_url, streams=1000, channels=20))
     took = time.monotonic() - started
@@ -225,19 +237,31 @@ def aio_inputs(max_tokens: int):
 
 
 def kill_and_measure(chaos_server, victim: str) -> None:
-    """kill -9 `victim` (the stub or tritonserver) under 8 open streams; every stream ends with
-    an error within 5 s, readiness drops, and the model serves again by itself."""
-    supervisor, health_url, events = chaos_server
+    """kill -9 `victim` (the stub or tritonserver) under 8 gRPC streams and 8 websocket
+    generations; every one ends with an error within 5 s, readiness drops, and the model serves
+    again by itself."""
+    supervisor, health_url, events, bridge_port = chaos_server
     server = supervisor.server
     before = sum(restarts(health_url).values())
     streams = [GrpcStream(server.grpc_url, max_tokens=LONG).start() for _ in range(8)]
+    sockets = [{} for _ in range(8)]
+    workers = [
+        threading.Thread(target=ws_generation, args=(bridge_port, LONG, r), daemon=True)
+        for r in sockets
+    ]
+    for worker in workers:
+        worker.start()
     wait_for(lambda: all(s.tokens > 0 for s in streams), timeout=60)
+    wait_for(lambda: all(r.get("started") for r in sockets), timeout=60)
     pid = stub_pids(server)[0] if victim == "stub" else server.pid
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     for stream in streams:
         assert stream.ended.wait(ERROR_WITHIN_S + 5)
+    for worker in workers:
+        worker.join(timeout=ERROR_WITHIN_S + 5)
     error_times = [s.ended_at - killed_at for s in streams]
+    ws_times = [r["at"] - killed_at for r in sockets]
     saw_not_ready = status(f"{health_url}/ready") != 200
     wait_for(lambda: status(f"{health_url}/ready") == 200, timeout=300)
     ready_at = time.monotonic()
@@ -246,12 +270,16 @@ def kill_and_measure(chaos_server, victim: str) -> None:
     for stream in streams:
         stream.close()
     print(
-        f"\nkill -9 {victim}: streams ended after {min(error_times):.2f}-{max(error_times):.2f} s "
-        f"with {streams[0].error}; ready again after {ready_at - killed_at:.1f} s, first new "
-        f"answer after {served_at - killed_at:.1f} s"
+        f"\nkill -9 {victim}: gRPC streams ended after {min(error_times):.2f}-"
+        f"{max(error_times):.2f} s with {streams[0].error}; websockets after "
+        f"{min(ws_times):.2f}-{max(ws_times):.2f} s with {sockets[0]['last']}; ready again after "
+        f"{ready_at - killed_at:.1f} s, first new answer after {served_at - killed_at:.1f} s"
     )
     assert all(s.error is not None and not s.final for s in streams)
     assert max(error_times) < ERROR_WITHIN_S
+    assert [r["last"]["code"] for r in sockets] == [UNAVAILABLE.code] * 8
+    assert all(SERVER_LOST in r["last"]["message"] for r in sockets)
+    assert max(ws_times) < ERROR_WITHIN_S
     assert saw_not_ready
     assert text
     assert sum(restarts(health_url).values()) == before + 1
