@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from clients.bench.metrics import ClockMap, RequestRecord
 from clients.bench.report import RunResult
-from clients.bench.transports import record_response
+from clients.bench.summary import ClockMap, RequestRecord
+from clients.chunk import GenerationError
+from clients.sse_client import event_chunk
 
 # genai-perf stamps are wall clock: a client "monotonic" offset of 0 makes ClockMap convert the
 # server's monotonic stamps to wall time through wall_minus_monotonic_ns.
@@ -22,18 +23,13 @@ WALL_CLOCK = ClockMap(same_clock=False, client_wall_minus_monotonic_ns=0)
 
 
 def request_record(index: int, req: dict) -> RequestRecord:
-    """One perf_analyzer request: send stamp, response stamps and outputs."""
+    """One perf_analyzer request: send stamp, and a Chunk per response (stamp and outputs)."""
     rec = RequestRecord(index=index, sent_ns=int(req["timestamp"]))
-    for ts, out in zip(req["response_timestamps"], req["response_outputs"], strict=False):
-        timing = out.get("timing")
-        record_response(
-            rec,
-            int(ts),
-            text=out.get("text_output") or "",
-            tokens=out.get("num_output_tokens"),
-            timing=json.loads(timing) if timing else None,
-            finish_reason=out.get("finish_reason") or None,
-        )
+    try:
+        for ts, out in zip(req["response_timestamps"], req["response_outputs"], strict=False):
+            rec.chunks.append(event_chunk(out, int(ts), str(index)))
+    except GenerationError as exc:
+        rec.error = exc.message
     return rec
 
 
@@ -57,10 +53,13 @@ def genai_perf_runs(path: Path, url: str = "genai-perf") -> list[RunResult]:
 
 def missing_outputs(runs: list[RunResult]) -> list[str]:
     """What the export lacks for our figures (token counts, server timing)."""
-    responses = [x for run in runs for r in run.records for x in r.responses]
+    chunks = [c for run in runs for r in run.records for c in r.chunks]
     notes = []
-    if responses and not any(x.tokens for x in responses):
-        notes.append("no num_output_tokens: add --extra-inputs return_num_output_tokens:true")
-    if responses and not any(r.server_timing for run in runs for r in run.records):
+    if chunks and all(c.num_output_tokens is None for c in chunks):
+        notes.append(
+            "no num_output_tokens (a response with text counts as one token): "
+            "add --extra-inputs return_num_output_tokens:true"
+        )
+    if chunks and not any(r.server_timing for run in runs for r in run.records):
         notes.append("no server timing: add --extra-inputs return_timing:true")
     return notes
