@@ -16,6 +16,35 @@ from clients.bench.report import RunResult
 from clients.bench.summary import ClockMap, RequestRecord
 from clients.chunk import GenerationError
 from clients.sse_client import event_chunk
+from streaming_backend.wire import (
+    CUMULATIVE_LOGPROB,
+    FINISH_REASON,
+    LOGPROBS,
+    NUM_INPUT_TOKENS,
+    NUM_OUTPUT_TOKENS,
+    OUTPUT_IDS,
+    RETURN_CUMULATIVE_LOGPROB,
+    RETURN_FINISH_REASON,
+    RETURN_LOGPROBS,
+    RETURN_NUM_INPUT_TOKENS,
+    RETURN_NUM_OUTPUT_TOKENS,
+    RETURN_OUTPUT_IDS,
+    RETURN_TIMING,
+    TIMING,
+)
+
+# Outputs the model sends only when asked. perf_analyzer's export lists every output of the
+# model's config on every response, filled with whatever its buffer held (e.g. num_input_tokens
+# 1207959696) when the server did not send it, so only the asked-for ones are read.
+ASKED_BY = {
+    NUM_INPUT_TOKENS: RETURN_NUM_INPUT_TOKENS,
+    NUM_OUTPUT_TOKENS: RETURN_NUM_OUTPUT_TOKENS,
+    OUTPUT_IDS: RETURN_OUTPUT_IDS,
+    FINISH_REASON: RETURN_FINISH_REASON,
+    TIMING: RETURN_TIMING,
+    LOGPROBS: RETURN_LOGPROBS,
+    CUMULATIVE_LOGPROB: RETURN_CUMULATIVE_LOGPROB,
+}
 
 # genai-perf stamps are wall clock: a client "monotonic" offset of 0 makes ClockMap convert the
 # server's monotonic stamps to wall time through wall_minus_monotonic_ns.
@@ -25,12 +54,20 @@ WALL_CLOCK = ClockMap(same_clock=False, client_wall_minus_monotonic_ns=0)
 def request_record(index: int, req: dict) -> RequestRecord:
     """One perf_analyzer request: send stamp, and a Chunk per response (stamp and outputs)."""
     rec = RequestRecord(index=index, sent_ns=int(req["timestamp"]))
+    inputs = req.get("request_inputs")
     try:
         for ts, out in zip(req["response_timestamps"], req["response_outputs"], strict=False):
-            rec.chunks.append(event_chunk(out, int(ts), str(index)))
+            rec.chunks.append(event_chunk(asked_outputs(out, inputs), int(ts), str(index)))
     except GenerationError as exc:
         rec.error = exc.message
     return rec
+
+
+def asked_outputs(outputs: dict, inputs: dict | None) -> dict:
+    """The outputs of one response that the request asked for (all when the inputs are unknown)."""
+    if inputs is None:
+        return outputs
+    return {k: v for k, v in outputs.items() if k not in ASKED_BY or inputs.get(ASKED_BY[k])}
 
 
 def experiment_run(exp: dict, url: str) -> RunResult:

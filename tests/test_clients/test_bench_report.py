@@ -252,3 +252,21 @@ def test_genai_perf_export_counts_every_request_as_genai_perf(tmp_path):
     assert s["ttft_ms"]["avg"] == pytest.approx((100 + 40) / 2)
     assert s["time_to_first_text_ms"]["count"] == 1
     assert s["time_to_first_text_ms"]["avg"] == pytest.approx(150)
+
+
+def test_genai_perf_export_ignores_outputs_the_request_did_not_ask_for(tmp_path):
+    """perf_analyzer lists every output on every response, with junk where the server sent
+    none: only the outputs the request's return_* inputs asked for are read."""
+    doc = genai_perf_export()
+    request = doc["experiments"][0]["requests"][0]
+    request["request_inputs"] = {"return_num_output_tokens": True, "return_timing": True}
+    for out in request["response_outputs"]:
+        out["num_input_tokens"] = 1207959696  # not asked for: buffer contents
+    path = tmp_path / "profile_export.json"
+    path.write_text(json.dumps(doc))
+    from clients.bench.genai_perf import genai_perf_runs
+
+    (run,) = genai_perf_runs(path)
+    (record,) = run.records
+    assert record.prompt_tokens is None and record.output_tokens() == 3
+    assert record.server_timing is not None
