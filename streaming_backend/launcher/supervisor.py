@@ -259,6 +259,8 @@ class Supervisor:
                 raise ControlError(f"no model {name!r} in the repository")
             started = time.monotonic()
             self.state = RELOADING
+            if self._watch is not None:
+                self._watch.pause()
             try:
                 self._swap(server, config_path, name, model)
             except ControlError:
@@ -266,6 +268,8 @@ class Supervisor:
                 raise
             finally:
                 self.state = READY if self.state == RELOADING else self.state
+                if self._watch is not None:
+                    self._watch.resume()
             self.reloads["ok"] += 1
             return time.monotonic() - started
 

@@ -46,6 +46,7 @@ class Watch:
         self.canary: CanaryConfig = canary
         self._zombies_seen: set[int] = set()
         self._verdict: Failure | None = None  # set by the canary thread
+        self._paused = threading.Event()  # set while a reload loads: slow answers are expected
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._canary_loop, name="canary", daemon=True)
 
@@ -57,6 +58,15 @@ class Watch:
     def close(self) -> None:
         """Stop the canary thread."""
         self._stop.set()
+
+    def pause(self) -> None:
+        """Stop judging the canary (a reload makes the model slow to answer for a while)."""
+        self._paused.set()
+
+    def resume(self) -> None:
+        """Judge the canary again, starting afresh."""
+        self._verdict = None
+        self._paused.clear()
 
     def check(self) -> Failure | None:
         """One look at the processes, plus the canary's latest verdict."""
@@ -76,9 +86,12 @@ class Watch:
         """Ask each model for its health every interval; record a Failure when it is lost."""
         misses = dict.fromkeys(self.models, 0)
         while not self._stop.wait(self.canary.interval_s):
+            if self._paused.is_set():
+                misses = dict.fromkeys(self.models, 0)
+                continue
             for model in self.models:
                 failure = self._ask(model, misses)
-                if failure is not None and not self._stop.is_set():
+                if failure is not None and not self._stop.is_set() and not self._paused.is_set():
                     self._verdict = failure
                     return
 
