@@ -189,8 +189,9 @@ def alive(processes: dict[int, int]) -> list[int]:
 
 
 @contextlib.contextmanager
-def supervised_server(model_dir, canary_interval_s: float = 0.5, **server_overrides):
-    """A Supervisor watching a tiny-model server from a thread, and its HTTP port's URL.
+def supervised_server(model_dir, canary_interval_s: float = 0.5, budget=None, **server_overrides):
+    """A Supervisor watching a server (of `model_dir` as the chat model, None: the repository's
+    own models) from a thread, and its HTTP port's URL.
 
     Yields (supervisor, health_url, events): events collects the supervisor's log lines.
     """
@@ -200,7 +201,7 @@ def supervised_server(model_dir, canary_interval_s: float = 0.5, **server_overri
     from streaming_backend.launcher.watch import CanaryConfig
 
     server = ServerConfig(
-        model=str(model_dir),
+        model=str(model_dir) if model_dir is not None else None,
         dtype="float32",
         http_port=free_port(),
         grpc_port=free_port(),
@@ -209,7 +210,10 @@ def supervised_server(model_dir, canary_interval_s: float = 0.5, **server_overri
     )
     canary = CanaryConfig(interval_s=canary_interval_s, timeout_s=5.0)
     events: list[str] = []
-    supervisor = Supervisor(SupervisorConfig(server, canary=canary), events.append, None)
+    config = SupervisorConfig(server, canary=canary)
+    if budget is not None:
+        config = SupervisorConfig(server, budget=budget, canary=canary)
+    supervisor = Supervisor(config, events.append, None)
     stop = threading.Event()
     health = HealthServer(supervisor, "127.0.0.1", free_port()).start()
     watcher = threading.Thread(target=supervisor.watch, args=(stop,), daemon=True)

@@ -137,3 +137,42 @@ def test_sigterm_drains_then_exits_cleanly(tiny_model_dir: Path) -> None:
         assert sign not in text
     assert alive(family) == []
     assert shm_files(f"tokenstream_{process.pid}_") == []
+
+
+def test_a_second_signal_stops_at_once(tiny_model_dir: Path) -> None:
+    """SIGTERM starts a 60 s drain; a second SIGTERM ends it at once and nothing is left."""
+    ports = {name: free_port() for name in ("http", "grpc", "metrics", "supervisor")}
+    command = [sys.executable, "-m", "clients.cli", "serve", f"--model={tiny_model_dir}"]
+    command += ["--dtype=float32", "--parameter=test_token_delay_ms=20", "--no-bridge"]
+    command += [f"--{name}-port={port}" for name, port in ports.items()]
+    command += ["--drain-timeout=60"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = Output(process)
+    family: dict[int, int] = {}
+    try:
+        output.wait("Triton is ready", timeout=300)
+        family = descendants(process.pid)
+        stream = GrpcStream(f"127.0.0.1:{ports['grpc']}", max_tokens=LONG).start()
+        wait_for(lambda: stream.tokens > 0, timeout=60)
+        process.send_signal(signal.SIGTERM)
+        output.wait("draining:", timeout=30)
+        second = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=30)
+        took = time.monotonic() - second
+        assert stream.ended.wait(10)
+        stream.close()
+        text = output.text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        for pid, start in family.items():
+            if is_alive(pid, start):
+                os.kill(pid, signal.SIGKILL)
+    print(f"\nsecond signal: serve exited {took:.1f} s after it; the stream got {stream.error}")
+    assert code == 0 and "stopping at once" in text
+    assert took < 15
+    assert stream.error is not None and not stream.final
+    assert alive(family) == []
+    assert shm_files(f"tokenstream_{process.pid}_") == []

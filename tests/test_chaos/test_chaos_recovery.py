@@ -2,7 +2,8 @@
 process and a killed tritonserver, without any action from a person.
 
 The tests share one supervised server, in this order (each leaves it serving): reload under 16
-streams, cancel storm, kill -9 of the stub, kill -9 of tritonserver. Each prints what it measured.
+streams, cancel storm, kill -9 of the stub, kill -9 of tritonserver, a frozen stub (SIGSTOP: alive
+but silent, found by the canary). Each prints what it measured.
 """
 
 from __future__ import annotations
@@ -296,3 +297,32 @@ def test_kill_9_of_tritonserver_ends_streams_and_recovers(chaos_server) -> None:
     """A dead tritonserver: the same."""
     kill_and_measure(chaos_server, "tritonserver")
     assert restarts(chaos_server[1]).get("server_died") == 1
+
+
+def test_a_frozen_model_process_is_found_by_the_canary_and_replaced(chaos_server) -> None:
+    """SIGSTOP of the stub: no process died, Triton still says ready, but the model stops
+    answering; the canary notices, open streams end with an error and a new Triton serves."""
+    supervisor, health_url, events, _ = chaos_server
+    server = supervisor.server
+    streams = [GrpcStream(server.grpc_url, max_tokens=LONG).start() for _ in range(4)]
+    wait_for(lambda: all(s.tokens > 0 for s in streams), timeout=60)
+    stub = stub_pids(server)[0]
+    frozen_at = time.monotonic()
+    os.kill(stub, signal.SIGSTOP)
+    try:
+        for stream in streams:
+            assert stream.ended.wait(60)
+        ended = max(s.ended_at for s in streams) - frozen_at
+        wait_for(lambda: status(f"{health_url}/ready") == 200, timeout=300)
+        back = time.monotonic() - frozen_at
+        assert greedy_text(supervisor.server.grpc_url)
+    finally:
+        for stream in streams:
+            stream.close()
+    print(
+        f"\nSIGSTOP stub: streams ended after {ended:.1f} s (canary: 2 misses of 5 s); ready "
+        f"again after {back:.1f} s"
+    )
+    assert all(s.error is not None for s in streams)
+    assert restarts(health_url).get("unresponsive") == 1
+    assert any("did not answer" in line for line in events)

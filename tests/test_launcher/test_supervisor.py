@@ -4,6 +4,8 @@ tritonserver on the tiny model; its repository API is closed to plain clients.""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import urllib.error
 import urllib.request
@@ -11,7 +13,7 @@ import urllib.request
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from conftest import supervised_server
+from conftest import stub_pids, supervised_server, wait_for
 from tritonclient.utils import InferenceServerException
 
 from streaming_backend.launcher.control import ControlError, control, unload_model
@@ -170,3 +172,25 @@ def test_reload_needs_the_admin_key_and_a_failed_reload_keeps_the_old_model(
     assert infer_text(supervisor.server.grpc_url, "Hello")
     assert get(f"{url}/ready")[0] == 200
     assert supervisor.reloads["failed"] == 1
+
+
+@pytest.mark.server
+def test_a_crash_looping_model_backs_off_then_stays_down_with_a_reason(echo_repository) -> None:
+    """With a budget of one restart: the first dead stub is restarted, the second one is not;
+    readiness then stays 503 and /status says why."""
+    budget = RestartBudget(max_restarts=1, window_s=600)
+    with supervised_server(None, repository=echo_repository, budget=budget) as running:
+        supervisor, url, events = running
+        first = supervisor.server
+        os.kill(stub_pids(first)[0], signal.SIGKILL)
+        wait_for(lambda: supervisor.server is not first and supervisor.state == "ready", 120)
+        assert get(f"{url}/ready")[0] == 200
+        os.kill(stub_pids(supervisor.server)[0], signal.SIGKILL)
+        wait_for(lambda: supervisor.state == "failed", timeout=30)
+        status, body = get(f"{url}/ready")
+        assert status == 503 and body["state"] == "failed"
+        assert "gave up" in body["reason"] and "model process" in body["reason"]
+        assert body["restarts"] == {"stub_died": 2}
+        assert get(f"{url}/live")[0] == 200  # the supervisor itself is fine
+    assert sum("restarting tritonserver" in line for line in events) == 2
+    assert any("gave up" in line for line in events)
