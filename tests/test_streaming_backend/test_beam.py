@@ -43,21 +43,28 @@ def small_vocab_model(vocab: int, eos: frozenset[int]) -> LoadedModel:
     return LoadedModel(model, None, torch.device("cpu"), torch.float32, eos, 64, "small")
 
 
-def all_sequences(vocab: int, length: int, eos: frozenset[int]):
-    """Every sequence the search could return: ends with an end id, or has `length` tokens."""
-    for n in range(1, length + 1):
-        for seq in itertools.product(range(vocab), repeat=n):
-            if any(t in eos for t in seq[:-1]):
-                continue
-            if n < length and seq[-1] not in eos:
-                continue
-            yield seq
+def prefix_log_probs(loaded, length: int) -> dict[tuple[int, ...], float]:
+    """The model's log-probability of every sequence of 1..length tokens after PROMPT."""
+    vocab = loaded.model.config.vocab_size
+    full = torch.tensor(list(itertools.product(range(vocab), repeat=length)))  # [V**L, L]
+    ids = torch.cat([torch.tensor(PROMPT).expand(len(full), -1), full], dim=1)
+    with torch.inference_mode():
+        logits = loaded.model(input_ids=ids).logits.float()  # [V**L, P + L, V]
+    steps = torch.log_softmax(logits[:, len(PROMPT) - 1 : -1], dim=-1)  # [V**L, L, V]
+    cum = steps.gather(-1, full[:, :, None]).squeeze(-1).cumsum(-1)  # [V**L, L]
+    found = {}
+    for row, seq in enumerate(full.tolist()):
+        for n in range(1, length + 1):
+            found[tuple(seq[:n])] = float(cum[row, n - 1])
+    return found
 
 
 def exhaustive_top(loaded, length, width, eos, penalty):
+    """The `width` best sequences that end with an end id or have `length` tokens."""
     scored = []
-    for seq in all_sequences(loaded.model.config.vocab_size, length, eos):
-        cum = sequence_log_prob(loaded, PROMPT, seq)
+    for seq, cum in prefix_log_probs(loaded, length).items():
+        if any(t in eos for t in seq[:-1]) or (len(seq) < length and seq[-1] not in eos):
+            continue  # the search cannot return it: it ran past an end id, or stopped early
         scored.append((length_normalised(cum, len(seq), penalty), seq, cum))
     scored.sort(reverse=True)
     return scored[:width]
