@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
+from streaming_backend import serve_models
+
 CHECKOUT_REPOSITORY = Path(__file__).resolve().parent.parent / "repository"  # a source checkout
 REPOSITORY_VARIABLE = "TOKENSTREAM_REPOSITORY"  # where an installed (non-editable) copy looks
 NGC_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
@@ -67,6 +69,8 @@ class ServerConfig:
     max_streams: int | None = None
     queue_limit: int | None = None
     model_parameters: Mapping[str, str] = field(default_factory=dict)  # extra config.pbtxt keys
+    models: tuple[str, ...] = ()  # models to load (explicit model control); (): every model
+    dialogue: serve_models.DialogueBatching = field(default_factory=serve_models.DialogueBatching)
     host: str = "127.0.0.1"
     http_port: int = DEFAULT_PORTS["http"]
     grpc_port: int = DEFAULT_PORTS["grpc"]
@@ -215,27 +219,35 @@ def patch_parameters(config_text: str, mapping: Mapping[str, str]) -> str:
     return config_text
 
 
-def make_runtime_repository(source: Path, parameters: Mapping[str, str]) -> Path:
-    """A temp copy of a model repository with `parameters` set in every model's config.pbtxt."""
+def make_runtime_repository(
+    source: Path,
+    parameters: Mapping[str, str],
+    rewrites: Mapping[str, Callable[[str], str]] | None = None,
+) -> Path:
+    """A temp copy of a model repository with `parameters` set in every model's config.pbtxt
+    (and `rewrites[model]` applied to that model's)."""
     if not source.is_dir():
         raise FileNotFoundError(f"model repository {source} does not exist")
     runtime = Path(tempfile.mkdtemp(prefix="tokenstream-repo-"))
     try:
         for model_dir in sorted(source.iterdir()):
             if model_dir.is_dir() and not model_dir.name.startswith("."):
-                _copy_model(model_dir, runtime / model_dir.name, parameters)
+                rewrite = (rewrites or {}).get(model_dir.name, lambda text: text)
+                _copy_model(model_dir, runtime / model_dir.name, parameters, rewrite)
     except BaseException:
         shutil.rmtree(runtime, ignore_errors=True)
         raise
     return runtime
 
 
-def _copy_model(source: Path, target: Path, parameters: Mapping[str, str]) -> None:
+def _copy_model(
+    source: Path, target: Path, parameters: Mapping[str, str], rewrite: Callable[[str], str]
+) -> None:
     """Patch config.pbtxt into `target`; link everything else (version folders, files)."""
     target.mkdir()
     for entry in source.iterdir():
         if entry.name == "config.pbtxt":
-            text = patch_parameters(entry.read_text(), parameters)
+            text = rewrite(patch_parameters(entry.read_text(), parameters))
             (target / entry.name).write_text(text)
         else:
             (target / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
@@ -404,7 +416,7 @@ class TritonServer:
             raise RuntimeError("a TritonServer starts once; make a new one")
         binary = find_tritonserver(self.config.tritonserver)
         self._runtime_repository = make_runtime_repository(
-            self.config.repository, self.config.parameters()
+            self.config.repository, self.config.parameters(), self.config.dialogue.rewrites()
         )
         try:
             # a new session: Ctrl-C in a terminal does not reach the server behind our back, and
@@ -430,7 +442,7 @@ class TritonServer:
     def command(self, binary: TritonBinary) -> list[str]:
         """The tritonserver command line for this config."""
         c = self.config
-        return _parent_death_prefix() + [
+        command = _parent_death_prefix() + [
             str(binary.binary),
             f"--model-repository={self._runtime_repository}",
             f"--backend-directory={binary.backend_dir}",
@@ -445,6 +457,7 @@ class TritonServer:
             # our own shm name prefix, so stop() deletes exactly this server's regions
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]
+        return command + _model_control(c.models)
 
     def wait_ready(
         self, timeout: float | None = None, abort: threading.Event | None = None
@@ -580,6 +593,13 @@ class TritonServer:
         self.stop()
 
 
+def _model_control(models: tuple[str, ...]) -> list[str]:
+    """Load only `models` (explicit model control); every model when empty."""
+    if not models:
+        return []
+    return ["--model-control-mode=explicit"] + [f"--load-model={name}" for name in models]
+
+
 # --------------------------------------------------------------------------- tokenstream serve
 
 
@@ -603,6 +623,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bridge-port", type=int, default=8080, help="0 disables the bridge")
     parser.add_argument("--no-bridge", action="store_true", help="do not run the bridge")
     parser.add_argument("--repository", type=Path, default=None, help=argparse.SUPPRESS)
+    serve_models.add_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -615,6 +636,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_streams=args.max_streams,
         queue_limit=args.queue_limit,
         model_parameters=extra,
+        models=serve_models.models_from_args(args),
+        dialogue=serve_models.batching_from_args(args),
         host=args.host,
         http_port=args.http_port or DEFAULT_PORTS["http"],
         grpc_port=args.grpc_port or DEFAULT_PORTS["grpc"],
@@ -696,7 +719,9 @@ def _watch(server: TritonServer, died: threading.Event, stop: threading.Event) -
 
 
 def _print_endpoints(server: TritonServer, bridge_port: int) -> None:
-    models = sorted(p.name for p in server.config.repository.iterdir() if p.is_dir())
+    models = server.config.models or sorted(
+        p.name for p in server.config.repository.iterdir() if p.is_dir()
+    )
     lines = [
         "tokenstream: Triton is ready",
         f"  models   {', '.join(models)}",

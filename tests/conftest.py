@@ -71,12 +71,15 @@ def tiny_loaded(tiny_model_dir):
 
 
 def start_server(model_dir, **overrides):
-    """Start a real tritonserver on free loopback ports serving `model_dir` as the chat model."""
+    """Start a real tritonserver on free loopback ports serving `model_dir` as the chat model
+    (only the chat model is loaded unless `models=` names others)."""
     from streaming_backend.launcher import ServerConfig, TritonServer, free_port
+    from streaming_backend.wire import CHAT_MODEL
 
     config = ServerConfig(
         model=str(model_dir) if model_dir is not None else None,
         dtype=overrides.pop("dtype", "float32"),
+        models=overrides.pop("models", (CHAT_MODEL,)),
         http_port=free_port(),
         grpc_port=free_port(),
         metrics_port=free_port(),

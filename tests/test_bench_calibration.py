@@ -47,6 +47,7 @@ def delayed_server(tiny_model_dir):
 
     config = ServerConfig(
         model=str(tiny_model_dir),
+        models=("chat",),  # not the dialogue_model
         model_parameters={
             "test_first_token_delay_ms": str(int(FIRST_MS)),
             "test_token_delay_ms": str(int(NEXT_MS)),

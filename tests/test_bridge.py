@@ -497,6 +497,7 @@ async def test_triton_restarted_under_the_bridge(tiny_model_dir):
 
     config = ServerConfig(
         model=str(tiny_model_dir),
+        models=("chat",),  # not the dialogue_model
         dtype="float32",
         http_port=free_port(),
         grpc_port=free_port(),
