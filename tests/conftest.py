@@ -103,3 +103,27 @@ def triton_server(tiny_model_dir):
         yield server
     finally:
         server.stop()
+
+
+DIALOGUE_MAX_BEAM = 4
+DIALOGUE_QUEUE_DELAY_US = 100_000
+
+
+@pytest.fixture(scope="session")
+def dialogue_server(tiny_model_dir):
+    """tritonserver with only the dialogue_model on the tiny model: two instances, dynamic
+    batching with a queue delay of 100 ms (5 ms as shipped), so that requests sent together
+    reliably share a batch, and max_beam_width 4."""
+    from streaming_backend.serve_models import DialogueBatching
+    from streaming_backend.wire import DIALOGUE_MODEL
+
+    server = start_server(
+        tiny_model_dir,
+        models=(DIALOGUE_MODEL,),
+        model_parameters={"max_beam_width": str(DIALOGUE_MAX_BEAM)},
+        dialogue=DialogueBatching(queue_delay_us=DIALOGUE_QUEUE_DELAY_US),
+    )
+    try:
+        yield server
+    finally:
+        server.stop()

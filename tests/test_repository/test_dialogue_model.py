@@ -11,10 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from conftest import start_server
+from conftest import DIALOGUE_MAX_BEAM as MAX_BEAM
 from tritonclient.utils import InferenceServerException
 
-from streaming_backend.serve_models import DialogueBatching
 from streaming_backend.wire import (
     BEAM_WIDTH,
     CUM_LOG_PROBS,
@@ -30,24 +29,6 @@ from streaming_backend.wire import (
 
 pytestmark = pytest.mark.server
 DEFAULT_OUTPUT_LEN = 16  # the model's default_output_len
-MAX_BEAM = 4
-QUEUE_DELAY_US = 100_000
-
-
-@pytest.fixture(scope="module")
-def dialogue_server(tiny_model_dir):
-    """tritonserver with only the dialogue_model: two instances, dynamic batching with a queue
-    delay of 100 ms (5 ms as shipped), so that requests sent together reliably share a batch."""
-    server = start_server(
-        tiny_model_dir,
-        models=(DIALOGUE_MODEL,),
-        model_parameters={"max_beam_width": str(MAX_BEAM)},
-        dialogue=DialogueBatching(queue_delay_us=QUEUE_DELAY_US),
-    )
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
