@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from streaming_backend import kvcache, sampling
-from streaming_backend.beam import BeamSearch, Hypothesis
+from streaming_backend.beam import BeamSearch, Hypothesis, step_all
 from streaming_backend.errors import InvalidRequest, StreamingError
 from streaming_backend.loading import LoadedModel
 from streaming_backend.settings import SamplingSettings
@@ -214,10 +214,12 @@ def _choose(groups, logits: torch.Tensor) -> list[tuple[list[int], list[int]]]:
         tokens, log_probs = _sample([groups[i] for i in sampled], logits[rows])
         for i, token, log_prob in zip(sampled, tokens, log_probs):
             choices[i] = groups[i].advance(token, log_prob)
-    for i, group in enumerate(groups):
-        if isinstance(group, _Beams):
-            rows = logits[starts[i] : starts[i + 1]]  # [W, V]
-            choices[i] = group.search.step(_beam_log_probs(group, rows))
+    beams = [i for i, g in enumerate(groups) if isinstance(g, _Beams)]
+    if beams:
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in beams])
+        log_probs = _beam_log_probs([groups[i] for i in beams], logits[rows])
+        for i, choice in zip(beams, step_all([groups[i].search for i in beams], log_probs)):
+            choices[i] = choice
     return choices
 
 
@@ -238,17 +240,17 @@ def _sample(groups: list[_Sampled], logits: torch.Tensor) -> tuple[list[int], li
     return ids.tolist(), sampling.token_logprobs(logits, ids).tolist()
 
 
-def _beam_log_probs(group: _Beams, logits: torch.Tensor) -> torch.Tensor:
-    """Log-softmax of a beam group's rows [W, V], after its repetition penalty."""
-    penalty = group.request.settings.repetition_penalty
-    if penalty != 1.0:
-        logits = sampling.apply_repetition_penalty(
-            logits.clone(),
-            [
-                (row, penalty, _seen(group.request, tokens, logits))
-                for row, tokens in enumerate(group.search.tokens)
-            ],
-        )
+def _beam_log_probs(groups: list[_Beams], logits: torch.Tensor) -> torch.Tensor:
+    """Log-softmax of the beam groups' stacked rows [R, V], after their repetition penalties."""
+    penalised, row = [], 0
+    for group in groups:
+        penalty = group.request.settings.repetition_penalty
+        for tokens in group.search.tokens:
+            if penalty != 1.0:
+                penalised.append((row, penalty, _seen(group.request, tokens, logits)))
+            row += 1
+    if penalised:
+        logits = sampling.apply_repetition_penalty(logits.clone(), penalised)
     return torch.log_softmax(logits.float(), dim=-1)
 
 

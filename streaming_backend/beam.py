@@ -62,23 +62,27 @@ class BeamSearch:
         """New tokens each running beam holds."""
         return len(self.tokens[0])
 
+    def candidates(self) -> int:
+        """How many of the best continuations a step must see: (1 + end ids) * W."""
+        return (1 + len(self.end_ids)) * self.width
+
     def step(self, log_probs: torch.Tensor) -> tuple[list[int], list[int]]:
         """Advance by one token; log_probs [W, V] of the running beams -> (source rows, tokens).
 
         Row i of the next step continues running beam sources[i] with token tokens[i]. Both
         are empty once the search is done.
         """
-        vocab = log_probs.shape[-1]
+        return step_all([self], log_probs)[0]
+
+    def advance(self, top_scores: list[float], top_index: list[int], vocab: int):
+        """Advance by one token, given the best continuations of all beams, best first
+        (scores: summed log-probs; index: beam * vocab + token) -> (source rows, tokens)."""
         length = self.steps + 1  # of every candidate of this step
         last = length >= self.max_new_tokens
-        total = (self.scores.to(log_probs.device)[:, None] + log_probs.float()).view(-1)  # [W*V]
-        k = min((1 + len(self.end_ids)) * self.width, total.numel())
-        top_scores, top_index = total.topk(k)  # descending
         sources, tokens, scores, new_tokens = [], [], [], []
-        for rank, (score, index) in enumerate(zip(top_scores.tolist(), top_index.tolist())):
+        for rank, (score, index) in enumerate(zip(top_scores, top_index)):
             beam, token = divmod(index, vocab)
-            ends = last or token in self.end_ids
-            if ends:
+            if last or token in self.end_ids:
                 if rank < self.width and score > -math.inf:
                     self._add(self.tokens[beam] + [token], score)
                 continue
@@ -117,3 +121,26 @@ class BeamSearch:
     def _finish(self) -> tuple[list[int], list[int]]:
         self.done = True
         return [], []
+
+
+def step_all(searches: list[BeamSearch], log_probs: torch.Tensor) -> list[tuple[list, list]]:
+    """One step of several searches whose rows are stacked in log_probs [sum of W, V]; searches
+    of one width share one top-k call (a few large tensor operations instead of many small
+    ones) -> (source rows, tokens) per search, rows counted within each search."""
+    vocab = log_probs.shape[-1]
+    starts = [0]
+    for search in searches:
+        starts.append(starts[-1] + search.width)
+    choices: list[tuple[list, list] | None] = [None] * len(searches)
+    for width in sorted({s.width for s in searches}):
+        members = [i for i, s in enumerate(searches) if s.width == width]
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in members])
+        scores = torch.stack([searches[i].scores for i in members]).to(log_probs.device)  # [G, W]
+        total = log_probs[rows].float().view(len(members), width, vocab) + scores[:, :, None]
+        # Taking more candidates than a search needs changes nothing: those past its own count
+        # are never used (there are always W non-ending ones among the first (1 + ends) * W).
+        k = min(max(searches[i].candidates() for i in members), width * vocab)
+        top_scores, top_index = total.view(len(members), -1).topk(k)  # [G, k] best first
+        for i, row_scores, row_index in zip(members, top_scores.tolist(), top_index.tolist()):
+            choices[i] = searches[i].advance(row_scores, row_index, vocab)
+    return choices
