@@ -45,9 +45,11 @@ JITTER_MS = 1.0
 def delayed_server(tiny_model_dir):
     """tritonserver with the tiny model and the calibration delays."""
     from streaming_backend.launcher import ServerConfig, TritonServer, free_port
+    from streaming_backend.wire import CHAT_MODEL
 
     config = ServerConfig(
         model=str(tiny_model_dir),
+        models=(CHAT_MODEL,),  # not the dialogue_model
         model_parameters={
             "test_first_token_delay_ms": str(int(FIRST_MS)),
             "test_token_delay_ms": str(int(NEXT_MS)),
