@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from clients import metrics
 from clients.chunk import Chunk
 from clients.grpc_client import MODEL_NAME, GenerateRequest, GenerationError, stream_generate
 from clients.prompt import InterruptiblePrompt
@@ -142,23 +143,15 @@ def answer(cfg: ChatConfig, history: list[dict], out: TextIO) -> tuple[str, Answ
     return "".join(c.text for c in chunks), measure(start_ns, chunks, finish_reason)
 
 
-def measure(start_ns: int, chunks: Iterable[Chunk], finish_reason: str) -> AnswerStats:
-    """TTFT and decode rate from the receive times of the chunks that carried tokens."""
-    timed = [(c.received_ns, _tokens(c)) for c in chunks if _tokens(c) > 0]
-    if not timed:
-        return AnswerStats(None, 0, None, finish_reason)
-    total = sum(n for _, n in timed)
-    first_ns, first_n = timed[0]
-    span_s = (timed[-1][0] - first_ns) / 1e9
-    rate = (total - first_n) / span_s if span_s > 0 else None
-    return AnswerStats((first_ns - start_ns) / 1e9, total, rate, finish_reason)
-
-
-def _tokens(chunk: Chunk) -> int:
-    # Older servers may not send counts: then a chunk with text counts as one token.
-    if chunk.num_output_tokens is not None:
-        return chunk.num_output_tokens
-    return 1 if chunk.text else 0
+def measure(start_ns: int, chunks: Sequence[Chunk], finish_reason: str) -> AnswerStats:
+    """TTFT, token count and decode rate of one answer (definitions: clients/metrics.py)."""
+    ttft = metrics.time_to_first_token_ns(start_ns, chunks)
+    return AnswerStats(
+        None if ttft is None else ttft / metrics.NS_PER_S,
+        metrics.output_tokens(chunks),
+        metrics.decode_rate(chunks),
+        finish_reason,
+    )
 
 
 def format_stats(stats: AnswerStats) -> str:

@@ -1,11 +1,17 @@
-"""The one client-side type of a model response: every transport (gRPC, SSE) yields Chunks, and
-the terminal chat, the bridge and the benchmark consume them.
+"""The one client-side type of a model response: every transport (gRPC, SSE, the bridge's
+frames) yields Chunks, and the terminal chat, the bridge and the benchmark consume them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
+
+from streaming_backend.wire import INTERNAL, ServerTiming
+
+
+def parse_timing(value) -> ServerTiming | None:
+    """A Chunk's timing from the TIMING output's text (or its decoded object); None if absent."""
+    return ServerTiming.from_json(value)
 
 
 @dataclass(frozen=True)
@@ -13,11 +19,27 @@ class Chunk:
     """One response of a generation, as the client received it."""
 
     text: str
-    num_output_tokens: int | None
+    num_output_tokens: int | None  # the server's count for this response, when it sent one
     num_input_tokens: int | None
     output_ids: tuple[int, ...] | None
     finish_reason: str | None
-    timing: Mapping[str, int] | None
+    timing: ServerTiming | None  # the server's stamps of this response (return_timing)
     final: bool
     request_id: str
     received_ns: int  # time.monotonic_ns() when the response reached this process
+
+    @property
+    def tokens(self) -> int:
+        """Tokens this response carries: the server's count, else 1 if it has text, else 0."""
+        if self.num_output_tokens is not None:
+            return self.num_output_tokens
+        return 1 if self.text else 0
+
+
+class GenerationError(Exception):
+    """A generation failed; `code` is a category (wire.ERROR_CODES), the message the server's."""
+
+    def __init__(self, message: str, code: str = INTERNAL.code) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code

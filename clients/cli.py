@@ -12,8 +12,8 @@ SUBCOMMANDS = {
     "serve": ("clients.serve", "start tritonserver (and the bridge) on repository/"),
     "chat": ("clients.chat", "chat with a running server in the terminal over gRPC"),
     "bridge": ("clients.bridge", "run the websocket bridge and chat page on its own"),
-    "bench": ("clients.bench", "measure TTFT, inter-token latency and throughput"),
-    "engine-bench": ("streaming_backend.bench", "benchmark the in-process engine vs HF generate"),
+    "bench": ("clients.bench.cli", "measure TTFT, inter-token latency and throughput"),
+    "engine-bench": ("clients.bench.engine", "benchmark the in-process engine vs HF generate"),
 }
 
 

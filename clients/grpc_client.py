@@ -9,14 +9,11 @@ channel (one HTTP/2 connection) among all its streams, so the extra streams cost
 from __future__ import annotations
 
 import asyncio
-import json
 import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import numpy as np
@@ -24,32 +21,31 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
-from clients.chunk import Chunk
+from clients.chunk import Chunk, GenerationError, parse_timing
+from clients.request import GenerateRequest, request_inputs
 from streaming_backend.wire import (
     CHAT_MODEL,
     ENABLE_EMPTY_FINAL,
-    EXCLUDE_INPUT_IN_OUTPUT,
     FINAL_RESPONSE,
     FINISH_REASON,
-    INPUT_IDS,
-    INTERNAL,
-    MESSAGES,
     NUM_INPUT_TOKENS,
     NUM_OUTPUT_TOKENS,
     OUTPUT_IDS,
-    RETURN_FINISH_REASON,
-    RETURN_NUM_INPUT_TOKENS,
-    RETURN_NUM_OUTPUT_TOKENS,
-    RETURN_OUTPUT_IDS,
-    RETURN_TIMING,
-    SAMPLING_PARAMETERS,
-    STREAM,
-    TEXT_INPUT,
     TEXT_OUTPUT,
     TIMING,
     UNAVAILABLE,
     error_code,
 )
+
+__all__ = [  # the request and chunk types are re-exported for the chat CLI and the bridge
+    "AsyncChatClient",
+    "Chunk",
+    "GenerateRequest",
+    "GenerationError",
+    "build_inputs",
+    "parse_result",
+    "stream_generate",
+]
 
 MODEL_NAME = CHAT_MODEL
 
@@ -62,43 +58,6 @@ CHANNEL_ARGS = [
     ("grpc.min_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
-
-
-class GenerationError(Exception):
-    """A generation failed; `code` is a category, the message is the server's own."""
-
-    def __init__(self, message: str, code: str = INTERNAL.code) -> None:
-        super().__init__(message)
-        self.message = message
-        self.code = code
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    """One generation: exactly one of prompt, messages, input_ids, plus settings and flags."""
-
-    prompt: str | None = None
-    messages: Sequence[Mapping[str, str]] | None = None
-    input_ids: Sequence[int] | None = None
-    sampling: Mapping[str, Any] = field(default_factory=dict)
-    stream: bool = True
-    exclude_input_in_output: bool = True
-    return_finish_reason: bool = True
-    return_num_input_tokens: bool = True
-    return_num_output_tokens: bool = True
-    return_output_ids: bool = False
-    return_timing: bool = False
-
-    def __post_init__(self) -> None:
-        given = [x is not None for x in (self.prompt, self.messages, self.input_ids)]
-        if sum(given) != 1:
-            raise ValueError("give exactly one of prompt, messages, input_ids")
-        # Copies, so a caller mutating its list afterwards cannot change a sent request.
-        if self.messages is not None:
-            object.__setattr__(self, "messages", tuple(dict(m) for m in self.messages))
-        if self.input_ids is not None:
-            object.__setattr__(self, "input_ids", tuple(int(t) for t in self.input_ids))
-        object.__setattr__(self, "sampling", dict(self.sampling))
 
 
 def _tensor(name: str, value: np.ndarray, datatype: str) -> grpcclient.InferInput:
@@ -115,27 +74,18 @@ def _bool(name: str, flag: bool) -> grpcclient.InferInput:
     return _tensor(name, np.array([flag], dtype=np.bool_), "BOOL")
 
 
+def _input(name: str, value: str | bool | tuple[int, ...]) -> grpcclient.InferInput:
+    """One input tensor: str -> BYTES [1], bool -> BOOL [1], token ids -> INT64 [n]."""
+    if isinstance(value, bool):
+        return _bool(name, value)
+    if isinstance(value, str):
+        return _string(name, value)
+    return _tensor(name, np.array(value, dtype=np.int64), "INT64")
+
+
 def build_inputs(request: GenerateRequest) -> list[grpcclient.InferInput]:
     """The input tensors of the `chat` model for one request."""
-    if request.prompt is not None:
-        inputs = [_string(TEXT_INPUT, request.prompt)]
-    elif request.messages is not None:
-        inputs = [_string(MESSAGES, json.dumps(list(request.messages), ensure_ascii=False))]
-    else:
-        ids = np.array(request.input_ids, dtype=np.int64)
-        inputs = [_tensor(INPUT_IDS, ids, "INT64")]
-    if request.sampling:
-        inputs.append(_string(SAMPLING_PARAMETERS, json.dumps(dict(request.sampling))))
-    flags = {
-        STREAM: request.stream,
-        EXCLUDE_INPUT_IN_OUTPUT: request.exclude_input_in_output,
-        RETURN_FINISH_REASON: request.return_finish_reason,
-        RETURN_NUM_INPUT_TOKENS: request.return_num_input_tokens,
-        RETURN_NUM_OUTPUT_TOKENS: request.return_num_output_tokens,
-        RETURN_OUTPUT_IDS: request.return_output_ids,
-        RETURN_TIMING: request.return_timing,
-    }
-    return inputs + [_bool(name, flag) for name, flag in flags.items()]
+    return [_input(name, value) for name, value in request_inputs(request).items()]
 
 
 def _first_string(result: grpcclient.InferResult, name: str) -> str | None:
@@ -171,7 +121,7 @@ def parse_result(result: grpcclient.InferResult, received_ns: int | None = None)
         num_input_tokens=_first_int(result, NUM_INPUT_TOKENS),
         output_ids=None if output_ids is None else tuple(int(t) for t in output_ids.reshape(-1)),
         finish_reason=_first_string(result, FINISH_REASON),
-        timing=None if timing is None else json.loads(timing),
+        timing=parse_timing(timing),
         final=response.parameters[FINAL_RESPONSE].bool_param,
         request_id=response.id,
         received_ns=time.monotonic_ns() if received_ns is None else received_ns,

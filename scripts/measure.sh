@@ -23,5 +23,5 @@ t0=$(date +%s%N); kill -INT $SERVE; wait $SERVE; t1=$(date +%s%N)
     echo "shm files left: $(ls /dev/shm | grep -c -E 'tokenstream|triton_python')"
     echo "stub processes left: $(pgrep -fc 'triton_python_backend_stub.*tokenstream-repo')"
 } > $OUT/stop.txt
-.venv/bin/python -m streaming_backend.bench --dtype bfloat16 --concurrency 1,4,16 --output-tokens 64 --baseline-requests 6 --rounds 2 --out $OUT/engine-bf16.json > $OUT/engine-bf16.txt 2>&1
+.venv/bin/python -m clients.bench.engine --dtype bfloat16 --concurrency 1,4,16 --output-tokens 64 --baseline-requests 6 --rounds 2 --out $OUT/engine-bf16.json > $OUT/engine-bf16.txt 2>&1
 echo DONE

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from streaming_backend import wire
 from streaming_backend.errors import InvalidRequest
 
 MAX_STOP_STRINGS = 16
@@ -164,13 +165,13 @@ def _boolean(key: str, value: Any) -> bool:
 
 
 _PARSERS = {
-    "temperature": _temperature,
-    "top_p": _top_p,
-    "top_k": _top_k,
-    "repetition_penalty": _repetition_penalty,
-    "max_tokens": _max_tokens,
-    "min_tokens": _min_tokens,
-    "seed": _seed,
-    "stop": _stop,
-    "ignore_eos": _boolean,
+    wire.TEMPERATURE: _temperature,
+    wire.TOP_P: _top_p,
+    wire.TOP_K: _top_k,
+    wire.REPETITION_PENALTY: _repetition_penalty,
+    wire.MAX_TOKENS: _max_tokens,
+    wire.MIN_TOKENS: _min_tokens,
+    wire.SEED: _seed,
+    wire.STOP: _stop,
+    wire.IGNORE_EOS: _boolean,
 }

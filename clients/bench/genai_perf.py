@@ -12,9 +12,39 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from clients.bench.metrics import ClockMap, RequestRecord
 from clients.bench.report import RunResult
-from clients.bench.transports import record_response
+from clients.bench.summary import ClockMap, RequestRecord
+from clients.chunk import GenerationError
+from clients.sse_client import event_chunk
+from streaming_backend.wire import (
+    CUMULATIVE_LOGPROB,
+    FINISH_REASON,
+    LOGPROBS,
+    NUM_INPUT_TOKENS,
+    NUM_OUTPUT_TOKENS,
+    OUTPUT_IDS,
+    RETURN_CUMULATIVE_LOGPROB,
+    RETURN_FINISH_REASON,
+    RETURN_LOGPROBS,
+    RETURN_NUM_INPUT_TOKENS,
+    RETURN_NUM_OUTPUT_TOKENS,
+    RETURN_OUTPUT_IDS,
+    RETURN_TIMING,
+    TIMING,
+)
+
+# Outputs the model sends only when asked. perf_analyzer's export lists every output of the
+# model's config on every response, filled with whatever its buffer held (e.g. num_input_tokens
+# 1207959696) when the server did not send it, so only the asked-for ones are read.
+ASKED_BY = {
+    NUM_INPUT_TOKENS: RETURN_NUM_INPUT_TOKENS,
+    NUM_OUTPUT_TOKENS: RETURN_NUM_OUTPUT_TOKENS,
+    OUTPUT_IDS: RETURN_OUTPUT_IDS,
+    FINISH_REASON: RETURN_FINISH_REASON,
+    TIMING: RETURN_TIMING,
+    LOGPROBS: RETURN_LOGPROBS,
+    CUMULATIVE_LOGPROB: RETURN_CUMULATIVE_LOGPROB,
+}
 
 # genai-perf stamps are wall clock: a client "monotonic" offset of 0 makes ClockMap convert the
 # server's monotonic stamps to wall time through wall_minus_monotonic_ns.
@@ -22,19 +52,22 @@ WALL_CLOCK = ClockMap(same_clock=False, client_wall_minus_monotonic_ns=0)
 
 
 def request_record(index: int, req: dict) -> RequestRecord:
-    """One perf_analyzer request: send stamp, response stamps and outputs."""
+    """One perf_analyzer request: send stamp, and a Chunk per response (stamp and outputs)."""
     rec = RequestRecord(index=index, sent_ns=int(req["timestamp"]))
-    for ts, out in zip(req["response_timestamps"], req["response_outputs"], strict=False):
-        timing = out.get("timing")
-        record_response(
-            rec,
-            int(ts),
-            text=out.get("text_output") or "",
-            tokens=out.get("num_output_tokens"),
-            timing=json.loads(timing) if timing else None,
-            finish_reason=out.get("finish_reason") or None,
-        )
+    inputs = req.get("request_inputs")
+    try:
+        for ts, out in zip(req["response_timestamps"], req["response_outputs"], strict=False):
+            rec.chunks.append(event_chunk(asked_outputs(out, inputs), int(ts), str(index)))
+    except GenerationError as exc:
+        rec.error = exc.message
     return rec
+
+
+def asked_outputs(outputs: dict, inputs: dict | None) -> dict:
+    """The outputs of one response that the request asked for (all when the inputs are unknown)."""
+    if inputs is None:
+        return outputs
+    return {k: v for k, v in outputs.items() if k not in ASKED_BY or inputs.get(ASKED_BY[k])}
 
 
 def experiment_run(exp: dict, url: str) -> RunResult:
@@ -57,10 +90,13 @@ def genai_perf_runs(path: Path, url: str = "genai-perf") -> list[RunResult]:
 
 def missing_outputs(runs: list[RunResult]) -> list[str]:
     """What the export lacks for our figures (token counts, server timing)."""
-    responses = [x for run in runs for r in run.records for x in r.responses]
+    chunks = [c for run in runs for r in run.records for c in r.chunks]
     notes = []
-    if responses and not any(x.tokens for x in responses):
-        notes.append("no num_output_tokens: add --extra-inputs return_num_output_tokens:true")
-    if responses and not any(r.server_timing for run in runs for r in run.records):
+    if chunks and all(c.num_output_tokens is None for c in chunks):
+        notes.append(
+            "no num_output_tokens (a response with text counts as one token): "
+            "add --extra-inputs return_num_output_tokens:true"
+        )
+    if chunks and not any(r.server_timing for run in runs for r in run.records):
         notes.append("no server timing: add --extra-inputs return_timing:true")
     return notes

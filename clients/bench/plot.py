@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from clients.bench.metrics import BREAKDOWN_PARTS
 from clients.bench.report import level_label
+from clients.bench.summary import BREAKDOWN_PARTS
 
 PERCENTILES = (("p50", "-"), ("p90", "--"), ("p99", ":"))
-PART_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")
+PART_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3")
 
 
 def load_of(run: dict) -> float:

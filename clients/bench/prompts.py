@@ -9,6 +9,15 @@ from pathlib import Path
 
 from clients.bench.transports import Prompt
 from streaming_backend.prompts import DEFAULT_PROMPTS_FILE
+from streaming_backend.wire import (
+    IGNORE_EOS,
+    MAX_TOKENS,
+    MIN_TOKENS,
+    SEED,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+)
 
 DEFAULT_PROMPTS = DEFAULT_PROMPTS_FILE  # the chats shipped in the package
 
@@ -67,12 +76,13 @@ class Sampling:
         p: dict = {}
         if self.output_tokens is not None:
             n = self.output_tokens
-            p.update(max_tokens=n, min_tokens=n, ignore_eos=True)
+            p.update({MAX_TOKENS: n, MIN_TOKENS: n, IGNORE_EOS: True})
         else:
-            p["max_tokens"] = self.max_tokens
-        for key in ("temperature", "top_p", "top_k"):
-            if getattr(self, key) is not None:
-                p[key] = getattr(self, key)
+            p[MAX_TOKENS] = self.max_tokens
+        optional = ((TEMPERATURE, self.temperature), (TOP_P, self.top_p), (TOP_K, self.top_k))
+        for key, value in optional:
+            if value is not None:
+                p[key] = value
         if self.seed is not None:
-            p["seed"] = self.seed + index
+            p[SEED] = self.seed + index
         return p

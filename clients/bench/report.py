@@ -7,25 +7,23 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from clients.bench.metrics import (
+from clients.bench.summary import (
     BREAKDOWN_HELP,
     BREAKDOWN_PARTS,
-    NS_PER_MS,
     ClockMap,
     RequestRecord,
-    itl_ns,
-    output_tokens,
-    request_latency_ns,
     summarize,
     ttft_breakdown_ns,
-    ttft_ns,
 )
+from clients.chunk import Chunk
+from clients.metrics import NS_PER_MS
 
-SCHEMA = "tokenstream-bench/1"
+SCHEMA = "tokenstream-bench/2"  # /2: TTFT to the first response, time to first text apart
 
 # Stats rows of a run's table: (key in the summary, label, unit).
 STAT_ROWS = (
     ("ttft_ms", "Time to first token", "ms"),
+    ("time_to_first_text_ms", "Time to first text", "ms"),
     ("itl_ms", "Inter-token latency", "ms"),
     ("server_itl_ms", "  (server-side ITL)", "ms"),
     ("request_latency_ms", "Request latency", "ms"),
@@ -52,6 +50,11 @@ def _ms(ns: float | None) -> float | None:
     return None if ns is None else ns / NS_PER_MS
 
 
+def _response_row(c: Chunk) -> list:
+    """[client receive ns, tokens, characters, server emitted ns or null] of one response."""
+    return [c.received_ns, c.tokens, len(c.text), None if c.timing is None else c.timing.emitted_ns]
+
+
 def record_json(r: RequestRecord, clock: ClockMap) -> dict:
     """One request: its derived figures and its raw timeline (client monotonic ns)."""
     b = ttft_breakdown_ns(r, clock)
@@ -61,14 +64,15 @@ def record_json(r: RequestRecord, clock: ClockMap) -> dict:
         "error": r.error,
         "finish_reason": r.finish_reason,
         "input_tokens": r.prompt_tokens,
-        "output_tokens": output_tokens(r),
-        "ttft_ms": _ms(ttft_ns(r)),
-        "itl_ms": _ms(itl_ns(r)),
-        "request_latency_ms": _ms(request_latency_ns(r)),
+        "output_tokens": r.output_tokens(),
+        "ttft_ms": _ms(r.ttft_ns()),
+        "time_to_first_text_ms": _ms(r.time_to_first_text_ns()),
+        "itl_ms": _ms(r.itl_ns()),
+        "request_latency_ms": _ms(r.request_latency_ns()),
         "ttft_breakdown_ms": None if b is None else {k: _ms(v) for k, v in b.items()},
         "sent_ns": r.sent_ns,
         # [client receive ns, tokens, characters, server emitted ns or null] per response
-        "responses": [[x.recv_ns, x.tokens, x.chars, x.emitted_ns] for x in r.responses],
+        "responses": [_response_row(c) for c in r.chunks],
         "server_timing": None if r.server_timing is None else asdict(r.server_timing),
         "extra": r.extra,
     }
@@ -105,7 +109,8 @@ def build_report(config: dict, runs: Sequence[RunResult], created: str) -> dict:
         "created": created,
         "config": config,
         "definitions": {
-            "ttft": "first response with content - request sent",
+            "ttft": "first response - request sent",
+            "time_to_first_text": "first response with printable text - request sent",
             "itl": "(request latency - ttft) / (output tokens - 1)",
             "request_latency": "last response - request sent",
             "output_token_throughput": "output tokens / (last response - first request sent)",
@@ -232,6 +237,7 @@ COMPARE_ROWS = (
     ("TTFT p50 (ms)", lambda s: s["ttft_ms"]["p50"]),
     ("TTFT p90 (ms)", lambda s: s["ttft_ms"]["p90"]),
     ("TTFT p99 (ms)", lambda s: s["ttft_ms"]["p99"]),
+    ("first text avg (ms)", lambda s: s["time_to_first_text_ms"]["avg"]),
     ("ITL avg (ms)", lambda s: s["itl_ms"]["avg"]),
     ("ITL p50 (ms)", lambda s: s["itl_ms"]["p50"]),
     ("ITL p99 (ms)", lambda s: s["itl_ms"]["p99"]),

@@ -9,8 +9,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from clients.bench.metrics import RequestRecord
 from clients.bench.prompts import Sampling
+from clients.bench.summary import RequestRecord
 from clients.bench.transports import Prompt, Transport
 
 

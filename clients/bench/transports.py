@@ -1,20 +1,23 @@
 """Transports the benchmark drives: gRPC stream_infer, HTTP generate_stream (SSE), the ws bridge.
 
-Each transport fills a RequestRecord: `sent_ns` right before the request leaves, and one
-Response per streamed response stamped the moment it arrives (CLOCK_MONOTONIC ns).
+Each transport is a thin driver over a client of clients/ (grpc_client, sse_client, ws_client),
+which turn responses into Chunks; it fills a RequestRecord: `sent_ns` right before the request
+leaves and every Chunk (stamped the moment it arrived, CLOCK_MONOTONIC ns). A new transport is
+one more class here, over a converter to Chunks in its own clients/ module.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-import json
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from clients.bench.metrics import RequestRecord, Response, ServerTiming
+from clients.bench.summary import RequestRecord
+from clients.chunk import Chunk, GenerationError
+from clients.request import GenerateRequest
+from streaming_backend.wire import CANCELLED, CHAT_MODEL
 
 TRANSPORTS = ("grpc", "sse", "ws")
 
@@ -42,59 +45,31 @@ class Transport(Protocol):
         """Release connections."""
 
 
-def model_inputs(prompt: Prompt, params: dict) -> dict[str, object]:
-    """Tensor name -> value for the `chat` model (docs/interface.md)."""
-    inputs: dict[str, object] = {
-        "stream": True,
-        "sampling_parameters": json.dumps(params),
-        "return_num_input_tokens": True,
-        "return_num_output_tokens": True,
-        "return_finish_reason": True,
-        "return_timing": True,
-    }
-    if prompt.messages is not None:
-        inputs["messages"] = json.dumps(list(prompt.messages))
-    else:
-        inputs["text_input"] = prompt.text or ""
-    return inputs
-
-
-def record_response(
-    rec: RequestRecord,
-    recv_ns: int,
-    *,
-    text: str,
-    tokens: int | None,
-    timing: dict | None = None,
-    finish_reason: str | None = None,
-    input_tokens: int | None = None,
-) -> None:
-    """Add one model response to the record."""
-    server = ServerTiming.from_dict(timing) if timing else None
-    rec.responses.append(
-        Response(
-            recv_ns=recv_ns,
-            tokens=int(tokens or 0),
-            chars=len(text),
-            emitted_ns=None if server is None else server.emitted_ns,
-        )
+def generate_request(prompt: Prompt, params: dict) -> GenerateRequest:
+    """The request the benchmark sends: streamed, with token counts and server timing."""
+    return GenerateRequest(
+        prompt=(prompt.text or "") if prompt.messages is None else None,
+        messages=prompt.messages,
+        sampling=params,
+        return_timing=True,
     )
-    # the stamps of the first token, as the bridge's done.timing.server holds them
-    if (tokens or text) and rec.server_timing is None:
-        rec.server_timing = server
-    if input_tokens is not None:
-        rec.prompt_tokens = int(input_tokens)
-    if finish_reason:
-        rec.finish_reason = finish_reason
 
 
 def record_error(rec: RequestRecord, message: str, cancelled: bool = False) -> None:
     """Record a failed request; the model's `cancelled` category counts as a cancellation."""
     rec.error = message
-    rec.cancelled = cancelled or message.lower().lstrip().startswith("cancelled")
+    rec.cancelled = cancelled or message.lower().lstrip().startswith(CANCELLED.prefix)
 
 
-# --- gRPC -------------------------------------------------------------------------------------
+async def record_chunks(rec: RequestRecord, chunks: AsyncIterator[Chunk]) -> None:
+    """Append every Chunk of a generation to `rec`; a GenerationError becomes rec.error."""
+    try:
+        async for chunk in chunks:
+            rec.chunks.append(chunk)
+    except GenerationError as exc:
+        record_error(rec, exc.message, cancelled=exc.code == CANCELLED.code)
+    finally:
+        await chunks.aclose()
 
 
 class GrpcTransport:
@@ -102,7 +77,7 @@ class GrpcTransport:
 
     name = "grpc"
 
-    def __init__(self, url: str, model: str = "chat"):
+    def __init__(self, url: str, model: str = CHAT_MODEL):
         self.url, self.model = url, model
         self.client = None
 
@@ -117,32 +92,10 @@ class GrpcTransport:
 
     async def generate(self, rec: RequestRecord, prompt: Prompt, params: dict) -> None:
         """Stream one request; leaving early cancels it upstream (the client's aclose)."""
-        from clients.grpc_client import GenerateRequest, GenerationError
-
-        request = GenerateRequest(
-            prompt=prompt.text if prompt.messages is None else None,
-            messages=prompt.messages,
-            sampling=params,
-            return_timing=True,
-        )
+        request = generate_request(prompt, params)
         # as perf_analyzer does: stamped right before the call that builds and writes it
         rec.sent_ns = time.monotonic_ns()
-        chunks = self.client.generate(request, request_id=str(rec.index))
-        try:
-            async for c in chunks:
-                record_response(
-                    rec,
-                    c.received_ns,
-                    text=c.text,
-                    tokens=c.num_output_tokens,
-                    timing=c.timing,
-                    finish_reason=c.finish_reason,
-                    input_tokens=c.num_input_tokens,
-                )
-        except GenerationError as exc:
-            record_error(rec, exc.message, cancelled=exc.code == "cancelled")
-        finally:
-            await chunks.aclose()
+        await record_chunks(rec, self.client.generate(request, request_id=str(rec.index)))
 
     async def close(self) -> None:
         """Close the channel."""
@@ -151,24 +104,15 @@ class GrpcTransport:
             self.client = None
 
 
-# --- HTTP generate_stream (SSE) ---------------------------------------------------------------
-
-
-def parse_sse_line(line: bytes) -> dict | None:
-    """The JSON object of an SSE `data:` line; None for other lines (blank, comments, ids)."""
-    if not line.startswith(b"data:"):
-        return None
-    payload = line[5:].strip()
-    return json.loads(payload) if payload else None
-
-
 class SseTransport:
-    """Triton's HTTP POST /v2/models/<model>/generate_stream, read as server-sent events."""
+    """Triton's HTTP POST /v2/models/<model>/generate_stream through clients.sse_client."""
 
     name = "sse"
 
-    def __init__(self, url: str, model: str = "chat"):
-        self.endpoint = f"{url.rstrip('/')}/v2/models/{model}/generate_stream"
+    def __init__(self, url: str, model: str = CHAT_MODEL):
+        from clients.sse_client import generate_stream_url
+
+        self.endpoint = generate_stream_url(url, model)
         self.session = None
 
     async def open(self, slots: int) -> None:
@@ -193,32 +137,13 @@ class SseTransport:
             raise ConnectionError(f"Triton HTTP at {ready}: model not ready (HTTP {resp.status})")
 
     async def generate(self, rec: RequestRecord, prompt: Prompt, params: dict) -> None:
-        """POST one request and record each `data:` event."""
-        body = model_inputs(prompt, params)
+        """POST one request and record each event's Chunk."""
+        from clients.sse_client import generate
+
+        request = generate_request(prompt, params)
         rec.sent_ns = time.monotonic_ns()
-        async with self.session.post(self.endpoint, json=body) as resp:
-            if resp.status != 200:
-                record_error(rec, f"HTTP {resp.status}: {(await resp.text()).strip()}")
-                return
-            async for line in resp.content:
-                now = time.monotonic_ns()
-                event = parse_sse_line(line)
-                if event is None:
-                    continue
-                if "error" in event:
-                    record_error(rec, str(event["error"]))
-                    return
-                timing = event.get("timing")
-                record_response(
-                    rec,
-                    now,
-                    text=event.get("text_output") or "",
-                    tokens=event.get("num_output_tokens"),
-                    timing=json.loads(timing) if timing else None,
-                    finish_reason=event.get("finish_reason"),
-                    input_tokens=event.get("num_input_tokens"),
-                )
-        if not rec.responses and rec.error is None:
+        await record_chunks(rec, generate(self.session, self.endpoint, request, str(rec.index)))
+        if not rec.chunks and rec.error is None:
             rec.error = "event stream ended without a response"
 
     async def close(self) -> None:
@@ -228,117 +153,6 @@ class SseTransport:
             self.session = None
 
 
-# --- websocket bridge -------------------------------------------------------------------------
-
-
-def bridge_request(gen_id: str, prompt: Prompt, params: dict) -> dict:
-    """The bridge's `generate` message."""
-    msg: dict = {"type": "generate", "id": gen_id, "params": params}
-    if prompt.messages is not None:
-        msg["messages"] = list(prompt.messages)
-    else:
-        msg["prompt"] = prompt.text or ""
-    return msg
-
-
-def bridge_server_timing(timing: dict | None) -> ServerTiming | None:
-    """Server timestamps of the first token from a `done.timing` object, if it carries them."""
-    if not timing:
-        return None
-    for candidate in (timing.get("server"), timing):
-        if isinstance(candidate, dict) and "prefill_start_ns" in candidate:
-            return ServerTiming.from_dict(candidate)
-    return None
-
-
-def record_bridge_message(rec: RequestRecord, recv_ns: int, msg: dict) -> bool:
-    """Add one bridge message to the record; True when the generation is over."""
-    kind = msg.get("type")
-    seen = sum(r.tokens for r in rec.responses)
-    if kind == "token":
-        text = msg.get("text") or ""
-        n = int(msg.get("n", seen + 1))
-        rec.responses.append(Response(recv_ns=recv_ns, tokens=n - seen, chars=len(text)))
-        return False
-    if kind == "done":
-        usage = msg.get("usage") or {}
-        total = int(usage.get("completion_tokens", seen))
-        # the done frame is the last response: request latency ends here
-        rec.responses.append(Response(recv_ns=recv_ns, tokens=max(total - seen, 0), chars=0))
-        rec.finish_reason = msg.get("finish_reason")
-        rec.prompt_tokens = usage.get("prompt_tokens")
-        rec.server_timing = bridge_server_timing(msg.get("timing"))
-        rec.extra = {"bridge_timing": msg.get("timing")}
-        return True
-    if kind == "error":
-        code = str(msg.get("code", ""))
-        message = f"{code}: {msg.get('message', '')}".strip(": ")
-        record_error(rec, message, cancelled="cancel" in code.lower())
-        return True
-    return False
-
-
-class BridgeConnection:
-    """One websocket to the bridge; a reader task routes messages to generations by id."""
-
-    def __init__(self, ws):
-        self.ws = ws
-        self.pending: dict[str, asyncio.Queue] = {}
-        self.ids = itertools.count()
-        self.reader = asyncio.create_task(self._read())
-
-    async def _read(self) -> None:
-        """Route each frame by id; a frame without one (or a closed socket) goes to everyone."""
-        try:
-            async for raw in self.ws:
-                now = time.monotonic_ns()
-                msg = json.loads(raw)
-                queue = self.pending.get(str(msg.get("id")))
-                targets = [queue] if queue is not None else list(self.pending.values())
-                for q in targets:
-                    q.put_nowait((now, msg))
-        except Exception as exc:  # connection lost: every open generation ends in an error
-            self._fail_all(f"websocket failed: {exc!r}")
-        else:
-            self._fail_all("websocket closed by the bridge")
-
-    def _fail_all(self, message: str) -> None:
-        """End every open generation with an error message."""
-        now = time.monotonic_ns()
-        for q in self.pending.values():
-            q.put_nowait((now, {"type": "error", "code": "closed", "message": message}))
-
-    async def generate(self, rec: RequestRecord, prompt: Prompt, params: dict) -> None:
-        """Send one generate message and record messages until done or error."""
-        gen_id = f"{rec.index}-{next(self.ids)}"
-        queue: asyncio.Queue = asyncio.Queue()
-        self.pending[gen_id] = queue
-        finished = False
-        try:
-            frame = json.dumps(bridge_request(gen_id, prompt, params))
-            rec.sent_ns = time.monotonic_ns()
-            await self.ws.send(frame)
-            while not finished:
-                recv_ns, msg = await queue.get()
-                finished = record_bridge_message(rec, recv_ns, msg)
-        finally:
-            del self.pending[gen_id]
-            if not finished:
-                await self._cancel(gen_id)
-
-    async def _cancel(self, gen_id: str) -> None:
-        """Ask the bridge to stop a generation we abandoned (best effort)."""
-        try:
-            await self.ws.send(json.dumps({"type": "cancel", "id": gen_id}))
-        except Exception:  # the socket is gone: the bridge cancels on close by itself
-            pass
-
-    async def close(self) -> None:
-        """Close the socket and wait for the reader."""
-        await self.ws.close()
-        await asyncio.gather(self.reader, return_exceptions=True)
-
-
 class WsTransport:
     """The websocket bridge: one connection per concurrent slot, as a chat page holds one."""
 
@@ -346,12 +160,14 @@ class WsTransport:
 
     def __init__(self, url: str, token: str | None = None, max_connections: int = 64):
         self.url, self.token, self.max_connections = url, token, max_connections
-        self.conns: list[BridgeConnection] = []
-        self._next: Iterator[BridgeConnection] | None = None
+        self.conns: list = []
+        self._next: Iterator | None = None
 
     async def open(self, slots: int) -> None:
         """Open connections up to min(slots, max_connections); requests go round-robin."""
         from websockets.asyncio.client import connect
+
+        from clients.ws_client import BridgeConnection
 
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
         while len(self.conns) < max(1, min(slots, self.max_connections)):
@@ -364,12 +180,35 @@ class WsTransport:
 
     async def generate(self, rec: RequestRecord, prompt: Prompt, params: dict) -> None:
         """Run one generation on the next connection."""
-        await next(self._next).generate(rec, prompt, params)
+        await bridge_generate(next(self._next), rec, prompt, params)
 
     async def close(self) -> None:
         """Close every connection."""
+        import asyncio
+
         await asyncio.gather(*(c.close() for c in self.conns), return_exceptions=True)
         self.conns = []
+
+
+async def bridge_generate(conn, rec: RequestRecord, prompt: Prompt, params: dict) -> None:
+    """One generation over a BridgeConnection: its frames become Chunks in `rec`."""
+    from clients.ws_client import bridge_request, done_timing, frame_chunk
+
+    msg = bridge_request(conn.new_id(str(rec.index)), prompt.text, prompt.messages, params)
+    rec.sent_ns = time.monotonic_ns()
+    frames = conn.frames(msg)
+    try:
+        async for received_ns, frame in frames:
+            chunk = frame_chunk(frame, rec.output_tokens(), received_ns)
+            if chunk is not None:
+                rec.chunks.append(chunk)
+            if chunk is not None and chunk.final:
+                rec.first_token_timing = done_timing(frame)
+                rec.extra = {"bridge_timing": frame.get("timing")}
+    except GenerationError as exc:
+        record_error(rec, exc.message, cancelled=exc.code == CANCELLED.code)
+    finally:
+        await frames.aclose()
 
 
 def make_transport(name: str, *, triton: str, url: str, bridge: str, model: str, token=None):

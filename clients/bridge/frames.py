@@ -39,11 +39,11 @@ class Trace:
 
     def observe(self, chunk: Chunk, out_ns: int) -> None:
         """Account one chunk whose token frame was queued at out_ns."""
-        tokens = chunk.num_output_tokens if chunk.num_output_tokens is not None else 1
+        tokens = chunk.tokens
         self.observe_prompt(chunk)
         if self.first_chunk_ns is None and tokens:
             self.first_chunk_ns, self.first_out_ns = chunk.received_ns, out_ns
-            self.server_first = ServerTiming.from_json(chunk.timing or None)
+            self.server_first = chunk.timing
         self.completion_tokens += tokens
         self.relay_ns_total += out_ns - chunk.received_ns
         self.frames += 1

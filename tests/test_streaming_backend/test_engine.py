@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import queue
+import statistics
 import threading
 from dataclasses import replace
 
@@ -361,8 +362,11 @@ def test_test_delays_pace_tokens(tiny_loaded):
         events = list(engine.submit([5, 6, 7], SamplingSettings(max_tokens=6, ignore_eos=True)))
     first = (events[0].emitted_ns - events[0].scheduled_ns) / 1e9
     gaps = [(b.emitted_ns - a.emitted_ns) / 1e9 for a, b in zip(events, events[1:])]
-    assert 0.2 <= first < 0.25
-    assert all(0.05 <= g < 0.08 for g in gaps), gaps
+    # A sleep never ends early, so the lower bounds are exact. A loaded machine stretches every
+    # step (0.7 s for this first token seen with both cores busy), so the upper bounds only
+    # guard against gross errors (a unit off by 1000, the delay repeated per step).
+    assert 0.2 <= first < 2.0, first
+    assert min(gaps) >= 0.05 and statistics.median(gaps) < 0.5, gaps
 
 
 @pytest.mark.parametrize(

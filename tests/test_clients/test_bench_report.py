@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+from dataclasses import replace
 
 import pytest
 
 from clients import cli
-from clients.bench import BenchConfig, config_from_args, first_error, write_outputs
-from clients.bench.metrics import ClockMap, RequestRecord, Response, ServerTiming
+from clients.bench.cli import BenchConfig, config_from_args, first_error, write_outputs
 from clients.bench.report import (
     SCHEMA,
     RunResult,
@@ -21,6 +21,9 @@ from clients.bench.report import (
     load_report,
     validate_report,
 )
+from clients.bench.summary import ClockMap, RequestRecord
+from clients.chunk import Chunk
+from streaming_backend.wire import ServerTiming
 
 MS = 1_000_000
 
@@ -35,18 +38,13 @@ def fake_record(i: int, ttft_ms: int = 100, itl_ms: int = 50, tokens: int = 4) -
         prefill_start_ns=sent + 5 * MS,
         emitted_ns=first - 1 * MS,
     )
-    responses = [
-        Response(recv_ns=first + k * itl_ms * MS, tokens=1, chars=3, emitted_ns=None)
+    chunks = [
+        Chunk("abc", 1, 12, None, None, None, False, str(i), first + k * itl_ms * MS)
         for k in range(tokens)
     ]
-    return RequestRecord(
-        index=i,
-        sent_ns=sent,
-        responses=responses,
-        server_timing=timing,
-        prompt_tokens=12,
-        finish_reason="length",
-    )
+    chunks[0] = replace(chunks[0], timing=timing)  # the first token's server stamps
+    chunks[-1] = replace(chunks[-1], finish_reason="length", final=True)
+    return RequestRecord(index=i, sent_ns=sent, chunks=chunks)
 
 
 def fake_doc(ttft_ms: int = 100, itl_ms: int = 50) -> dict:
@@ -73,7 +71,8 @@ def test_report_matches_schema_and_figures():
     assert s["ttft_breakdown_ms"]["prefill"]["avg"] == pytest.approx(94)
     assert s["ttft_breakdown_ms"]["to_client"]["avg"] == pytest.approx(1)
     r0 = run["requests"][0]
-    assert r0["responses"][0] == [100 * MS, 1, 3, None]
+    assert r0["responses"][0] == [100 * MS, 1, 3, 99 * MS]
+    assert r0["responses"][1] == [150 * MS, 1, 3, None]
     assert r0["server_timing"]["prefill_start_ns"] == 5 * MS
     assert run["requests"][3]["status"] == "error"
     assert run["same_clock"] is True and "exact" in run["clock_note"]
@@ -150,7 +149,7 @@ def test_compare_refuses_other_documents(tmp_path):
 def test_options_become_a_config():
     """Comma lists of levels and transports parse into the config dataclass."""
     p = argparse.ArgumentParser()
-    from clients.bench import add_arguments
+    from clients.bench.cli import add_arguments
 
     add_arguments(p)
     args = p.parse_args(
@@ -217,7 +216,7 @@ def test_genai_perf_export_reads_with_our_definitions(tmp_path, capsys):
 
 
 def test_genai_perf_export_without_our_outputs_says_what_to_add(tmp_path, capsys):
-    """Without token counts there is no ITL, and the message names the missing option."""
+    """Without token counts or timing the message names the missing options."""
     from clients.bench.genai_perf import genai_perf_runs, missing_outputs
 
     path = tmp_path / "profile_export.json"
@@ -226,3 +225,48 @@ def test_genai_perf_export_without_our_outputs_says_what_to_add(tmp_path, capsys
     notes = missing_outputs(runs)
     assert any("return_num_output_tokens:true" in n for n in notes)
     assert any("return_timing:true" in n for n in notes)
+    # a response with text counts as one token when the server sent no count
+    assert runs[0].records[0].output_tokens() == 3
+
+
+def test_genai_perf_export_counts_every_request_as_genai_perf(tmp_path):
+    """TTFT ends at the first response, with or without text, and every request counts: one
+    that ended after a single textless token too (genai-perf's own count)."""
+    doc = genai_perf_export()
+    first = doc["experiments"][0]["requests"][0]
+    first["response_outputs"][0]["text_output"] = ""  # half a character held back
+    wall = first["timestamp"]
+    eos_only = {
+        "timestamp": wall,
+        "response_timestamps": [wall + 40 * MS],
+        "response_outputs": [{"text_output": "", "num_output_tokens": 1}],
+    }
+    doc["experiments"][0]["requests"].append(eos_only)
+    path = tmp_path / "profile_export.json"
+    path.write_text(json.dumps(doc))
+    from clients.bench.genai_perf import genai_perf_runs
+
+    (run,) = genai_perf_runs(path)
+    s = build_report({}, [run], "now")["runs"][0]["summary"]
+    assert s["completed"] == 2 and s["ttft_ms"]["count"] == 2
+    assert s["ttft_ms"]["avg"] == pytest.approx((100 + 40) / 2)
+    assert s["time_to_first_text_ms"]["count"] == 1
+    assert s["time_to_first_text_ms"]["avg"] == pytest.approx(150)
+
+
+def test_genai_perf_export_ignores_outputs_the_request_did_not_ask_for(tmp_path):
+    """perf_analyzer lists every output on every response, with junk where the server sent
+    none: only the outputs the request's return_* inputs asked for are read."""
+    doc = genai_perf_export()
+    request = doc["experiments"][0]["requests"][0]
+    request["request_inputs"] = {"return_num_output_tokens": True, "return_timing": True}
+    for out in request["response_outputs"]:
+        out["num_input_tokens"] = 1207959696  # not asked for: buffer contents
+    path = tmp_path / "profile_export.json"
+    path.write_text(json.dumps(doc))
+    from clients.bench.genai_perf import genai_perf_runs
+
+    (run,) = genai_perf_runs(path)
+    (record,) = run.records
+    assert record.prompt_tokens is None and record.output_tokens() == 3
+    assert record.server_timing is not None

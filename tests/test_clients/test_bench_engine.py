@@ -2,30 +2,45 @@
 
 import json
 
+import numpy as np
 import pytest
 
-from streaming_backend import bench
+from clients.bench import engine as bench
+from clients.chunk import Chunk
+
+MS = 1_000_000
 
 
-def test_percentiles_nearest_rank():
-    """p50/p90/p99 by nearest rank, plus the mean."""
-    values = [float(v) for v in range(1, 101)]
-    assert bench.percentiles(values) == {"avg": 50.5, "p50": 50.0, "p90": 90.0, "p99": 99.0}
-    assert bench.percentiles([7.0]) == {"avg": 7.0, "p50": 7.0, "p90": 7.0, "p99": 7.0}
+def timeline(sent_ms: int, token_ms: list[int]) -> bench.Timeline:
+    chunks = tuple(Chunk("x", 1, None, None, None, None, False, "", t * MS) for t in token_ms)
+    return bench.Timeline(sent_ms * MS, chunks)
 
 
-def test_summarize_two_streams():
-    """Throughput over the whole span; TTFT from submit; ITL from consecutive tokens."""
-    ms = 1_000_000
-    streams = [
-        bench.StreamTimes(0, (100 * ms, 150 * ms, 200 * ms)),
-        bench.StreamTimes(0, (300 * ms, 400 * ms)),
-    ]
-    r = bench.summarize("engine", "float32", 2, streams)
+def test_summarize_uses_the_one_metrics_module():
+    """Throughput over the whole span; TTFT from submit; ITL per request as genai-perf
+    ((latency - TTFT) / (tokens - 1)); percentiles interpolated as numpy."""
+    timelines = [timeline(0, [100, 150, 200]), timeline(0, [300, 400])]
+    r = bench.summarize("engine", "float32", 2, timelines)
     assert r.output_tokens == 5
     assert r.tokens_per_s == pytest.approx(5 / 0.4)
-    assert r.ttft_ms["p50"] == 100 and r.ttft_ms["avg"] == 200
-    assert r.itl_ms["avg"] == pytest.approx(200 / 3)
+    assert r.ttft_ms["avg"] == 200 and r.ttft_ms["p50"] == pytest.approx(200)
+    assert r.ttft_ms["p90"] == pytest.approx(np.percentile([100, 300], 90))
+    assert sorted((r.itl_ms["min"], r.itl_ms["max"])) == [50, 100]
+
+
+def test_engine_events_become_chunks():
+    """An engine event is the Chunk a client would get when its token existed."""
+    from streaming_backend.events import FinishReason, TokenEvent
+
+    event = TokenEvent("r", "hi", (5, 6), 2, 3, 10, 20, 30, finish_reason=FinishReason.LENGTH)
+    c = bench.token_chunk(event)
+    assert (c.text, c.tokens, c.received_ns, c.finish_reason, c.final) == (
+        "hi",
+        2,
+        30,
+        "length",
+        True,
+    )
 
 
 def test_tiny_run_writes_json(tiny_model_dir, tmp_path, capsys):

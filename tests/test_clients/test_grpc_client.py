@@ -12,6 +12,7 @@ import urllib.request
 
 import numpy as np
 import pytest
+from conftest import start_server
 from tritonclient.grpc import InferResult, service_pb2
 from tritonclient.utils import (
     InferenceServerException,
@@ -20,6 +21,8 @@ from tritonclient.utils import (
 )
 
 from clients import grpc_client as gc
+from streaming_backend import wire
+from streaming_backend.wire import ServerTiming
 
 
 def _inputs_by_name(request: gc.GenerateRequest) -> dict[str, np.ndarray]:
@@ -50,7 +53,7 @@ def _result(outputs: dict[str, np.ndarray], final: bool = False, rid: str = "r1"
         else:
             out.datatype = types[value.dtype]
             response.raw_output_contents.append(value.tobytes())
-    response.parameters[gc.FINAL_RESPONSE].bool_param = final
+    response.parameters[wire.FINAL_RESPONSE].bool_param = final
     return InferResult(response)
 
 
@@ -58,26 +61,26 @@ def test_prompt_request_builds_text_input_and_flags():
     """A prompt request sends text_input, stream=true and the return flags."""
     req = gc.GenerateRequest(prompt="héllo 你好 🙂", sampling={"max_tokens": 8}, return_timing=True)
     tensors = _inputs_by_name(req)
-    assert tensors[gc.TEXT_INPUT][0].decode() == "héllo 你好 🙂"
-    assert json.loads(tensors[gc.SAMPLING_PARAMETERS][0]) == {"max_tokens": 8}
-    assert tensors[gc.STREAM][0] and tensors[gc.RETURN_TIMING][0]
-    assert not tensors[gc.RETURN_OUTPUT_IDS][0]
-    assert gc.MESSAGES not in tensors and gc.INPUT_IDS not in tensors
+    assert tensors[wire.TEXT_INPUT][0].decode() == "héllo 你好 🙂"
+    assert json.loads(tensors[wire.SAMPLING_PARAMETERS][0]) == {"max_tokens": 8}
+    assert tensors[wire.STREAM][0] and tensors[wire.RETURN_TIMING][0]
+    assert not tensors[wire.RETURN_OUTPUT_IDS][0]
+    assert wire.MESSAGES not in tensors and wire.INPUT_IDS not in tensors
 
 
 def test_messages_request_sends_json_messages():
     """A messages request sends the list as JSON in `messages` and no text_input."""
     messages = [{"role": "user", "content": "数一数 🐍"}]
     tensors = _inputs_by_name(gc.GenerateRequest(messages=messages))
-    assert json.loads(tensors[gc.MESSAGES][0].decode()) == messages
-    assert gc.TEXT_INPUT not in tensors
-    assert gc.SAMPLING_PARAMETERS not in tensors  # empty settings are not sent
+    assert json.loads(tensors[wire.MESSAGES][0].decode()) == messages
+    assert wire.TEXT_INPUT not in tensors
+    assert wire.SAMPLING_PARAMETERS not in tensors  # empty settings are not sent
 
 
 def test_input_ids_request_sends_int64_tensor():
     """An input_ids request sends an INT64 tensor of shape [n]."""
     tensors = _inputs_by_name(gc.GenerateRequest(input_ids=[1, 2, 3]))
-    assert tensors[gc.INPUT_IDS].tolist() == [1, 2, 3]
+    assert tensors[wire.INPUT_IDS].tolist() == [1, 2, 3]
 
 
 @pytest.mark.parametrize(
@@ -101,15 +104,16 @@ def test_request_copies_its_inputs():
 
 def test_parse_result_reads_every_output():
     """parse_result maps each output tensor and the final flag onto a Chunk."""
-    timing = {"clock": "monotonic", "received_ns": 1, "emitted_ns": 5}
+    timing = {"clock": "monotonic", "received_ns": 1, "queued_ns": 2, "prefill_start_ns": 3}
+    timing["emitted_ns"] = 5
     result = _result(
         {
-            gc.TEXT_OUTPUT: np.array(["好🙂".encode()], dtype=np.object_),
-            gc.NUM_OUTPUT_TOKENS: np.array([2], dtype=np.uint32),
-            gc.NUM_INPUT_TOKENS: np.array([7], dtype=np.uint32),
-            gc.OUTPUT_IDS: np.array([11, 12], dtype=np.int64),
-            gc.FINISH_REASON: np.array([b"length"], dtype=np.object_),
-            gc.TIMING: np.array([json.dumps(timing).encode()], dtype=np.object_),
+            wire.TEXT_OUTPUT: np.array(["好🙂".encode()], dtype=np.object_),
+            wire.NUM_OUTPUT_TOKENS: np.array([2], dtype=np.uint32),
+            wire.NUM_INPUT_TOKENS: np.array([7], dtype=np.uint32),
+            wire.OUTPUT_IDS: np.array([11, 12], dtype=np.int64),
+            wire.FINISH_REASON: np.array([b"length"], dtype=np.object_),
+            wire.TIMING: np.array([json.dumps(timing).encode()], dtype=np.object_),
         },
         final=True,
     )
@@ -120,7 +124,7 @@ def test_parse_result_reads_every_output():
         num_input_tokens=7,
         output_ids=(11, 12),
         finish_reason="length",
-        timing=timing,
+        timing=ServerTiming(1, 2, 3, 5),
         final=True,
         request_id="r1",
         received_ns=42,
@@ -181,8 +185,8 @@ def test_stream_generate_sync(triton_server):
     assert sum(len(c.output_ids) for c in chunks) == 8
     assert chunks[-1].finish_reason == "length" and chunks[0].num_input_tokens > 0
     t = chunks[0].timing
-    assert t["received_ns"] <= t["queued_ns"] <= t["prefill_start_ns"] <= t["emitted_ns"]
-    assert t["emitted_ns"] <= chunks[0].received_ns  # one clock on one machine
+    assert t.received_ns <= t.queued_ns <= t.prefill_start_ns <= t.emitted_ns
+    assert t.emitted_ns <= chunks[0].received_ns  # one clock on one machine
 
 
 @pytest.mark.server
@@ -251,24 +255,46 @@ async def test_async_cancel_stops_exactly_one_generation(triton_server):
     assert await asyncio.to_thread(_metric, triton_server, "tokenstream_active_streams") == 0
 
 
+TOKEN_DELAY_MS = 10  # per decode step: LONG takes over 2 s to finish on the paced server
+
+
+@pytest.fixture(scope="module")
+def paced_server(tiny_model_dir):
+    """The tiny model with a sleep in every decode step, so a whole answer takes seconds."""
+    server = start_server(
+        tiny_model_dir, model_parameters={"test_token_delay_ms": str(TOKEN_DELAY_MS)}
+    )
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.mark.server
-async def test_async_task_cancel_cancels_upstream(triton_server):
-    """Cancelling the asyncio task that consumes a generation cancels it on the server."""
-    async with gc.AsyncChatClient(triton_server.grpc_url) as client:
+async def test_async_task_cancel_cancels_upstream(paced_server):
+    """Cancelling the asyncio task that consumes a generation stops it on the server: the server
+    counts far fewer tokens than the request asked for, and no stream stays active."""
+    metric = "tokenstream_generation_tokens_total"
+    async with gc.AsyncChatClient(paced_server.grpc_url) as client:
         first = asyncio.Event()
 
         async def consume():
             async for _ in client.generate(gc.GenerateRequest(prompt="Go", sampling=LONG)):
                 first.set()
 
+        before = await asyncio.to_thread(_metric, paced_server, metric)
         task = asyncio.create_task(consume())
         await first.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         await asyncio.to_thread(
-            _wait_for, lambda: _metric(triton_server, "tokenstream_active_streams") == 0
+            _wait_for, lambda: _metric(paced_server, "tokenstream_active_streams") == 0
         )
+    generated = await asyncio.to_thread(_metric, paced_server, metric) - before
+    # Finishing would count all 220 tokens (2.2 s of paced steps); a cancel that reaches the
+    # engine within a second leaves over half of them unmade, even on a loaded machine.
+    assert 1 <= generated < LONG["max_tokens"] / 2, generated
 
 
 async def test_async_unreachable_server_is_unavailable():

@@ -1,10 +1,12 @@
 """Engine benchmark: our continuous batching vs Hugging Face `generate`, in one process and run.
 
-    python -m streaming_backend.bench --concurrency 1,4,16 --output-tokens 64 --dtype bf16,fp32
+    tokenstream engine-bench --concurrency 1,4,16 --output-tokens 64 --dtype bf16,fp32
 
 For each dtype it runs the baseline (`model.generate` + `TextIteratorStreamer`, one request at a
 time) and then our engine at each concurrency, every stream producing exactly --output-tokens
-tokens (ignore_eos). It prints a table and writes every figure to a JSON file.
+tokens (ignore_eos). Each token becomes a Chunk stamped when it existed, so TTFT, ITL, throughput
+and percentiles are those of clients/metrics.py, as in `tokenstream bench`. It prints a table and
+writes every figure to a JSON file. A client of the core: it runs the engine in this process.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
@@ -20,7 +21,10 @@ from pathlib import Path
 
 import torch
 
+from clients import metrics
+from clients.chunk import Chunk
 from streaming_backend.engine import Engine, EngineConfig
+from streaming_backend.events import TokenEvent
 from streaming_backend.loading import LoadedModel, load_model
 from streaming_backend.prompts import encode_prompt, load_chat_prompts
 from streaming_backend.settings import SamplingSettings
@@ -42,16 +46,16 @@ class BenchConfig:
 
 
 @dataclass(frozen=True)
-class StreamTimes:
-    """One request: submit time and the time each of its tokens existed (monotonic ns)."""
+class Timeline:
+    """One request: when it was submitted and its tokens as Chunks stamped when they existed."""
 
-    submitted_ns: int
-    token_ns: tuple[int, ...]
+    sent_ns: int
+    chunks: tuple[Chunk, ...]
 
 
 @dataclass(frozen=True)
 class LevelResult:
-    """Figures for one (system, dtype, concurrency) cell."""
+    """Figures for one (system, dtype, concurrency) cell; latency stats in ms."""
 
     system: str
     dtype: str
@@ -63,34 +67,38 @@ class LevelResult:
     itl_ms: dict[str, float]
 
 
-def percentiles(values: list[float]) -> dict[str, float]:
-    """avg and p50/p90/p99 (nearest rank) of a list of milliseconds."""
-    if not values:
-        return {}
-    ordered = sorted(values)
+def token_chunk(event: TokenEvent) -> Chunk:
+    """An engine event as the Chunk a client would have received at its emitted time."""
+    reason = None if event.finish_reason is None else event.finish_reason.value
+    return Chunk(
+        event.text,
+        len(event.token_ids),
+        event.num_input_tokens,
+        event.token_ids,
+        reason,
+        None,
+        event.final,
+        event.request_id,
+        event.emitted_ns,
+    )
 
-    def rank(p: float) -> float:
-        return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
 
-    return {"avg": statistics.fmean(ordered), "p50": rank(50), "p90": rank(90), "p99": rank(99)}
-
-
-def summarize(system: str, dtype: str, concurrency: int, streams: list[StreamTimes]):
-    """Aggregate tokens/s, TTFT and inter-token latency of a set of streams."""
-    start = min(s.submitted_ns for s in streams)
-    end = max(s.token_ns[-1] for s in streams)
-    tokens = sum(len(s.token_ns) for s in streams)
-    ttft = [(s.token_ns[0] - s.submitted_ns) / 1e6 for s in streams]
-    itl = [(b - a) / 1e6 for s in streams for a, b in zip(s.token_ns, s.token_ns[1:])]
+def summarize(system: str, dtype: str, concurrency: int, timelines: list[Timeline]):
+    """Aggregate tokens/s, TTFT and inter-token latency (clients/metrics.py) of requests."""
+    start = min(t.sent_ns for t in timelines)
+    end = max(t.chunks[-1].received_ns for t in timelines)
+    tokens = sum(metrics.output_tokens(t.chunks) for t in timelines)
+    ttft = (metrics.ttft_ns(t.sent_ns, t.chunks) for t in timelines)
+    itl = (metrics.itl_ns(t.sent_ns, t.chunks) for t in timelines)
     return LevelResult(
         system,
         dtype,
         concurrency,
-        len(streams),
+        len(timelines),
         tokens,
-        tokens / ((end - start) / 1e9),
-        percentiles(ttft),
-        percentiles(itl),
+        metrics.throughput(tokens, end - start),
+        metrics.stats(ttft, metrics.NS_PER_MS).as_dict(),
+        metrics.stats(itl, metrics.NS_PER_MS).as_dict(),
     )
 
 
@@ -145,7 +153,8 @@ def run_baseline(loaded: LoadedModel, prompts: list[list[int]], cfg: BenchConfig
         text = "".join(streamer)  # consume as a client would
         worker.join()
         assert text is not None
-        streams.append(StreamTimes(submitted, tuple(streamer.times)))
+        chunks = tuple(Chunk("", 1, None, None, None, None, False, "", t) for t in streamer.times)
+        streams.append(Timeline(submitted, chunks))
     return summarize("hf-generate", str(loaded.dtype).removeprefix("torch."), 1, streams)
 
 
@@ -164,9 +173,8 @@ def run_engine(loaded: LoadedModel, prompts: list[list[int]], concurrency: int, 
             ]
             for handle in handles:
                 events = [e for e in handle if e.token_ids]
-                streams.append(
-                    StreamTimes(events[0].submitted_ns, tuple(e.emitted_ns for e in events))
-                )
+                chunks = tuple(token_chunk(e) for e in events)
+                streams.append(Timeline(events[0].submitted_ns, chunks))
     return summarize("engine", str(loaded.dtype).removeprefix("torch."), concurrency, streams)
 
 
@@ -197,13 +205,15 @@ HEADER = (
 
 def print_row(r: LevelResult) -> None:
     """One line of the table."""
-    print(
-        f"{r.system:<12} {r.dtype:<9} {r.concurrency:>4} {r.requests:>4} "
-        f"{r.tokens_per_s:>8.1f} {r.ttft_ms['p50']:>9.0f} {r.ttft_ms['p90']:>7.0f} "
-        f"{r.ttft_ms['p99']:>7.0f} {r.itl_ms['p50']:>8.1f} {r.itl_ms['p90']:>7.1f} "
-        f"{r.itl_ms['p99']:>7.1f}",
-        flush=True,
-    )
+    ttft = "".join(_cell(r.ttft_ms[p], w, 0) for p, w in (("p50", 10), ("p90", 8), ("p99", 8)))
+    itl = "".join(_cell(r.itl_ms[p], w, 1) for p, w in (("p50", 9), ("p90", 8), ("p99", 8)))
+    head = f"{r.system:<12} {r.dtype:<9} {r.concurrency:>4} {r.requests:>4} "
+    print(f"{head}{r.tokens_per_s:>8.1f}{ttft}{itl}", flush=True)
+
+
+def _cell(value: float | None, width: int, digits: int) -> str:
+    """A right-aligned table cell; '-' for a figure with no values (e.g. ITL of 1 token)."""
+    return f"{'-' if value is None else f'{value:.{digits}f}':>{width}}"
 
 
 def ratios(results: list[LevelResult]) -> dict[str, dict[str, float]]:

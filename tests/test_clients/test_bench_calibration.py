@@ -26,7 +26,7 @@ import statistics
 
 import pytest
 
-from clients.bench import BenchConfig, run_bench
+from clients.bench.cli import BenchConfig, run_bench
 from clients.bench.report import format_run, validate_report
 
 pytestmark = pytest.mark.server

@@ -1,0 +1,101 @@
+"""Triton's HTTP generate_stream endpoint (server-sent events) -> Chunks.
+
+POST /v2/models/<model>/generate_stream takes the model's inputs as one JSON object (tensor name
+-> value) and answers with one `data: {...}` event per response, each a JSON object of the
+response's outputs (tensor name -> value; one-element outputs come as scalars), or
+`data: {"error": "..."}`. The events carry no FINAL flag: the stream ending marks the end, and
+the response holding a finish reason is the last one. genai-perf's profile export holds each
+response's outputs in the same form, so `event_chunk` reads those too.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Mapping
+
+from clients.chunk import Chunk, GenerationError, parse_timing
+from clients.request import GenerateRequest, request_inputs
+from streaming_backend.wire import (
+    CHAT_MODEL,
+    FINISH_REASON,
+    NUM_INPUT_TOKENS,
+    NUM_OUTPUT_TOKENS,
+    OUTPUT_IDS,
+    TEXT_OUTPUT,
+    TIMING,
+    error_code,
+)
+
+ERROR_FIELD = "error"  # Triton's key of an error event
+
+
+def generate_stream_url(base_url: str, model: str = CHAT_MODEL) -> str:
+    """The generate_stream endpoint of `model` under an HTTP base URL."""
+    return f"{base_url.rstrip('/')}/v2/models/{model}/generate_stream"
+
+
+def request_body(request: GenerateRequest) -> dict:
+    """The JSON body of one generate_stream request."""
+    return {
+        name: list(value) if isinstance(value, tuple) else value
+        for name, value in request_inputs(request).items()
+    }
+
+
+def parse_sse_line(line: bytes) -> dict | None:
+    """The JSON object of an SSE `data:` line; None for other lines (blank, comments, ids)."""
+    if not line.startswith(b"data:"):
+        return None
+    payload = line[5:].strip()
+    return json.loads(payload) if payload else None
+
+
+def _int(value) -> int | None:
+    if isinstance(value, list):  # an output of shape [1] may come as a one-element list
+        value = value[0] if value else None
+    return None if value is None else int(value)
+
+
+def _ids(value) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    return tuple(int(t) for t in value) if isinstance(value, list) else (int(value),)
+
+
+def event_chunk(event: Mapping, received_ns: int, request_id: str = "") -> Chunk:
+    """One Chunk from one event's outputs; an error event raises GenerationError."""
+    if ERROR_FIELD in event:
+        message = str(event[ERROR_FIELD])
+        raise GenerationError(message, error_code(message))
+    finish_reason = event.get(FINISH_REASON) or None
+    return Chunk(
+        text=event.get(TEXT_OUTPUT) or "",
+        num_output_tokens=_int(event.get(NUM_OUTPUT_TOKENS)),
+        num_input_tokens=_int(event.get(NUM_INPUT_TOKENS)),
+        output_ids=_ids(event.get(OUTPUT_IDS)),
+        finish_reason=finish_reason,
+        timing=parse_timing(event.get(TIMING)),
+        final=finish_reason is not None,
+        request_id=request_id,
+        received_ns=received_ns,
+    )
+
+
+async def generate(
+    session, url: str, request: GenerateRequest, request_id: str = ""
+) -> AsyncIterator[Chunk]:
+    """POST one request on an aiohttp session and yield a Chunk per event as it arrives."""
+    async with session.post(url, json=request_body(request)) as resp:
+        if resp.status != 200:
+            message = (await resp.text()).strip()
+            try:  # Triton answers {"error": "..."} for a refused request
+                message = str(json.loads(message)[ERROR_FIELD])
+            except (ValueError, KeyError, TypeError):
+                message = f"HTTP {resp.status}: {message}"
+            raise GenerationError(message, error_code(message))
+        async for line in resp.content:
+            received_ns = time.monotonic_ns()
+            event = parse_sse_line(line)
+            if event is not None:
+                yield event_chunk(event, received_ns, request_id)

@@ -1,0 +1,122 @@
+"""The bridge's websocket frames -> Chunks, and one websocket shared by many generations.
+
+The bridge sends `token` frames ({"text", "n": tokens so far}), then one `done` frame (finish
+reason, usage, and under timing.server the first token's server stamps) or one `error` frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+
+from clients.chunk import Chunk, GenerationError, parse_timing
+from streaming_backend.wire import CANCELLED, FinishReason
+
+
+def bridge_request(
+    gen_id: str, prompt: str | None, messages: Sequence[Mapping] | None, params: Mapping
+) -> dict:
+    """The bridge's `generate` message: a chat as `messages`, plain text as `prompt`."""
+    msg: dict = {"type": "generate", "id": gen_id, "params": dict(params)}
+    if messages is not None:
+        msg["messages"] = list(messages)
+    else:
+        msg["prompt"] = prompt or ""
+    return msg
+
+
+def done_timing(msg: Mapping):
+    """The first token's server stamps of a `done` frame (timing.server), if it carries them."""
+    timing = msg.get("timing") or {}
+    for candidate in (timing.get("server"), timing):
+        if isinstance(candidate, dict) and "prefill_start_ns" in candidate:
+            return parse_timing(candidate)
+    return None
+
+
+def frame_chunk(msg: Mapping, tokens_so_far: int, received_ns: int) -> Chunk | None:
+    """A Chunk from a token or done frame; an error frame raises GenerationError; else None."""
+    kind, gen_id = msg.get("type"), str(msg.get("id"))
+    if kind == "token":
+        n = int(msg.get("n", tokens_so_far + 1))
+        text = msg.get("text") or ""
+        return Chunk(text, n - tokens_so_far, None, None, None, None, False, gen_id, received_ns)
+    if kind == "done":
+        usage = msg.get("usage") or {}
+        rest = max(int(usage.get("completion_tokens", tokens_so_far)) - tokens_so_far, 0)
+        reason = msg.get("finish_reason") or FinishReason.STOP.value
+        prompt_tokens = usage.get("prompt_tokens")
+        # the done frame is the last response: request latency ends here
+        return Chunk("", rest, prompt_tokens, None, reason, None, True, gen_id, received_ns)
+    if kind == "error":
+        code = str(msg.get("code", ""))
+        message = f"{code}: {msg.get('message', '')}".strip(": ")
+        raise GenerationError(message, CANCELLED.code if "cancel" in code.lower() else code)
+    return None
+
+
+class BridgeConnection:
+    """One websocket to the bridge; a reader task routes frames to generations by id."""
+
+    def __init__(self, ws):
+        self.ws = ws
+        self.pending: dict[str, asyncio.Queue] = {}
+        self.ids = itertools.count()
+        self.reader = asyncio.create_task(self._read())
+
+    def new_id(self, prefix: str) -> str:
+        """A generation id unique on this connection."""
+        return f"{prefix}-{next(self.ids)}"
+
+    async def _read(self) -> None:
+        """Route each frame by id; a frame without one (or a closed socket) goes to everyone."""
+        try:
+            async for raw in self.ws:
+                now = time.monotonic_ns()
+                msg = json.loads(raw)
+                queue = self.pending.get(str(msg.get("id")))
+                targets = [queue] if queue is not None else list(self.pending.values())
+                for q in targets:
+                    q.put_nowait((now, msg))
+        except Exception as exc:  # connection lost: every open generation ends in an error
+            self._fail_all(f"websocket failed: {exc!r}")
+        else:
+            self._fail_all("websocket closed by the bridge")
+
+    def _fail_all(self, message: str) -> None:
+        """End every open generation with an error frame."""
+        now = time.monotonic_ns()
+        for q in self.pending.values():
+            q.put_nowait((now, {"type": "error", "code": "closed", "message": message}))
+
+    async def frames(self, request: dict) -> AsyncIterator[tuple[int, dict]]:
+        """Send a generate message; yield (received_ns, frame) up to its done or error frame."""
+        gen_id = request["id"]
+        queue: asyncio.Queue = asyncio.Queue()
+        self.pending[gen_id] = queue
+        finished = False
+        try:
+            await self.ws.send(json.dumps(request))
+            while not finished:
+                received_ns, msg = await queue.get()
+                finished = msg.get("type") in ("done", "error")
+                yield received_ns, msg
+        finally:
+            del self.pending[gen_id]
+            if not finished:
+                await self._cancel(gen_id)
+
+    async def _cancel(self, gen_id: str) -> None:
+        """Ask the bridge to stop a generation we abandoned (best effort)."""
+        try:
+            await self.ws.send(json.dumps({"type": "cancel", "id": gen_id}))
+        except Exception:  # the socket is gone: the bridge cancels on close by itself
+            pass
+
+    async def close(self) -> None:
+        """Close the socket and wait for the reader."""
+        await self.ws.close()
+        await asyncio.gather(self.reader, return_exceptions=True)

@@ -1,0 +1,83 @@
+"""Triton's generate_stream events -> Chunks (clients/sse_client.py), without a server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from clients.chunk import GenerationError
+from clients.request import GenerateRequest
+from clients.sse_client import event_chunk, generate_stream_url, parse_sse_line, request_body
+from streaming_backend import wire
+from streaming_backend.wire import ServerTiming
+
+TIMING = ServerTiming(1, 2, 3, 4, 5)
+
+
+def test_sse_lines():
+    """Only `data:` lines carry events; blank lines and comments are skipped."""
+    assert parse_sse_line(b'data: {"text_output": "a"}\n') == {"text_output": "a"}
+    assert parse_sse_line(b"\n") is None and parse_sse_line(b": keep-alive\n") is None
+    assert parse_sse_line(b"data:\n") is None
+
+
+def test_event_with_every_output_becomes_a_chunk():
+    """Each output maps onto the Chunk; one-element outputs come as scalars or lists."""
+    event = {
+        wire.TEXT_OUTPUT: "好🙂",
+        wire.NUM_OUTPUT_TOKENS: 2,
+        wire.NUM_INPUT_TOKENS: [7],
+        wire.OUTPUT_IDS: [11, 12],
+        wire.FINISH_REASON: "length",
+        wire.TIMING: TIMING.to_json(),
+    }
+    c = event_chunk(event, received_ns=42, request_id="r")
+    assert (c.text, c.num_output_tokens, c.num_input_tokens, c.output_ids) == (
+        "好🙂",
+        2,
+        7,
+        (11, 12),
+    )
+    assert c.finish_reason == "length" and c.final and c.received_ns == 42
+    assert c.timing == TIMING and c.tokens == 2
+
+
+def test_event_without_outputs_is_an_empty_chunk():
+    """Outputs the request did not ask for are None; without a count, text is one token."""
+    c = event_chunk({wire.TEXT_OUTPUT: "a"}, 1)
+    assert c.num_output_tokens is None and c.timing is None and not c.final
+    assert c.tokens == 1 and event_chunk({}, 1).tokens == 0
+    assert event_chunk({wire.OUTPUT_IDS: 9}, 1).output_ids == (9,)
+
+
+@pytest.mark.parametrize(
+    ("message", "code"),
+    [
+        ("invalid request: top_p must be in (0, 1]", "invalid_request"),
+        ("overloaded: queue is full", "overloaded"),
+        ("something else", "internal"),
+    ],
+)
+def test_error_event_raises_with_the_servers_category(message, code):
+    """An error event raises GenerationError carrying the server's message and its category."""
+    with pytest.raises(GenerationError) as info:
+        event_chunk({"error": message}, 1)
+    assert (info.value.message, info.value.code) == (message, code)
+
+
+def test_request_body_uses_the_wire_names():
+    """The JSON body holds the same inputs as the gRPC tensors, by wire name."""
+    body = request_body(GenerateRequest(prompt="hi", sampling={wire.MAX_TOKENS: 4}))
+    assert body[wire.TEXT_INPUT] == "hi" and body[wire.STREAM] is True
+    assert json.loads(body[wire.SAMPLING_PARAMETERS]) == {wire.MAX_TOKENS: 4}
+    assert set(body) <= set(wire.INPUT_NAMES)
+    ids = request_body(GenerateRequest(input_ids=(1, 2)))
+    assert ids[wire.INPUT_IDS] == [1, 2] and json.dumps(ids)
+
+
+def test_endpoint():
+    assert (
+        generate_stream_url("http://h:8000/", "chat")
+        == "http://h:8000/v2/models/chat/generate_stream"
+    )

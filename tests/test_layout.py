@@ -1,0 +1,231 @@
+"""The layout rules (DESIGN.md, STYLE.md): imports point one way, and each wire fact has one home.
+
+Checked statically over the product's sources (streaming_backend/, clients/, repository/) and, for
+the light modules, by importing them in a fresh interpreter and looking at what got loaded.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from streaming_backend import wire
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("streaming_backend", "clients", "repository")
+TRANSPORTS = ("tritonclient", "websockets", "grpc", "triton_python_backend_utils", "clients")
+HEAVY = ("torch", "transformers", "numpy", "clients", "tritonclient", "websockets", "grpc")
+# Names the chat model's tensors share with other protocols' JSON (OpenAI, the bridge's
+# websocket frames): a literal of these is not necessarily a tensor name.
+SHARED_WORDS = {wire.STREAM, wire.MESSAGES, wire.FINISH_REASON, wire.LOGPROBS, wire.TIMING}
+
+
+def product_files() -> list[Path]:
+    """Every Python source of the product (not tests, not the virtual environment)."""
+    return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
+
+
+def module_name(path: Path) -> str:
+    """Dotted name of a product file (repository/chat/1/model.py -> repository.chat.1.model)."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of the nodes under `if TYPE_CHECKING:` (annotations only: never imported at run time)."""
+    return {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+        for stmt in node.body
+        for inner in ast.walk(stmt)
+    }
+
+
+def imports_of(path: Path) -> set[str]:
+    """Absolute module names a file imports at run time, at any depth of its code."""
+    names: set[str] = set()
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skip = _type_checking_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def top(name: str) -> str:
+    return name.split(".")[0]
+
+
+def is_core(path: Path) -> bool:
+    return path.relative_to(ROOT).parts[0] == "streaming_backend"
+
+
+def test_the_core_imports_no_transport_and_no_client():
+    """No module of streaming_backend imports clients/, tritonclient, websockets or Triton."""
+    offenders = {
+        str(p.relative_to(ROOT)): sorted(n for n in imports_of(p) if top(n) in TRANSPORTS)
+        for p in product_files()
+        if is_core(p)
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+# Modules that clients and the launcher import: standard library only (numpy at most for none).
+LIGHT_MODULES = (
+    "streaming_backend.wire",
+    "streaming_backend.config",
+    "streaming_backend.paths",
+    "streaming_backend.launcher",
+    "streaming_backend.launcher.binary",
+    "streaming_backend.launcher.processes",
+    "streaming_backend.launcher.repository",
+    "streaming_backend.launcher.server",
+)
+
+
+def test_the_launcher_and_the_wire_contract_stay_light():
+    """Imported in a fresh interpreter, the launcher, settings and wire load nothing heavy."""
+    code = (
+        "import importlib, sys\n"
+        f"for name in {LIGHT_MODULES!r}: importlib.import_module(name)\n"
+        f"print(sorted({{m for m in sys.modules if m.split('.')[0] in {HEAVY!r}}}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def _graph() -> dict[str, set[str]]:
+    """Import graph between the product's own modules."""
+    modules = {module_name(p): p for p in product_files()}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for imported in imports_of(path):
+            # `from a.b import c` names a.b.c (a module or an attribute): keep the longest module
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                targets.add(imported)
+        graph[name] = targets
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_imports_in_a_circle():
+    """The product's modules form no import cycle (a package __init__ and its modules included)."""
+    graph = _graph()
+    # a package's __init__ importing its own submodules is how packages expose names: not a cycle
+    for name in graph:
+        graph[name] = {t for t in graph[name] if not (name + ".").startswith(t + ".")}
+    assert _cycles(graph) == []
+
+
+def test_packages_point_one_way():
+    """clients may import streaming_backend; streaming_backend never imports clients/repository."""
+    graph = _graph()
+    backwards = sorted(
+        (a, b)
+        for a, targets in graph.items()
+        for b in targets
+        if top(a) == "streaming_backend" and top(b) in ("clients", "repository")
+    )
+    assert backwards == []
+
+
+def _string_literals(path: Path) -> list[tuple[int, str]]:
+    """(line, value) of every string constant that is not a docstring."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and id(node) not in docstrings
+    ]
+
+
+TENSOR_NAMES = (set(wire.INPUT_NAMES) | set(wire.OUTPUT_NAMES)) - SHARED_WORDS
+# Literals that spell a tensor name by coincidence, each with its reason.
+NOT_TENSOR_NAMES = {
+    ("clients/request.py", "input_ids"): "GenerateRequest's own field, set in __post_init__",
+    ("streaming_backend/prompts.py", "input_ids"): "the Hugging Face tokenizer's output key",
+}
+
+
+@pytest.mark.parametrize("path", product_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_tensor_name_literal_outside_the_wire_contract(path):
+    """Tensor names are spelled only in streaming_backend/wire.py; everyone else imports them."""
+    if path == ROOT / "streaming_backend" / "wire.py":
+        return
+    where = str(path.relative_to(ROOT))
+    found = [
+        (line, v)
+        for line, v in _string_literals(path)
+        if v in TENSOR_NAMES and (where, v) not in NOT_TENSOR_NAMES
+    ]
+    assert found == []
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for p in product_files() if is_core(p) and p.name != "wire.py"],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_no_sampling_key_literal_in_the_core(path):
+    """The core spells no sampling_parameters key: settings and adapters use wire's constants."""
+    found = [(line, v) for line, v in _string_literals(path) if v in wire.SAMPLING_KEYS]
+    assert found == []
