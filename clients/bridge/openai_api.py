@@ -44,8 +44,7 @@ from clients.bridge.openai_response import (
     usage_chunk,
     whole_response,
 )
-from clients.chunk import Chunk
-from clients.grpc_client import GenerationError
+from clients.chunk import Chunk, GenerationError
 from streaming_backend.wire import INTERNAL, UNAVAILABLE
 
 if TYPE_CHECKING:

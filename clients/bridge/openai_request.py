@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from clients.bridge.openai_errors import ApiError, invalid
-from clients.grpc_client import GenerateRequest
+from clients.request import GenerateRequest
 from streaming_backend.wire import (
     IGNORE_EOS,
     MAX_TOKENS,

@@ -45,7 +45,7 @@ class Answer:
         """Account one chunk; its text. A finish other than stop/length raises ApiError."""
         if chunk.num_input_tokens is not None:
             self.prompt_tokens = chunk.num_input_tokens
-        self.completion_tokens += _tokens(chunk)
+        self.completion_tokens += chunk.tokens
         self.texts.append(chunk.text)
         if chunk.finish_reason is not None:
             self.finish_reason = _finish_reason(chunk.finish_reason)
@@ -58,13 +58,6 @@ class Answer:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
-
-
-def _tokens(chunk: Chunk) -> int:
-    """Tokens a response carries: the server's count, else 1 if it has text."""
-    if chunk.num_output_tokens is not None:
-        return chunk.num_output_tokens
-    return 1 if chunk.text else 0
 
 
 def _finish_reason(reason: str) -> str:
