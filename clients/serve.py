@@ -22,6 +22,7 @@ from pathlib import Path
 
 from streaming_backend.config import PARAMETER_HELP, default_parameters
 from streaming_backend.launcher import ServerConfig, ServerDied, TritonServer
+from streaming_backend.launcher.batching import DialogueBatching
 from streaming_backend.launcher.server import DEFAULT_PORTS, client_host
 from streaming_backend.paths import default_repository
 
@@ -63,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-bridge", action="store_true", help="do not run the bridge")
     parser.add_argument("--repository", type=Path, default=None, help=argparse.SUPPRESS)
+    _add_model_arguments(parser)
 
 
 def _setting_help(key: str) -> str:
@@ -81,6 +83,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_streams=args.max_streams,
         queue_limit=args.queue_limit,
         model_parameters=extra,
+        models=_models_from_args(args),
+        dialogue=_batching_from_args(args),
         host=args.host,
         http_port=args.http_port or DEFAULT_PORTS["http"],
         grpc_port=args.grpc_port or DEFAULT_PORTS["grpc"],
@@ -166,7 +170,9 @@ def _watch(server: TritonServer, died: threading.Event, stop: threading.Event) -
 
 
 def _print_endpoints(server: TritonServer, bridge_port: int) -> None:
-    models = sorted(p.name for p in server.config.repository.iterdir() if p.is_dir())
+    models = server.config.models or sorted(
+        p.name for p in server.config.repository.iterdir() if p.is_dir()
+    )
     lines = [
         "tokenstream: Triton is ready",
         f"  models   {', '.join(models)}",
@@ -217,3 +223,39 @@ async def _follow(service: RunUntil, stop: threading.Event) -> None:
 
     threading.Thread(target=relay, name="bridge-stop", daemon=True).start()
     await service(service_stop)
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options choosing the models and the dialogue model's batching."""
+    parser.add_argument(
+        "--models",
+        default="",
+        help="comma-separated models to load (default: every model of the repository)",
+    )
+    parser.add_argument(
+        "--dialogue-instances", type=int, help="dialogue_model instances (default 2)"
+    )
+    parser.add_argument(
+        "--dialogue-queue-delay-us",
+        type=int,
+        help="dialogue_model's max_queue_delay_microseconds (default 5000)",
+    )
+    parser.add_argument(
+        "--no-dynamic-batching",
+        action="store_true",
+        help="dialogue_model without Triton's dynamic batcher (one request per execute)",
+    )
+
+
+def _models_from_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The --models list; empty means every model."""
+    return tuple(name.strip() for name in args.models.split(",") if name.strip())
+
+
+def _batching_from_args(args: argparse.Namespace) -> DialogueBatching:
+    """The DialogueBatching of parsed options."""
+    return DialogueBatching(
+        instances=args.dialogue_instances,
+        queue_delay_us=args.dialogue_queue_delay_us,
+        dynamic_batching=not args.no_dynamic_batching,
+    )

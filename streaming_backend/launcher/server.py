@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from streaming_backend.config import ModelSettings
+from streaming_backend.launcher.batching import DialogueBatching
 from streaming_backend.launcher.binary import TritonBinary, find_tritonserver
 from streaming_backend.launcher.processes import (
     descendants,
@@ -55,6 +56,8 @@ class ServerConfig:
     max_streams: int | None = None
     queue_limit: int | None = None
     model_parameters: Mapping[str, str] = field(default_factory=dict)  # extra config.pbtxt keys
+    models: tuple[str, ...] = ()  # models to load (explicit model control); (): every model
+    dialogue: DialogueBatching = field(default_factory=DialogueBatching)
     host: str = "127.0.0.1"
     http_port: int = DEFAULT_PORTS["http"]
     grpc_port: int = DEFAULT_PORTS["grpc"]
@@ -76,6 +79,13 @@ class ServerConfig:
         settings |= {"max_streams": self.max_streams, "queue_limit": self.queue_limit}
         chosen = {key: str(value) for key, value in settings.items() if value is not None}
         return chosen | {key: str(value) for key, value in self.model_parameters.items()}
+
+
+def model_control(models: tuple[str, ...]) -> list[str]:
+    """Load only `models` (explicit model control); every model of the repository when empty."""
+    if not models:
+        return []
+    return ["--model-control-mode=explicit"] + [f"--load-model={name}" for name in models]
 
 
 def client_host(host: str) -> str:
@@ -155,7 +165,7 @@ class TritonServer:
             raise RuntimeError("a TritonServer starts once; make a new one")
         binary = find_tritonserver(self.config.tritonserver)
         self._runtime_repository = make_runtime_repository(
-            self.config.repository, self.config.parameters()
+            self.config.repository, self.config.parameters(), self.config.dialogue.rewrites()
         )
         try:
             # a new session: Ctrl-C in a terminal does not reach the server behind our back, and
@@ -181,7 +191,7 @@ class TritonServer:
     def command(self, binary: TritonBinary) -> list[str]:
         """The tritonserver command line for this config."""
         c = self.config
-        return parent_death_prefix() + [
+        command = parent_death_prefix() + [
             str(binary.binary),
             f"--model-repository={self._runtime_repository}",
             f"--backend-directory={binary.backend_dir}",
@@ -196,6 +206,7 @@ class TritonServer:
             # our own shm name prefix, so stop() deletes exactly this server's regions
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]
+        return command + model_control(c.models)
 
     def wait_ready(
         self, timeout: float | None = None, abort: threading.Event | None = None

@@ -16,7 +16,7 @@ the server's own stamps on the same clock:
 The absolute medians against 300 ms and 50 ms get only a loose guard against gross errors (units,
 counting chunks as tokens): the tiny model's own steps stretch under load. Seen on this 2-core
 machine with other jobs running: TTFT medians 312-318 ms (the prefill part 302-308 ms), ITL medians
-53 ms, up to 127 ms when the machine was saturated, with the bench within 1.3 ms of the server's
+53 ms, up to 270 ms when the machine was saturated, with the bench within 1.3 ms of the server's
 own ITL every time.
 """
 
@@ -33,8 +33,9 @@ pytestmark = pytest.mark.server
 
 FIRST_MS, NEXT_MS = 300.0, 50.0
 OUTPUT_TOKENS, INPUT_TOKENS, REQUESTS = 8, 16, 6
-TTFT_GUARD_MS = 250.0  # loose: the model's own prefill and the hops on a loaded machine
-ITL_GUARD_MS = 100.0  # loose: a decode step of the tiny model on a loaded machine
+# Gross-error guards (a unit slip is x1000): the tiny model's own steps stretch several-fold on a
+# saturated 2-core machine (ITL medians of 230-270 ms were seen at load 12), so only 10x is wrong.
+GROSS_FACTOR = 10.0
 HOPS_MS = 25.0  # median of client -> server + server -> client (gRPC/HTTP/ws, python backend)
 AGREE_MS = 2.0  # median |client ITL - server ITL|: jitter of two stamps spread over 7 gaps
 JITTER_MS = 1.0
@@ -44,9 +45,11 @@ JITTER_MS = 1.0
 def delayed_server(tiny_model_dir):
     """tritonserver with the tiny model and the calibration delays."""
     from streaming_backend.launcher import ServerConfig, TritonServer, free_port
+    from streaming_backend.wire import CHAT_MODEL
 
     config = ServerConfig(
         model=str(tiny_model_dir),
+        models=(CHAT_MODEL,),  # not the dialogue_model
         model_parameters={
             "test_first_token_delay_ms": str(int(FIRST_MS)),
             "test_token_delay_ms": str(int(NEXT_MS)),
@@ -142,8 +145,8 @@ async def test_bench_reports_injected_delays(delayed_server, transport):
         assert statistics.median(diffs) <= AGREE_MS, (itl, server_itl)
 
     # gross-error guard on the absolute figures
-    assert statistics.median(ttft) <= FIRST_MS + TTFT_GUARD_MS, ttft
-    assert statistics.median(itl) <= NEXT_MS + ITL_GUARD_MS, itl
+    assert statistics.median(ttft) <= FIRST_MS * GROSS_FACTOR, ttft
+    assert statistics.median(itl) <= NEXT_MS * GROSS_FACTOR, itl
 
 
 async def test_bench_openai_reports_injected_delays(delayed_server):

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from clients.bridge.frames import Trace, done_frame, error_frame, token_frame
 from clients.chunk import Chunk
+from streaming_backend.wire import ServerTiming
 
 
 def _chunk(text, n, t_ns, timing=None, n_in=None, reason=None, final=False) -> Chunk:
@@ -16,14 +15,13 @@ def _chunk(text, n, t_ns, timing=None, n_in=None, reason=None, final=False) -> C
 
 def test_done_frame_usage_and_timing():
     """done carries usage summed from per-response counts and server/bridge spans in ms."""
-    server = {
-        "clock": "monotonic",
-        "received_ns": 1_000_000,
-        "queued_ns": 2_000_000,
-        "prefill_start_ns": 3_000_000,
-        "emitted_ns": 7_000_000,
-        "wall_minus_monotonic_ns": time.time_ns() - time.monotonic_ns(),
-    }
+    server = ServerTiming(
+        received_ns=1_000_000,
+        queued_ns=2_000_000,
+        prefill_start_ns=3_000_000,
+        emitted_ns=7_000_000,
+        wall_minus_monotonic_ns=ServerTiming.wall_offset_ns(),
+    )
     trace = Trace(accepted_ns=0, upstream_ns=1_000_000)
     trace.observe(_chunk("a", 1, 9_000_000, timing=server, n_in=5), out_ns=9_500_000)
     trace.observe(_chunk("b", 2, 10_000_000), out_ns=10_500_000)
