@@ -164,8 +164,8 @@ async def test_bench_openai_reports_injected_delays(delayed_server):
     ttft, itl = per_request(run, "ttft_ms"), per_request(run, "itl_ms")
     assert min(ttft) >= FIRST_MS, ttft
     assert min(itl) >= NEXT_MS - JITTER_MS, itl
-    assert statistics.median(ttft) <= FIRST_MS + TTFT_GUARD_MS, ttft
-    assert statistics.median(itl) <= NEXT_MS + ITL_GUARD_MS, itl
+    assert statistics.median(ttft) <= FIRST_MS * GROSS_FACTOR, ttft
+    assert statistics.median(itl) <= NEXT_MS * GROSS_FACTOR, itl
 
 
 def server_itl_ms(request: dict) -> float:
