@@ -22,7 +22,9 @@ import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
 from clients.chunk import Chunk, GenerationError, parse_timing
+from clients.failover import failover, failover_sync
 from clients.request import GenerateRequest, request_inputs
+from clients.targets import channel_args
 from streaming_backend.wire import (
     CHAT_MODEL,
     ENABLE_EMPTY_FINAL,
@@ -58,6 +60,8 @@ CHANNEL_ARGS = [
     ("grpc.min_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
+# What every channel gets: the above plus round_robin over the replicas a target names (targets.py)
+BALANCED_CHANNEL_ARGS = channel_args(CHANNEL_ARGS)
 
 
 def _tensor(name: str, value: np.ndarray, datatype: str) -> grpcclient.InferInput:
@@ -136,20 +140,36 @@ def stream_generate(
     request_id: str | None = None,
     cancel: threading.Event | None = None,
 ) -> Iterator[Chunk]:
-    """Stream one generation synchronously; setting `cancel` or closing the iterator cancels it."""
+    """Stream one generation synchronously; setting `cancel` or closing the iterator cancels it.
+
+    `url` is any target of clients.targets; a stream that fails as unavailable before its first
+    response is retried on another replica (clients.failover).
+    """
+    request_id = request_id or uuid.uuid4().hex
+    return failover_sync(lambda: _stream_once(url, request, model, request_id, cancel))
+
+
+def _stream_once(
+    url: str,
+    request: GenerateRequest,
+    model: str,
+    request_id: str,
+    cancel: threading.Event | None,
+) -> Iterator[Chunk]:
+    """One attempt of stream_generate: one channel, one stream."""
     responses: queue.SimpleQueue = queue.SimpleQueue()
 
     def on_response(result=None, error=None):
         responses.put((result, error, time.monotonic_ns()))
 
-    client = grpcclient.InferenceServerClient(url, channel_args=CHANNEL_ARGS)
+    client = grpcclient.InferenceServerClient(url, channel_args=BALANCED_CHANNEL_ARGS)
     finished = False
     try:
         client.start_stream(callback=on_response)
         client.async_stream_infer(
             model,
             build_inputs(request),
-            request_id=request_id or uuid.uuid4().hex,
+            request_id=request_id,
             enable_empty_final_response=True,
         )
         while not finished:
@@ -181,12 +201,16 @@ def _next_response(responses: queue.SimpleQueue, cancel: threading.Event | None)
 
 
 class AsyncChatClient:
-    """Asyncio client: many concurrent generations, one stream each, over one gRPC channel."""
+    """Asyncio client: many concurrent generations, one stream each, over one gRPC channel.
+
+    `url` is any target of clients.targets (one replica, `dns:///name:port`, `ipv4:a:p,b:p`):
+    round_robin sends each generation's stream to the next replica.
+    """
 
     def __init__(self, url: str, model: str = MODEL_NAME) -> None:
         self.url = url
         self.model = model
-        self._client = grpcaio.InferenceServerClient(url, channel_args=CHANNEL_ARGS)
+        self._client = grpcaio.InferenceServerClient(url, channel_args=BALANCED_CHANNEL_ARGS)
 
     async def __aenter__(self) -> AsyncChatClient:
         return self
@@ -208,11 +232,21 @@ class AsyncChatClient:
         except (InferenceServerException, grpc.RpcError):
             return False
 
-    async def generate(
+    def generate(
         self, request: GenerateRequest, request_id: str | None = None
     ) -> AsyncIterator[Chunk]:
-        """Stream one generation; closing the iterator early (aclose) cancels it upstream."""
+        """Stream one generation; closing the iterator early (aclose) cancels it upstream.
+
+        A stream that fails as unavailable before its first response is retried on another
+        replica (clients.failover); after that, errors are raised as they come.
+        """
         request_id = request_id or uuid.uuid4().hex
+        return failover(lambda: self._generate_once(request, request_id))
+
+    async def _generate_once(
+        self, request: GenerateRequest, request_id: str
+    ) -> AsyncIterator[Chunk]:
+        """One attempt of generate(): one gRPC stream."""
         answered = asyncio.Event()
 
         async def requests():

@@ -23,7 +23,11 @@ from pathlib import Path
 from streaming_backend.config import PARAMETER_HELP, default_parameters
 from streaming_backend.launcher import ServerConfig, ServerDied, TritonServer
 from streaming_backend.launcher.batching import DialogueBatching
-from streaming_backend.launcher.server import DEFAULT_PORTS, client_host
+from streaming_backend.launcher.server import (
+    DEFAULT_PORTS,
+    GRPC_MAX_CONNECTION_AGE_S,
+    client_host,
+)
 from streaming_backend.paths import default_repository
 
 DEFAULT_BRIDGE_PORT = 8080
@@ -51,6 +55,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-streams", type=int, help=_setting_help("max_streams"))
     parser.add_argument("--queue-limit", type=int, help=_setting_help("queue_limit"))
     parser.add_argument("--log-level", type=int, default=0, help="tritonserver --log-verbose")
+    parser.add_argument(
+        "--grpc-max-connection-age",
+        type=float,
+        default=GRPC_MAX_CONNECTION_AGE_S,
+        metavar="SECONDS",
+        help="close each gRPC client connection after this long, so clients re-resolve and find "
+        f"new replicas; open streams finish (default {GRPC_MAX_CONNECTION_AGE_S:g}; 0: never)",
+    )
     others = ", ".join(key for key in defaults if key not in SERVE_OPTIONS)
     parser.add_argument(
         "--parameter",
@@ -90,6 +102,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         grpc_port=args.grpc_port or DEFAULT_PORTS["grpc"],
         metrics_port=args.metrics_port or DEFAULT_PORTS["metrics"],
         log_level=args.log_level,
+        grpc_max_connection_age_s=args.grpc_max_connection_age or None,
     )
     return ServeConfig(server, bridge_port=0 if args.no_bridge else args.bridge_port)
 

@@ -121,6 +121,9 @@ CANCELLED = ErrorKind("cancelled", "cancelled", "CANCELLED")
 INTERNAL = ErrorKind("internal error", "internal", "INTERNAL")
 ERROR_KINDS = (INVALID_REQUEST, OVERLOADED, UNAVAILABLE, CANCELLED, INTERNAL)
 ERROR_CODES = tuple(kind.code for kind in ERROR_KINDS)
+# Triton's own messages for a model that is known but has no loaded version on this server right
+# now (being unloaded at shutdown, or reloaded): another replica, or a moment later, may serve it.
+TRITON_MODEL_UNAVAILABLE = ("has no available versions",)
 
 
 def error_code(message: str, status: str | None = None) -> str:
@@ -130,6 +133,8 @@ def error_code(message: str, status: str | None = None) -> str:
         if lowered.startswith(kind.prefix):
             return kind.code
     status = status or ""
+    if any(text in lowered for text in TRITON_MODEL_UNAVAILABLE):
+        return UNAVAILABLE.code
     if "UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status:
         return UNAVAILABLE.code
     if "locally cancelled" in lowered or "CANCELLED" in status:

@@ -30,6 +30,7 @@ from clients.bench.report import (
 from clients.bench.runner import Level, Workload, run_level, warm_up
 from clients.bench.summary import ClockMap
 from clients.bench.transports import TRANSPORTS, Prompt, make_transport
+from clients.targets import DNS_SCHEME, TARGET_HELP, parse_target, target_option
 from streaming_backend.wire import CHAT_MODEL
 
 SYNTHETIC_FALLBACK_TOKENS = 128
@@ -115,7 +116,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=d.transports,
         help="grpc, sse, ws, openai, or several: grpc,sse,ws,openai (default grpc)",
     )
-    g.add_argument("--triton", default=d.triton, help=f"gRPC host:port (default {d.triton})")
+    g.add_argument(
+        "--triton", default=d.triton, type=target_option, help=f"{TARGET_HELP} (default {d.triton})"
+    )
     g.add_argument("--url", default=d.url, help=f"HTTP base URL for sse (default {d.url})")
     g.add_argument("--bridge", default=d.bridge, help=f"bridge websocket URL (default {d.bridge})")
     g.add_argument(
@@ -202,9 +205,11 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 # --- running ----------------------------------------------------------------------------------
 
 
-def endpoint_host(endpoint: str) -> str:
-    """Host name of 'host:port' or of a URL."""
-    return urlsplit(endpoint if "://" in endpoint else f"//{endpoint}").hostname or ""
+def endpoint_hosts(endpoint: str) -> list[str]:
+    """Host names of 'host:port', of a URL, or of a multi-replica gRPC target."""
+    if "://" in endpoint and not endpoint.startswith(DNS_SCHEME):
+        return [urlsplit(endpoint).hostname or ""]
+    return parse_target(endpoint).hosts()
 
 
 def is_local_host(host: str) -> bool:
@@ -221,7 +226,8 @@ def is_local_host(host: str) -> bool:
 
 def clock_map(cfg: BenchConfig, endpoint: str) -> ClockMap:
     """How server stamps relate to ours for this endpoint."""
-    same = cfg.clock == "same" or (cfg.clock == "auto" and is_local_host(endpoint_host(endpoint)))
+    local = all(is_local_host(host) for host in endpoint_hosts(endpoint))
+    same = cfg.clock == "same" or (cfg.clock == "auto" and local)
     return ClockMap(
         same_clock=same, client_wall_minus_monotonic_ns=time.time_ns() - time.monotonic_ns()
     )

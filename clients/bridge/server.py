@@ -24,6 +24,8 @@ from clients.bridge.config import BridgeConfig
 from clients.bridge.connection import Connection
 from clients.bridge.websocket import WebSocket
 from clients.grpc_client import AsyncChatClient
+from clients.replica_health import ReplicaHealth
+from clients.targets import parse_target
 
 log = logging.getLogger("tokenstream.bridge")
 
@@ -34,6 +36,7 @@ class Bridge:
     def __init__(self, cfg: BridgeConfig) -> None:
         self.cfg = cfg
         self.client: AsyncChatClient | None = None
+        self.replicas: ReplicaHealth | None = None
         self.triton_ready = False
         self.connections: set[Connection] = set()
         self._runner: web.AppRunner | None = None
@@ -59,7 +62,9 @@ class Bridge:
     async def start(self) -> None:
         """Connect to Triton, start the health watch, listen."""
         self.client = AsyncChatClient(self.cfg.triton_url, self.cfg.model)
-        self.triton_ready = await self.client.is_ready()
+        self.replicas = ReplicaHealth(parse_target(self.cfg.triton_url), self.cfg.model)
+        await self.client.is_ready()  # connects the channel to every replica before streams come
+        self.triton_ready = await self._probe_replicas()
         self._health_task = asyncio.create_task(self._watch_triton())
         self._runner = web.AppRunner(
             build_app(self),
@@ -83,6 +88,13 @@ class Bridge:
                 await self._health_task
         if self.client is not None:
             await self.client.close()
+        if self.replicas is not None:
+            await self.replicas.close()
+
+    async def _probe_replicas(self, timeout_s: float = 2.0) -> bool:
+        """Probe every replica the target names; True while at least one is ready."""
+        await self.replicas.probe(timeout_s)
+        return self.replicas.any_ready
 
     async def close_connections(self) -> None:
         """Close every websocket as the server goes away (their generations are cancelled)."""
@@ -92,7 +104,7 @@ class Bridge:
         """Poll Triton's readiness; gRPC reconnects the channel by itself after a restart."""
         while True:
             await asyncio.sleep(self.cfg.health_interval_s)
-            ready = await self.client.is_ready(timeout_s=max(self.cfg.health_interval_s, 1.0))
+            ready = await self._probe_replicas(timeout_s=max(self.cfg.health_interval_s, 1.0))
             if ready != self.triton_ready:
                 level = logging.INFO if ready else logging.WARNING
                 log.log(level, "Triton at %s is %s", self.cfg.triton_url, _state(ready))
@@ -104,6 +116,7 @@ class Bridge:
             "ready": self.triton_ready,
             "triton": self.cfg.triton_url,
             "triton_state": _state(self.triton_ready),
+            "replicas": dict(self.replicas.states) if self.replicas else {},
             "connections": len(self.connections),
             "generations": sum(len(c.generations) for c in self.connections),
         }

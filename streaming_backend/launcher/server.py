@@ -44,6 +44,9 @@ ERROR_TAIL_LINES = 40
 MAX_EXIT_TIMEOUT_S = 10.0  # stop() adds at most ~4 s to this; the whole stop stays under 15 s
 READY_POLL_S = 0.2
 MODEL_DEFAULTS = ModelSettings()
+# Triton closes each client connection after this long (gRPC GOAWAY, jittered +-10 %; open
+# streams finish on the old connection), so clients re-resolve a name and find new replicas.
+GRPC_MAX_CONNECTION_AGE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class ServerConfig:
     grpc_port: int = DEFAULT_PORTS["grpc"]
     metrics_port: int = DEFAULT_PORTS["metrics"]
     log_level: int = 0  # tritonserver --log-verbose
+    grpc_max_connection_age_s: float | None = GRPC_MAX_CONNECTION_AGE_S  # None: no maximum
     exit_timeout_s: float = 5.0
     startup_timeout_s: float = 300.0
     tritonserver: Path | None = None  # explicit binary; None: find_tritonserver()
@@ -72,6 +76,8 @@ class ServerConfig:
             raise ValueError(f"exit_timeout_s must be within 0..{MAX_EXIT_TIMEOUT_S:g} s")
         if self.startup_timeout_s <= 0:
             raise ValueError("startup_timeout_s must be positive")
+        if self.grpc_max_connection_age_s is not None and self.grpc_max_connection_age_s <= 0:
+            raise ValueError("grpc_max_connection_age_s must be positive (None: no maximum)")
 
     def parameters(self) -> dict[str, str]:
         """The config.pbtxt `parameters` this config sets on the models."""
@@ -95,6 +101,11 @@ def client_host(host: str) -> str:
     if host == "::":
         return "[::1]"
     return f"[{host}]" if ":" in host else host
+
+
+def _connection_age_flags(age_s: float | None) -> list[str]:
+    """tritonserver's max connection age in ms; no grace flag, so open streams are never cut."""
+    return [] if age_s is None else [f"--grpc-max-connection-age={round(age_s * 1000)}"]
 
 
 class ServerDied(RuntimeError):
@@ -203,6 +214,7 @@ class TritonServer:
             f"--metrics-port={c.metrics_port}",
             f"--exit-timeout-secs={math.ceil(c.exit_timeout_s)}",
             f"--log-verbose={c.log_level}",
+            *_connection_age_flags(c.grpc_max_connection_age_s),
             # our own shm name prefix, so stop() deletes exactly this server's regions
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]
