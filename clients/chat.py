@@ -19,8 +19,15 @@ from tritonclient.utils import InferenceServerException
 
 from clients import metrics
 from clients.chunk import Chunk
-from clients.grpc_client import MODEL_NAME, GenerateRequest, GenerationError, stream_generate
+from clients.grpc_client import (
+    BALANCED_CHANNEL_ARGS,
+    MODEL_NAME,
+    GenerateRequest,
+    GenerationError,
+    stream_generate,
+)
 from clients.prompt import InterruptiblePrompt
+from clients.targets import TARGET_HELP, target_option
 from streaming_backend.wire import SAMPLING_KEYS
 
 PROMPT = "you> "
@@ -48,7 +55,7 @@ class AnswerStats:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of `tokenstream chat`."""
-    parser.add_argument("--url", default="127.0.0.1:8001", help="Triton gRPC address HOST:PORT")
+    parser.add_argument("--url", default="127.0.0.1:8001", type=target_option, help=TARGET_HELP)
     parser.add_argument("--model", default=MODEL_NAME, help="model name in the repository")
     parser.add_argument("--system", default=None, help="system message opening the conversation")
     parser.add_argument("--temperature", type=float, help="0 = greedy")
@@ -87,7 +94,8 @@ def main(args: argparse.Namespace) -> int:
 def check_ready(cfg: ChatConfig) -> str | None:
     """None when the server and model are ready, else what is wrong."""
     try:
-        with grpcclient.InferenceServerClient(cfg.url) as client:
+        client = grpcclient.InferenceServerClient(cfg.url, channel_args=BALANCED_CHANNEL_ARGS)
+        with client:
             if not client.is_model_ready(cfg.model, client_timeout=5.0):
                 return f"model {cfg.model!r} is not ready on {cfg.url}"
     except InferenceServerException as exc:

@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "bridge": ("clients.bridge", "run the websocket bridge and chat page on its own"),
     "bench": ("clients.bench.cli", "measure TTFT, inter-token latency and throughput"),
     "engine-bench": ("clients.bench.engine", "benchmark the in-process engine vs HF generate"),
+    "stress": ("clients.stress.cli", "load-test a model with many concurrent requests"),
 }
 
 

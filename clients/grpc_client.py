@@ -22,7 +22,9 @@ import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
 from clients.chunk import Chunk, GenerationError, parse_timing
+from clients.failover import failover, failover_sync
 from clients.request import GenerateRequest, request_inputs
+from clients.targets import channel_args
 from streaming_backend.wire import (
     CHAT_MODEL,
     ENABLE_EMPTY_FINAL,
@@ -65,6 +67,8 @@ CHANNEL_ARGS = [
     ("grpc.min_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
+# What every channel gets: the above plus round_robin over the replicas a target names (targets.py)
+BALANCED_CHANNEL_ARGS = channel_args(CHANNEL_ARGS)
 
 
 def _tensor(name: str, value: np.ndarray, datatype: str) -> grpcclient.InferInput:
@@ -122,7 +126,7 @@ def to_generation_error(error: InferenceServerException | grpc.RpcError) -> Gene
 def idle_error(seconds: float) -> GenerationError:
     """The error of a generation that received nothing for `seconds`."""
     text = f"{UNAVAILABLE.prefix}: no response from the server for {seconds:g} s; gave up"
-    return GenerationError(text, UNAVAILABLE.code)
+    return GenerationError(text, UNAVAILABLE.code, retryable=False)
 
 
 def parse_result(result: grpcclient.InferResult, received_ns: int | None = None) -> Chunk:
@@ -154,21 +158,38 @@ def stream_generate(
 ) -> Iterator[Chunk]:
     """Stream one generation synchronously; setting `cancel` or closing the iterator cancels it.
 
-    Raises GenerationError (code `unavailable`) when nothing arrives for `idle_timeout_s`.
+    `url` is any target of clients.targets; a stream that fails as unavailable before its first
+    response is retried on another replica (clients.failover). Raises GenerationError (code
+    `unavailable`) when nothing arrives for `idle_timeout_s`.
     """
+    request_id = request_id or uuid.uuid4().hex
+    return failover_sync(
+        lambda: _stream_once(url, request, model, request_id, cancel, idle_timeout_s)
+    )
+
+
+def _stream_once(
+    url: str,
+    request: GenerateRequest,
+    model: str,
+    request_id: str,
+    cancel: threading.Event | None,
+    idle_timeout_s: float | None,
+) -> Iterator[Chunk]:
+    """One attempt of stream_generate: one channel, one stream."""
     responses: queue.SimpleQueue = queue.SimpleQueue()
 
     def on_response(result=None, error=None):
         responses.put((result, error, time.monotonic_ns()))
 
-    client = grpcclient.InferenceServerClient(url, channel_args=CHANNEL_ARGS)
+    client = grpcclient.InferenceServerClient(url, channel_args=BALANCED_CHANNEL_ARGS)
     finished = False
     try:
         client.start_stream(callback=on_response)
         client.async_stream_infer(
             model,
             build_inputs(request),
-            request_id=request_id or uuid.uuid4().hex,
+            request_id=request_id,
             enable_empty_final_response=True,
         )
         while not finished:
@@ -220,7 +241,11 @@ def _next_response(
 
 
 class AsyncChatClient:
-    """Asyncio client: many concurrent generations, one stream each, over one gRPC channel."""
+    """Asyncio client: many concurrent generations, one stream each, over one gRPC channel.
+
+    `url` is any target of clients.targets (one replica, `dns:///name:port`, `ipv4:a:p,b:p`):
+    round_robin sends each generation's stream to the next replica.
+    """
 
     def __init__(
         self,
@@ -232,7 +257,7 @@ class AsyncChatClient:
         self.url = url
         self.model = model
         self.idle_timeout_s = idle_timeout_s
-        self._client = grpcaio.InferenceServerClient(url, channel_args=CHANNEL_ARGS)
+        self._client = grpcaio.InferenceServerClient(url, channel_args=BALANCED_CHANNEL_ARGS)
 
     async def __aenter__(self) -> AsyncChatClient:
         return self
@@ -254,11 +279,21 @@ class AsyncChatClient:
         except (InferenceServerException, grpc.RpcError):
             return False
 
-    async def generate(
+    def generate(
         self, request: GenerateRequest, request_id: str | None = None
     ) -> AsyncIterator[Chunk]:
-        """Stream one generation; closing the iterator early (aclose) cancels it upstream."""
+        """Stream one generation; closing the iterator early (aclose) cancels it upstream.
+
+        A stream that fails as unavailable before its first response is retried on another
+        replica (clients.failover); after that, errors are raised as they come.
+        """
         request_id = request_id or uuid.uuid4().hex
+        return failover(lambda: self._generate_once(request, request_id))
+
+    async def _generate_once(
+        self, request: GenerateRequest, request_id: str
+    ) -> AsyncIterator[Chunk]:
+        """One attempt of generate(): one gRPC stream."""
         answered = asyncio.Event()
 
         async def requests():

@@ -25,8 +25,13 @@ from pathlib import Path
 
 from streaming_backend.config import PARAMETER_HELP, default_parameters
 from streaming_backend.launcher import ServerConfig, ServerDied, TritonServer
+from streaming_backend.launcher.batching import DialogueBatching
 from streaming_backend.launcher.health import HealthServer
-from streaming_backend.launcher.server import DEFAULT_PORTS, client_host
+from streaming_backend.launcher.server import (
+    DEFAULT_PORTS,
+    GRPC_MAX_CONNECTION_AGE_S,
+    client_host,
+)
 from streaming_backend.launcher.supervisor import RestartBudget, Supervisor, SupervisorConfig
 from streaming_backend.paths import admin_key_file, default_repository
 from streaming_backend.wire import ADMIN_KEY_VARIABLE
@@ -65,6 +70,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-streams", type=int, help=_setting_help("max_streams"))
     parser.add_argument("--queue-limit", type=int, help=_setting_help("queue_limit"))
     parser.add_argument("--log-level", type=int, default=0, help="tritonserver --log-verbose")
+    parser.add_argument(
+        "--grpc-max-connection-age",
+        type=float,
+        default=GRPC_MAX_CONNECTION_AGE_S,
+        metavar="SECONDS",
+        help="close each gRPC client connection after this long, so clients re-resolve and find "
+        f"new replicas; open streams finish (default {GRPC_MAX_CONNECTION_AGE_S:g}; 0: never)",
+    )
     others = ", ".join(key for key in defaults if key not in SERVE_OPTIONS)
     parser.add_argument(
         "--parameter",
@@ -106,6 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "else a new one per start, kept in a file only this user reads)",
     )
     parser.add_argument("--repository", type=Path, default=None, help=argparse.SUPPRESS)
+    _add_model_arguments(parser)
 
 
 def _setting_help(key: str) -> str:
@@ -124,11 +138,14 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_streams=args.max_streams,
         queue_limit=args.queue_limit,
         model_parameters=extra,
+        models=_models_from_args(args),
+        dialogue=_batching_from_args(args),
         host=args.host,
         http_port=args.http_port or DEFAULT_PORTS["http"],
         grpc_port=args.grpc_port or DEFAULT_PORTS["grpc"],
         metrics_port=args.metrics_port or DEFAULT_PORTS["metrics"],
         log_level=args.log_level,
+        grpc_max_connection_age_s=args.grpc_max_connection_age or None,
         admin_key=args.admin_key or os.environ.get(ADMIN_KEY_VARIABLE) or None,
     )
     supervisor = SupervisorConfig(
@@ -244,7 +261,9 @@ def _run_bridge(bridge: RunUntil, bridge_stop: threading.Event, stop: threading.
 
 
 def _print_endpoints(server: TritonServer, bridge_port: int, supervisor_port: int) -> None:
-    models = sorted(p.name for p in server.config.repository.iterdir() if p.is_dir())
+    models = server.config.models or sorted(
+        p.name for p in server.config.repository.iterdir() if p.is_dir()
+    )
     lines = [
         "tokenstream: Triton is ready",
         f"  models   {', '.join(models)}",
@@ -299,3 +318,39 @@ async def _follow(service: RunUntil, stop: threading.Event) -> None:
 
     threading.Thread(target=relay, name="bridge-stop", daemon=True).start()
     await service(service_stop)
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options choosing the models and the dialogue model's batching."""
+    parser.add_argument(
+        "--models",
+        default="",
+        help="comma-separated models to load (default: every model of the repository)",
+    )
+    parser.add_argument(
+        "--dialogue-instances", type=int, help="dialogue_model instances (default 2)"
+    )
+    parser.add_argument(
+        "--dialogue-queue-delay-us",
+        type=int,
+        help="dialogue_model's max_queue_delay_microseconds (default 5000)",
+    )
+    parser.add_argument(
+        "--no-dynamic-batching",
+        action="store_true",
+        help="dialogue_model without Triton's dynamic batcher (one request per execute)",
+    )
+
+
+def _models_from_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The --models list; empty means every model."""
+    return tuple(name.strip() for name in args.models.split(",") if name.strip())
+
+
+def _batching_from_args(args: argparse.Namespace) -> DialogueBatching:
+    """The DialogueBatching of parsed options."""
+    return DialogueBatching(
+        instances=args.dialogue_instances,
+        queue_delay_us=args.dialogue_queue_delay_us,
+        dynamic_batching=not args.no_dynamic_batching,
+    )

@@ -1,6 +1,7 @@
 """The wire contract: every name and code a request or response carries between a client and the
-`chat` model, defined once. Standard library only, so the clients, the bridge, the benchmark and
-the model all import it without paying for torch (docs/interface.md documents the same facts).
+`chat` model (and, in its own section at the end, the `dialogue_model`), defined once. Standard
+library only, so the clients, the bridge, the benchmark and the models all import it without
+paying for torch (docs/interface.md and docs/dialogue_model.md document the same facts).
 
 Nothing else in the project spells a tensor name, a sampling key, a timing key, a finish reason
 or an error category: tests/test_layout.py checks that.
@@ -134,6 +135,9 @@ CANCELLED = ErrorKind("cancelled", "cancelled", "CANCELLED")
 INTERNAL = ErrorKind("internal error", "internal", "INTERNAL")
 ERROR_KINDS = (INVALID_REQUEST, OVERLOADED, UNAVAILABLE, CANCELLED, INTERNAL)
 ERROR_CODES = tuple(kind.code for kind in ERROR_KINDS)
+# Triton's own messages for a model that is known but has no loaded version on this server right
+# now (being unloaded at shutdown, or reloaded): another replica, or a moment later, may serve it.
+TRITON_MODEL_UNAVAILABLE = ("has no available versions",)
 
 
 # What a stream whose model process died, or whose server went away, ends with (the bridge and the
@@ -149,6 +153,8 @@ def error_code(message: str, status: str | None = None) -> str:
         if lowered.startswith(kind.prefix):
             return kind.code
     status = status or ""
+    if any(text in lowered for text in TRITON_MODEL_UNAVAILABLE):
+        return UNAVAILABLE.code
     if "UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status:
         return UNAVAILABLE.code
     if "locally cancelled" in lowered or "CANCELLED" in status:
@@ -192,3 +198,43 @@ class ServerTiming:
 
 
 TIMING_KEYS = tuple(ServerTiming.__dataclass_fields__)
+
+
+# =================================================================================================
+# ---- the dialogue_model: token ids in, token ids out (non-decoupled, dynamically batched) ------
+# Tensor names as NVIDIA's TensorRT-LLM backend spells them (docs/dialogue_model.md). Some strings
+# equal the chat model's (input_ids, output_ids, temperature, repetition_penalty), but their types
+# differ (INT32 ids, FP32 scalars), so they are named here on their own.
+DIALOGUE_MODEL = "dialogue_model"
+
+# inputs, each [batch, ...] on the wire (max_batch_size > 0): client shapes are [1, L] and [1, 1]
+DIALOGUE_INPUT_IDS = "input_ids"  # INT32 [-1]: prompt token ids (required)
+REQUEST_OUTPUT_LEN = "request_output_len"  # INT32 [1]: max new tokens
+BEAM_WIDTH = "beam_width"  # INT32 [1]: 1 = no beam search
+DIALOGUE_TEMPERATURE = "temperature"  # FP32 [1]
+RUNTIME_TOP_P = "runtime_top_p"  # FP32 [1]: 0 = off
+RUNTIME_TOP_K = "runtime_top_k"  # INT32 [1]: 0 = off
+RANDOM_SEED = "random_seed"  # UINT64 [1]
+END_ID = "end_id"  # INT32 [1]: the token that ends a sequence (default: the model's EOS)
+PAD_ID = "pad_id"  # INT32 [1]: fills output_ids past a sequence's end (default: end_id)
+LEN_PENALTY = "len_penalty"  # FP32 [1]: beam score = cum_log_probs / length ** len_penalty
+DIALOGUE_REPETITION_PENALTY = "repetition_penalty"  # FP32 [1]: 1 = off
+DIALOGUE_INT_INPUTS = (REQUEST_OUTPUT_LEN, BEAM_WIDTH, RUNTIME_TOP_K, END_ID, PAD_ID)
+DIALOGUE_FLOAT_INPUTS = (
+    DIALOGUE_TEMPERATURE,
+    RUNTIME_TOP_P,
+    LEN_PENALTY,
+    DIALOGUE_REPETITION_PENALTY,
+)
+DIALOGUE_INPUT_NAMES = (
+    DIALOGUE_INPUT_IDS,
+    *DIALOGUE_INT_INPUTS,
+    *DIALOGUE_FLOAT_INPUTS,
+    RANDOM_SEED,
+)
+
+# outputs, per request (batch dimension 1 first)
+DIALOGUE_OUTPUT_IDS = "output_ids"  # INT32 [1, beam_width, request_output_len], pad_id-padded
+SEQUENCE_LENGTH = "sequence_length"  # INT32 [1, beam_width]: new tokens of each beam
+CUM_LOG_PROBS = "cum_log_probs"  # FP32 [1, beam_width]: summed log-probabilities of each beam
+DIALOGUE_OUTPUT_NAMES = (DIALOGUE_OUTPUT_IDS, SEQUENCE_LENGTH, CUM_LOG_PROBS)

@@ -74,12 +74,15 @@ def tiny_loaded(tiny_model_dir):
 
 
 def start_server(model_dir, **overrides):
-    """Start a real tritonserver on free loopback ports serving `model_dir` as the chat model."""
+    """Start a real tritonserver on free loopback ports serving `model_dir` as the chat model
+    (only the chat model is loaded unless `models=` names others)."""
     from streaming_backend.launcher import ServerConfig, TritonServer, free_port
+    from streaming_backend.wire import CHAT_MODEL
 
     config = ServerConfig(
         model=str(model_dir) if model_dir is not None else None,
         dtype=overrides.pop("dtype", "float32"),
+        models=overrides.pop("models", (CHAT_MODEL,)),
         http_port=free_port(),
         grpc_port=free_port(),
         metrics_port=free_port(),
@@ -369,3 +372,27 @@ def _listening(port: int) -> bool:
 
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+DIALOGUE_MAX_BEAM = 4
+DIALOGUE_QUEUE_DELAY_US = 100_000
+
+
+@pytest.fixture(scope="session")
+def dialogue_server(tiny_model_dir):
+    """tritonserver with only the dialogue_model on the tiny model: two instances, dynamic
+    batching with a queue delay of 100 ms (5 ms as shipped), so that requests sent together
+    reliably share a batch, and max_beam_width 4."""
+    from streaming_backend.launcher.batching import DialogueBatching
+    from streaming_backend.wire import DIALOGUE_MODEL
+
+    server = start_server(
+        tiny_model_dir,
+        models=(DIALOGUE_MODEL,),
+        model_parameters={"max_beam_width": str(DIALOGUE_MAX_BEAM)},
+        dialogue=DialogueBatching(queue_delay_us=DIALOGUE_QUEUE_DELAY_US),
+    )
+    try:
+        yield server
+    finally:
+        server.stop()

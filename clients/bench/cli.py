@@ -1,4 +1,4 @@
-"""`tokenstream bench`: TTFT, inter-token latency and throughput over grpc, sse and ws.
+"""`tokenstream bench`: TTFT, inter-token latency and throughput over grpc, sse, ws and openai.
 
 Definitions follow genai-perf / AIPerf (see clients/metrics.py); each TTFT is split into
 queue, prefill and network parts from the server's per-response timestamps.
@@ -30,6 +30,7 @@ from clients.bench.report import (
 from clients.bench.runner import Level, Workload, run_level, warm_up
 from clients.bench.summary import ClockMap
 from clients.bench.transports import TRANSPORTS, Prompt, make_transport
+from clients.targets import DNS_SCHEME, TARGET_HELP, parse_target, target_option
 from streaming_backend.wire import CHAT_MODEL
 
 SYNTHETIC_FALLBACK_TOKENS = 128
@@ -43,6 +44,7 @@ class BenchConfig:
     triton: str = "127.0.0.1:8001"  # gRPC host:port
     url: str = "http://127.0.0.1:8000"  # HTTP base URL, for sse
     bridge: str = "ws://127.0.0.1:8080/ws"  # websocket URL of the bridge, for ws
+    openai: str = "http://127.0.0.1:8080"  # base URL of the bridge's OpenAI API (/v1), for openai
     bridge_token: str | None = None
     model: str = CHAT_MODEL
     concurrency: tuple[int, ...] = (1,)
@@ -73,7 +75,9 @@ class BenchConfig:
 
     def endpoint(self, transport: str) -> str:
         """The address a transport talks to."""
-        return {"grpc": self.triton, "sse": self.url, "ws": self.bridge}[transport]
+        return {"grpc": self.triton, "sse": self.url, "ws": self.bridge, "openai": self.openai}[
+            transport
+        ]
 
 
 # --- command line -----------------------------------------------------------------------------
@@ -110,12 +114,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--transport",
         type=_transports,
         default=d.transports,
-        help="grpc, sse, ws, or several: grpc,sse,ws (default grpc)",
+        help="grpc, sse, ws, openai, or several: grpc,sse,ws,openai (default grpc)",
     )
-    g.add_argument("--triton", default=d.triton, help=f"gRPC host:port (default {d.triton})")
+    g.add_argument(
+        "--triton", default=d.triton, type=target_option, help=f"{TARGET_HELP} (default {d.triton})"
+    )
     g.add_argument("--url", default=d.url, help=f"HTTP base URL for sse (default {d.url})")
     g.add_argument("--bridge", default=d.bridge, help=f"bridge websocket URL (default {d.bridge})")
-    g.add_argument("--bridge-token", help="bearer token of the bridge, when it asks for one")
+    g.add_argument(
+        "--openai", default=d.openai, help=f"base URL of the OpenAI API (default {d.openai})"
+    )
+    g.add_argument(
+        "--bridge-token", help="bearer token of the bridge (ws, openai), when it asks for one"
+    )
     g.add_argument("--model", default=d.model, help="model name (default chat)")
     g = p.add_argument_group("load")
     g.add_argument(
@@ -179,7 +190,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """BenchConfig from parsed options."""
     return BenchConfig(
         transports=args.transport, triton=args.triton, url=args.url, bridge=args.bridge,
-        bridge_token=args.bridge_token, model=args.model, concurrency=args.concurrency,
+        openai=args.openai, bridge_token=args.bridge_token, model=args.model,
+        concurrency=args.concurrency,
         request_rate=args.request_rate, request_distribution=args.request_distribution,
         requests=None if args.duration else args.requests, duration_s=args.duration,
         warmup=args.warmup, request_timeout_s=args.request_timeout, prompts=args.prompts,
@@ -193,9 +205,11 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 # --- running ----------------------------------------------------------------------------------
 
 
-def endpoint_host(endpoint: str) -> str:
-    """Host name of 'host:port' or of a URL."""
-    return urlsplit(endpoint if "://" in endpoint else f"//{endpoint}").hostname or ""
+def endpoint_hosts(endpoint: str) -> list[str]:
+    """Host names of 'host:port', of a URL, or of a multi-replica gRPC target."""
+    if "://" in endpoint and not endpoint.startswith(DNS_SCHEME):
+        return [urlsplit(endpoint).hostname or ""]
+    return parse_target(endpoint).hosts()
 
 
 def is_local_host(host: str) -> bool:
@@ -212,7 +226,8 @@ def is_local_host(host: str) -> bool:
 
 def clock_map(cfg: BenchConfig, endpoint: str) -> ClockMap:
     """How server stamps relate to ours for this endpoint."""
-    same = cfg.clock == "same" or (cfg.clock == "auto" and is_local_host(endpoint_host(endpoint)))
+    local = all(is_local_host(host) for host in endpoint_hosts(endpoint))
+    same = cfg.clock == "same" or (cfg.clock == "auto" and local)
     return ClockMap(
         same_clock=same, client_wall_minus_monotonic_ns=time.time_ns() - time.monotonic_ns()
     )
@@ -252,7 +267,7 @@ async def bench_transport(cfg: BenchConfig, name: str, wl: Workload) -> list[Run
     endpoint = cfg.endpoint(name)
     transport = make_transport(
         name, triton=cfg.triton, url=cfg.url, bridge=cfg.bridge, model=cfg.model,
-        token=cfg.bridge_token,
+        token=cfg.bridge_token, openai=cfg.openai,
     )  # fmt: skip
     clock = clock_map(cfg, endpoint)
     runs = []

@@ -15,6 +15,7 @@ from clients.bench.summary import (
     summarize,
     ttft_breakdown_ns,
 )
+from clients.bench.transports import TRANSPORTS
 from clients.chunk import Chunk
 from clients.metrics import NS_PER_MS
 
@@ -139,7 +140,7 @@ def validate_report(doc: dict) -> None:
     _require(isinstance(doc.get("runs"), list), "runs")
     for i, run in enumerate(doc["runs"]):
         where = f"runs[{i}]"
-        _require(run.get("transport") in ("grpc", "sse", "ws"), f"{where}.transport")
+        _require(run.get("transport") in TRANSPORTS, f"{where}.transport")
         _require(isinstance(run.get("same_clock"), bool), f"{where}.same_clock")
         s = run.get("summary")
         _require(isinstance(s, dict), f"{where}.summary")

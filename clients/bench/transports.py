@@ -1,6 +1,8 @@
-"""Transports the benchmark drives: gRPC stream_infer, HTTP generate_stream (SSE), the ws bridge.
+"""Transports the benchmark drives: gRPC stream_infer, HTTP generate_stream (SSE), the ws bridge,
+the bridge's OpenAI-compatible API.
 
-Each transport is a thin driver over a client of clients/ (grpc_client, sse_client, ws_client),
+Each transport is a thin driver over a client of clients/ (grpc_client, sse_client, ws_client,
+openai_client),
 which turn responses into Chunks; it fills a RequestRecord: `sent_ns` right before the request
 leaves and every Chunk (stamped the moment it arrived, CLOCK_MONOTONIC ns). A new transport is
 one more class here, over a converter to Chunks in its own clients/ module.
@@ -19,7 +21,7 @@ from clients.chunk import Chunk, GenerationError
 from clients.request import GenerateRequest
 from streaming_backend.wire import CANCELLED, CHAT_MODEL
 
-TRANSPORTS = ("grpc", "sse", "ws")
+TRANSPORTS = ("grpc", "sse", "ws", "openai")
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,55 @@ class SseTransport:
             self.session = None
 
 
+class OpenAITransport:
+    """The bridge's OpenAI-compatible API (/v1, streamed) through clients.openai_client."""
+
+    name = "openai"
+
+    def __init__(self, base_url: str, model: str = CHAT_MODEL, api_key: str | None = None):
+        self.base_url, self.model, self.api_key = base_url.rstrip("/"), model, api_key
+        self.session = None
+
+    async def open(self, slots: int) -> None:
+        """One aiohttp session; no connection cap, so the runner alone sets concurrency."""
+        import aiohttp
+
+        if self.session is None:
+            connector = aiohttp.TCPConnector(limit=0)
+            timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
+            self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+            await self._check_model()
+
+    async def _check_model(self) -> None:
+        """GET /v1/models, so a wrong URL, token or model fails once and clearly."""
+        url = f"{self.base_url}/v1/models"
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        try:
+            async with self.session.get(url, headers=headers) as resp:
+                status, body = resp.status, await resp.text()
+        except Exception as exc:  # aiohttp raises several kinds; all mean "cannot reach"
+            raise ConnectionError(f"OpenAI API at {url}: {exc}") from exc
+        if status != 200 or f'"{self.model}"' not in body:
+            raise ConnectionError(f"OpenAI API at {url}: HTTP {status}, no model {self.model!r}")
+
+    async def generate(self, rec: RequestRecord, prompt: Prompt, params: dict) -> None:
+        """POST one streamed request and record each event's Chunk."""
+        from clients.openai_client import generate
+
+        request = generate_request(prompt, params)
+        rec.sent_ns = time.monotonic_ns()
+        chunks = generate(self.session, self.base_url, request, self.model, self.api_key)
+        await record_chunks(rec, chunks)
+        if not rec.chunks and rec.error is None:
+            rec.error = "event stream ended without a response"
+
+    async def close(self) -> None:
+        """Close the session."""
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+
 class WsTransport:
     """The websocket bridge: one connection per concurrent slot, as a chat page holds one."""
 
@@ -211,7 +262,9 @@ async def bridge_generate(conn, rec: RequestRecord, prompt: Prompt, params: dict
         await frames.aclose()
 
 
-def make_transport(name: str, *, triton: str, url: str, bridge: str, model: str, token=None):
+def make_transport(
+    name: str, *, triton: str, url: str, bridge: str, model: str, token=None, openai: str = ""
+):
     """A transport by name."""
     if name == "grpc":
         return GrpcTransport(triton, model)
@@ -219,4 +272,6 @@ def make_transport(name: str, *, triton: str, url: str, bridge: str, model: str,
         return SseTransport(url, model)
     if name == "ws":
         return WsTransport(bridge, token)
+    if name == "openai":
+        return OpenAITransport(openai, model, token)
     raise ValueError(f"unknown transport {name!r}; choose from {', '.join(TRANSPORTS)}")

@@ -1,15 +1,22 @@
-"""`tokenstream bridge`: relay Triton's gRPC token streams to browsers over websockets.
+"""`tokenstream bridge`: relay Triton's gRPC token streams to browsers over websockets, and to
+OpenAI clients over HTTP (server-sent events), from one aiohttp server.
 
 One concern per module, in the order a message travels:
 
 - messages.py    client frame -> Generate / Cancel / Auth (validation, no I/O)
 - connection.py  one websocket: its generations, outbox and lifetime
+- websocket.py   the socket as connection.py sees it (over aiohttp's WebSocketResponse)
 - frames.py      token / done / error frames and the timing trace (no I/O)
-- http.py        static chat page, /healthz, Host / Origin / token checks
+- openai_request.py   OpenAI body -> ApiRequest (validation, no I/O)
+- openai_response.py  Chunks -> OpenAI chunks and responses (no I/O)
+- openai_errors.py    OpenAI's error object and statuses (no I/O)
+- openai_api.py  the /v1 routes: one gRPC stream per request
+- http.py        static chat page, /healthz answers, Host / Origin / token checks
+- app.py         which path goes where (page, /healthz, /ws, /v1)
 - server.py      the Bridge (server, Triton client, health watch); serve_bridge, run_bridge
 - config.py      BridgeConfig;  cli.py: argparse -> BridgeConfig -> run
 
-Protocol: README.md, section "Browser chat (websocket bridge)".
+Protocols: README.md, sections "Browser chat (websocket bridge)" and "OpenAI-compatible API".
 """
 
 from clients.bridge.cli import add_arguments, main

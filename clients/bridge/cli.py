@@ -9,6 +9,7 @@ import os
 from clients.bridge.config import BridgeConfig
 from clients.bridge.http import WS_PATH
 from clients.bridge.server import run_bridge
+from clients.targets import TARGET_HELP, target_option
 from streaming_backend.wire import CHAT_MODEL
 
 TOKEN_ENV = "TOKENSTREAM_BRIDGE_TOKEN"
@@ -17,7 +18,9 @@ TOKEN_ENV = "TOKENSTREAM_BRIDGE_TOKEN"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of `tokenstream bridge`."""
     defaults = BridgeConfig()
-    parser.add_argument("--triton", default=defaults.triton_url, help="Triton gRPC HOST:PORT")
+    parser.add_argument(
+        "--triton", default=defaults.triton_url, type=target_option, help=TARGET_HELP
+    )
     parser.add_argument("--host", default=defaults.host, help="address to bind (default loopback)")
     parser.add_argument("--port", type=int, default=defaults.port, help="page and websocket port")
     parser.add_argument(

@@ -23,6 +23,7 @@ class BridgeConfig:
     send_queue: int = 256  # frames waiting for one client before it counts as too slow
     send_timeout_s: float = 10.0  # one frame not taken by the client in this long: too slow
     max_frame_bytes: int = 256 * 1024
+    max_body_bytes: int = 1024 * 1024  # an HTTP request body (the OpenAI API)
     idle_timeout_s: float = 300.0  # no message and no generation running for this long
     auth_timeout_s: float = 10.0  # a client owing the token must send it within this
     ping_interval_s: float | None = 20.0

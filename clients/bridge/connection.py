@@ -17,12 +17,10 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed
-
 from clients.bridge.frames import Trace, done_frame, error_frame, token_frame
 from clients.bridge.http import token_matches
 from clients.bridge.messages import Auth, Cancel, Generate, ProtocolError, parse_message
+from clients.bridge.websocket import SocketClosed, WebSocket
 from clients.chunk import Chunk
 from clients.grpc_client import GenerationError
 from streaming_backend.wire import INTERNAL, FinishReason
@@ -38,7 +36,7 @@ Close = tuple[int, str]  # a websocket close code and reason
 class Connection:
     """One websocket client: its generations, its bounded outbox, its lifetime."""
 
-    def __init__(self, bridge: Bridge, ws: ServerConnection, number: int, authed: bool) -> None:
+    def __init__(self, bridge: Bridge, ws: WebSocket, number: int, authed: bool) -> None:
         self.bridge, self.cfg, self.ws, self.number = bridge, bridge.cfg, ws, number
         self.authed = authed
         self.generations: dict[str, asyncio.Task] = {}
@@ -77,14 +75,14 @@ class Connection:
 
     async def flush(self) -> None:
         """Send what is still queued, briefly; used before a deliberate close."""
-        with contextlib.suppress(ConnectionClosed, TimeoutError):
+        with contextlib.suppress(SocketClosed, TimeoutError):
             while not self.outbox.empty():
                 frame = self.outbox.get_nowait()
                 await asyncio.wait_for(self.ws.send(frame), self.cfg.close_timeout_s)
 
     async def receive(self) -> Close | None:
         """Handle client frames until the socket closes; a reason to close, if any."""
-        with contextlib.suppress(ConnectionClosed):
+        with contextlib.suppress(SocketClosed):
             async for message in self.ws:
                 self.last_activity = time.monotonic()
                 close = self.handle(message)
@@ -192,7 +190,7 @@ class Connection:
                 await asyncio.wait_for(self.ws.send(frame), self.cfg.send_timeout_s)
             except TimeoutError:
                 return (1008, "client too slow: a frame waited too long")
-            except ConnectionClosed:
+            except SocketClosed:
                 return None
 
     async def watch_overflow(self) -> Close:

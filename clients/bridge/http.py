@@ -1,21 +1,19 @@
-"""The bridge's plain-HTTP side: the chat page's static files, the health check, and the checks a
-websocket handshake must pass (Host against DNS rebinding, Origin, bearer token).
+"""The bridge's plain-HTTP side: the chat page's static files, the health check's answer, and the
+checks every request must pass (Host against DNS rebinding, Origin, bearer token).
 
-Everything here answers or vets one `websockets` Request; no state of its own.
+Pure checks on header values plus aiohttp response builders; no state of its own.
 """
 
 from __future__ import annotations
 
 import hmac
-import http
 import ipaddress
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
 
-from websockets.datastructures import Headers
-from websockets.http11 import Request, Response
+from aiohttp import web
 
 WS_PATH = "/ws"
 HEALTH_PATH = "/healthz"
@@ -27,21 +25,15 @@ STATIC_FILES = {
     "/style.css": ("style.css", "text/css; charset=utf-8"),
 }
 # The page loads only its own files and talks only to its own origin's websocket.
-SECURITY_HEADERS = [
-    (
-        "Content-Security-Policy",
-        "default-src 'self'; connect-src 'self'; base-uri 'none'; frame-ancestors 'none'",
+SECURITY_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'self'; connect-src 'self'; base-uri 'none'; frame-ancestors 'none'"
     ),
-    ("X-Content-Type-Options", "nosniff"),
-    ("Referrer-Policy", "no-referrer"),
-    ("Cache-Control", "no-cache"),
-]
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
-
-
-def request_path(request: Request) -> str:
-    """The path of a request without its query string."""
-    return urlsplit(request.path).path
 
 
 def host_allowed(host_header: str | None, bind_host: str) -> bool:
@@ -75,13 +67,12 @@ def origin_allowed(origin: str | None, host_header: str | None, origins: tuple[s
     return urlsplit(origin).netloc.lower() == host_header.lower()
 
 
-def bearer(request: Request) -> str | None:
-    """A token offered in the handshake: `Authorization: Bearer` or the `token` query param."""
-    auth = request.headers.get("Authorization", "")
+def bearer(headers: Mapping[str, str], query: Mapping[str, str]) -> str | None:
+    """A token offered by a client: `Authorization: Bearer` or the `token` query parameter."""
+    auth = headers.get("Authorization", "")
     if auth.lower().startswith("bearer "):
         return auth[7:].strip()
-    values = parse_qs(urlsplit(request.path).query).get("token")
-    return values[0] if values else None
+    return query.get("token")
 
 
 def token_matches(offered: str, expected: str | None) -> bool:
@@ -89,26 +80,25 @@ def token_matches(offered: str, expected: str | None) -> bool:
     return expected is not None and hmac.compare_digest(offered.encode(), expected.encode())
 
 
-def response(status: int, body: bytes, content_type: str) -> Response:
-    """A complete HTTP response with the security headers; the connection closes after it."""
-    status = http.HTTPStatus(status)
-    headers = Headers(
-        [
-            ("Content-Type", content_type),
-            ("Content-Length", str(len(body))),
-            ("Connection", "close"),
-            *SECURITY_HEADERS,
-        ]
+def json_response(
+    status: int, payload: Mapping, headers: Mapping[str, str] | None = None
+) -> web.Response:
+    """A JSON response with the security headers."""
+    return web.Response(
+        status=status,
+        text=json.dumps(payload, ensure_ascii=False),
+        content_type="application/json",
+        headers={**SECURITY_HEADERS, **(headers or {})},
     )
-    return Response(status.value, status.phrase, headers, body)
 
 
-def json_response(status: int, payload: Mapping) -> Response:
-    """A JSON response."""
-    return response(status, json.dumps(payload).encode(), "application/json")
-
-
-def static_response(path: str) -> Response:
+def static_response(path: str) -> web.Response:
     """One of the chat page's files (path is a key of STATIC_FILES)."""
     name, content_type = STATIC_FILES[path]
-    return response(200, (STATIC_DIR / name).read_bytes(), content_type)
+    mime, _, charset = content_type.partition("; charset=")
+    return web.Response(
+        body=(STATIC_DIR / name).read_bytes(),
+        content_type=mime,
+        charset=charset or None,
+        headers=SECURITY_HEADERS,
+    )

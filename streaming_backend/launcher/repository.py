@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 _STRING = r'"(?:[^"\\\n]|\\.)*"'  # a protobuf text-format string literal
@@ -20,7 +20,7 @@ _ENTRY = re.compile(
 )
 
 
-def _mask_comments(text: str) -> str:
+def mask_comments(text: str) -> str:
     """`text` with every # comment blanked out, same length, so offsets stay valid."""
     return _COMMENT.sub(lambda m: m.group() if m.group()[0] == '"' else " " * len(m.group()), text)
 
@@ -39,7 +39,7 @@ def _unquote(literal: str) -> str:
 def read_parameters(config_text: str) -> dict[str, str]:
     """The string `parameters` of a config.pbtxt, key -> value; commented-out entries ignored."""
     # the mask blanks comments only, so the literals found in it are the file's own
-    entries = _ENTRY.finditer(_mask_comments(config_text))
+    entries = _ENTRY.finditer(mask_comments(config_text))
     return {_unquote(m.group(1)): _unquote(m.group(2)) for m in entries}
 
 
@@ -51,7 +51,7 @@ def patch_parameters(config_text: str, mapping: Mapping[str, str]) -> str:
             r"value\s*:\s*\{\s*string_value\s*:\s*)" + _STRING
         )
         # match on a comment-free copy so a commented-out example is never taken for the entry
-        matches = list(pattern.finditer(_mask_comments(config_text)))
+        matches = list(pattern.finditer(mask_comments(config_text)))
         for match in reversed(matches):
             start = match.start() + len(match.group(1))
             config_text = config_text[:start] + _pbtxt_string(value) + config_text[match.end() :]
@@ -62,27 +62,39 @@ def patch_parameters(config_text: str, mapping: Mapping[str, str]) -> str:
     return config_text
 
 
-def make_runtime_repository(source: Path, parameters: Mapping[str, str]) -> Path:
-    """A temp copy of a model repository with `parameters` set in every model's config.pbtxt."""
+def make_runtime_repository(
+    source: Path,
+    parameters: Mapping[str, str],
+    rewrites: Mapping[str, Callable[[str], str]] | None = None,
+) -> Path:
+    """A temp copy of a model repository with `parameters` set in every model's config.pbtxt
+    and `rewrites[model]` applied to that model's."""
     if not source.is_dir():
         raise FileNotFoundError(f"model repository {source} does not exist")
     runtime = Path(tempfile.mkdtemp(prefix="tokenstream-repo-"))
     try:
         for model_dir in sorted(source.iterdir()):
             if model_dir.is_dir() and not model_dir.name.startswith("."):
-                _copy_model(model_dir, runtime / model_dir.name, parameters)
+                rewrite = (rewrites or {}).get(model_dir.name, _unchanged)
+                _copy_model(model_dir, runtime / model_dir.name, parameters, rewrite)
     except BaseException:
         shutil.rmtree(runtime, ignore_errors=True)
         raise
     return runtime
 
 
-def _copy_model(source: Path, target: Path, parameters: Mapping[str, str]) -> None:
+def _unchanged(text: str) -> str:
+    return text
+
+
+def _copy_model(
+    source: Path, target: Path, parameters: Mapping[str, str], rewrite: Callable[[str], str]
+) -> None:
     """Patch config.pbtxt into `target`; link everything else (version folders, files)."""
     target.mkdir()
     for entry in source.iterdir():
         if entry.name == "config.pbtxt":
-            text = patch_parameters(entry.read_text(), parameters)
+            text = rewrite(patch_parameters(entry.read_text(), parameters))
             (target / entry.name).write_text(text)
         else:
             (target / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())

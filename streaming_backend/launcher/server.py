@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from streaming_backend.config import ModelSettings
+from streaming_backend.launcher.batching import DialogueBatching
 from streaming_backend.launcher.binary import TritonBinary, find_tritonserver
 from streaming_backend.launcher.processes import (
     descendants,
@@ -44,6 +45,9 @@ ERROR_TAIL_LINES = 40
 MAX_EXIT_TIMEOUT_S = 10.0  # stop() adds at most ~4 s to this; the whole stop stays under 15 s
 READY_POLL_S = 0.2
 MODEL_DEFAULTS = ModelSettings()
+# Triton closes each client connection after this long (gRPC GOAWAY, jittered +-10 %; open
+# streams finish on the old connection), so clients re-resolve a name and find new replicas.
+GRPC_MAX_CONNECTION_AGE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -56,11 +60,14 @@ class ServerConfig:
     max_streams: int | None = None
     queue_limit: int | None = None
     model_parameters: Mapping[str, str] = field(default_factory=dict)  # extra config.pbtxt keys
+    models: tuple[str, ...] = ()  # models to load (explicit model control); (): every model
+    dialogue: DialogueBatching = field(default_factory=DialogueBatching)
     host: str = "127.0.0.1"
     http_port: int = DEFAULT_PORTS["http"]
     grpc_port: int = DEFAULT_PORTS["grpc"]
     metrics_port: int = DEFAULT_PORTS["metrics"]
     log_level: int = 0  # tritonserver --log-verbose
+    grpc_max_connection_age_s: float | None = GRPC_MAX_CONNECTION_AGE_S  # None: no maximum
     exit_timeout_s: float = 5.0
     startup_timeout_s: float = 300.0
     tritonserver: Path | None = None  # explicit binary; None: find_tritonserver()
@@ -77,6 +84,8 @@ class ServerConfig:
             raise ValueError(f"exit_timeout_s must be within 0..{MAX_EXIT_TIMEOUT_S:g} s")
         if self.startup_timeout_s <= 0:
             raise ValueError("startup_timeout_s must be positive")
+        if self.grpc_max_connection_age_s is not None and self.grpc_max_connection_age_s <= 0:
+            raise ValueError("grpc_max_connection_age_s must be positive (None: no maximum)")
 
     def parameters(self) -> dict[str, str]:
         """The config.pbtxt `parameters` this config sets on the models."""
@@ -86,6 +95,13 @@ class ServerConfig:
         return chosen | {key: str(value) for key, value in self.model_parameters.items()}
 
 
+def model_control(models: tuple[str, ...]) -> list[str]:
+    """Load only `models` (explicit model control); every model of the repository when empty."""
+    if not models:
+        return []
+    return ["--model-control-mode=explicit"] + [f"--load-model={name}" for name in models]
+
+
 def client_host(host: str) -> str:
     """The address a local client connects to for a server bound to `host`."""
     if host in ("", "0.0.0.0", "localhost"):
@@ -93,6 +109,11 @@ def client_host(host: str) -> str:
     if host == "::":
         return "[::1]"
     return f"[{host}]" if ":" in host else host
+
+
+def _connection_age_flags(age_s: float | None) -> list[str]:
+    """tritonserver's max connection age in ms; no grace flag, so open streams are never cut."""
+    return [] if age_s is None else [f"--grpc-max-connection-age={round(age_s * 1000)}"]
 
 
 class ServerDied(RuntimeError):
@@ -163,7 +184,7 @@ class TritonServer:
             raise RuntimeError("a TritonServer starts once; make a new one")
         binary = find_tritonserver(self.config.tritonserver)
         self._runtime_repository = make_runtime_repository(
-            self.config.repository, self.config.parameters()
+            self.config.repository, self.config.parameters(), self.config.dialogue.rewrites()
         )
         try:
             # a new session: Ctrl-C in a terminal does not reach the server behind our back, and
@@ -189,32 +210,31 @@ class TritonServer:
     def command(self, binary: TritonBinary) -> list[str]:
         """The tritonserver command line for this config."""
         c = self.config
-        return (
-            parent_death_prefix()
-            + [
-                str(binary.binary),
-                f"--model-repository={self._runtime_repository}",
-                f"--backend-directory={binary.backend_dir}",
-                f"--http-address={c.host}",
-                f"--grpc-address={c.host}",
-                f"--metrics-address={c.host}",
-                f"--http-port={c.http_port}",
-                f"--grpc-port={c.grpc_port}",
-                f"--metrics-port={c.metrics_port}",
-                f"--exit-timeout-secs={math.ceil(c.exit_timeout_s)}",
-                f"--log-verbose={c.log_level}",
-                # our own shm name prefix, so stop() deletes exactly this server's regions
-                f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
-            ]
-            + self._control_options()
-        )
+        command = parent_death_prefix() + [
+            str(binary.binary),
+            f"--model-repository={self._runtime_repository}",
+            f"--backend-directory={binary.backend_dir}",
+            f"--http-address={c.host}",
+            f"--grpc-address={c.host}",
+            f"--metrics-address={c.host}",
+            f"--http-port={c.http_port}",
+            f"--grpc-port={c.grpc_port}",
+            f"--metrics-port={c.metrics_port}",
+            f"--exit-timeout-secs={math.ceil(c.exit_timeout_s)}",
+            f"--log-verbose={c.log_level}",
+            *_connection_age_flags(c.grpc_max_connection_age_s),
+            # our own shm name prefix, so stop() deletes exactly this server's regions
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+        ]
+        return command + self._control_options()
 
     def _control_options(self) -> list[str]:
-        """Explicit model control and the restricted repository API, as configured."""
+        """Explicit model control (chosen models, or all of them) and the restricted repository
+        API, as configured."""
         c = self.config
-        options = []
-        if c.explicit_model_control:
-            options += ["--model-control-mode=explicit", "--load-model=*"]
+        options = model_control(c.models)
+        if c.explicit_model_control and not options:
+            options = ["--model-control-mode=explicit", "--load-model=*"]
         if c.admin_key is not None:
             restriction = f"model-repository:{ADMIN_HEADER}={c.admin_key}"
             options += [

@@ -238,11 +238,12 @@ class Supervisor:
 
     def _controlled_models(self) -> list[str]:
         """Models of the repository that take control requests (their config has CONTROL)."""
-        repository = self.config.server.repository
+        server = self.config.server
+        loaded = server.models or [path.name for path in server.repository.iterdir()]
         return sorted(
-            path.name
-            for path in repository.iterdir()
-            if (path / "config.pbtxt").is_file() and f'"{CONTROL}"' in _read(path / "config.pbtxt")
+            name
+            for name in loaded
+            if f'"{CONTROL}"' in _read(server.repository / name / "config.pbtxt")
         )
 
     # ---- reload -----------------------------------------------------------------------------

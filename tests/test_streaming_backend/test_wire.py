@@ -60,6 +60,9 @@ def test_error_code_reads_back_every_prefix(kind):
         ("stream closed", "StatusCode.CANCELLED", "cancelled"),
         ("something odd", None, "internal"),
         ("", "", "internal"),
+        # Triton's words for a model unloaded under a stopping or reloading server
+        ("Request for unknown model: 'chat' has no available versions", None, "unavailable"),
+        ("Request for unknown model: 'nope' is not found", None, "internal"),
     ],
 )
 def test_error_code_falls_back_to_the_rpc_status(message, status, code):

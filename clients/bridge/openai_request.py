@@ -1,0 +1,229 @@
+"""OpenAI request body -> ApiRequest (a GenerateRequest plus how to answer), or an ApiError.
+
+No I/O here. Only shapes and the keys we cannot honour are checked: the model validates values
+(ranges, lengths) and its own message goes back to the client as a 400. A key that would change
+the answer and is not implemented is refused, never ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from clients.bridge.openai_errors import ApiError, invalid
+from clients.request import GenerateRequest
+from streaming_backend.wire import (
+    IGNORE_EOS,
+    MAX_TOKENS,
+    MIN_TOKENS,
+    REPETITION_PENALTY,
+    ROLES,
+    SEED,
+    STOP,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+)
+
+CHAT, COMPLETION = "chat", "completion"
+# OpenAI keys passed to the model under the same name (values checked by the model); the last
+# four are extras that vLLM accepts and the benchmark tools (genai-perf, AIPerf) send.
+SAMPLING_SAME_NAME = (TEMPERATURE, TOP_P, SEED, TOP_K, MIN_TOKENS, IGNORE_EOS, REPETITION_PENALTY)
+TOKEN_LIMITS = (MAX_TOKENS, "max_completion_tokens")
+# Keys that would change the answer, with the only values we can honour (None: absent).
+ONLY_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1),
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False),
+}
+CHAT_ONLY_DEFAULTS = {
+    **ONLY_DEFAULTS,
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "response_format": (None, {"type": "text"}),
+}
+COMPLETION_ONLY_DEFAULTS = {
+    **ONLY_DEFAULTS,
+    "logprobs": (None, 0),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+}
+# Keys that do not change the answer (who asked, what to store): accepted and not used.
+METADATA_KEYS = ("user", "metadata", "store", "service_tier")
+COMMON_KEYS = ("model", "stream", "stream_options", STOP, *TOKEN_LIMITS, *SAMPLING_SAME_NAME)
+CHAT_KEYS = frozenset((*COMMON_KEYS, "messages", *CHAT_ONLY_DEFAULTS, *METADATA_KEYS))
+COMPLETION_KEYS = frozenset((*COMMON_KEYS, "prompt", *COMPLETION_ONLY_DEFAULTS, *METADATA_KEYS))
+ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    """One validated OpenAI request: what to generate and how to answer it."""
+
+    kind: str  # CHAT or COMPLETION
+    model: str
+    request: GenerateRequest
+    stream: bool
+    include_usage: bool
+
+
+def parse_chat(body: Any, served_model: str) -> ApiRequest:
+    """Validate a /v1/chat/completions body."""
+    body = _object(body)
+    _check_keys(body, CHAT_KEYS, CHAT_ONLY_DEFAULTS)
+    messages = _messages(body.get("messages"))
+    return _api_request(CHAT, body, served_model, messages=messages)
+
+
+def parse_completion(body: Any, served_model: str) -> ApiRequest:
+    """Validate a /v1/completions body."""
+    body = _object(body)
+    _check_keys(body, COMPLETION_KEYS, COMPLETION_ONLY_DEFAULTS)
+    prompt, input_ids = _prompt(body.get("prompt"))
+    return _api_request(COMPLETION, body, served_model, prompt=prompt, input_ids=input_ids)
+
+
+def check_model(model: Any, served_model: str) -> str:
+    """The requested model name when it is the served one."""
+    if model is None:
+        raise invalid("you must provide a model parameter", "model", "missing_required_parameter")
+    if model != served_model:
+        raise ApiError(
+            404,
+            f"The model {model!r} does not exist; this server serves {served_model!r}",
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
+    return model
+
+
+def _api_request(kind: str, body: Mapping, served_model: str, **prompt: Any) -> ApiRequest:
+    model = check_model(body.get("model"), served_model)
+    stream = _flag(body, "stream")
+    include_usage = _include_usage(body.get("stream_options"), stream)
+    request = GenerateRequest(**prompt, sampling=_sampling(body), return_timing=False)
+    return ApiRequest(kind, model, request, stream, include_usage)
+
+
+def _object(body: Any) -> Mapping[str, Any]:
+    if not isinstance(body, Mapping):
+        raise invalid("the request body must be a JSON object")
+    return body
+
+
+def _check_keys(body: Mapping, allowed: frozenset[str], only_defaults: Mapping) -> None:
+    """Refuse unknown keys and keys set to a value we cannot honour."""
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise invalid(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
+    for key, honoured in only_defaults.items():
+        value = body.get(key)
+        if not any(value == h and type(value) is type(h) for h in honoured):
+            shown = ", ".join("absent" if h is None else repr(h) for h in honoured)
+            raise invalid(
+                f"{key}={value!r} is not supported by this server (supported: {shown})",
+                key,
+                "unsupported_parameter",
+            )
+
+
+def _flag(body: Mapping, key: str) -> bool:
+    value = body.get(key)
+    if value not in (None, True, False):
+        raise invalid(f"{key} must be true or false", key)
+    return bool(value)
+
+
+def _include_usage(options: Any, stream: bool) -> bool:
+    """stream_options.include_usage; stream_options needs stream: true, as with OpenAI."""
+    if options is None:
+        return False
+    if not stream:
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
+    if not isinstance(options, Mapping) or set(options) - {"include_usage"}:
+        raise invalid('stream_options must be {"include_usage": bool}', "stream_options")
+    return _flag(options, "include_usage")
+
+
+def _sampling(body: Mapping) -> dict[str, Any]:
+    """The sampling_parameters of the request; values unchecked (the model checks them)."""
+    sampling = {key: body[key] for key in SAMPLING_SAME_NAME if body.get(key) is not None}
+    limits = {name: body[name] for name in TOKEN_LIMITS if body.get(name) is not None}
+    if len(set(map(repr, limits.values()))) > 1:
+        raise invalid("max_tokens and max_completion_tokens differ; give one", MAX_TOKENS)
+    if limits:
+        sampling[MAX_TOKENS] = next(iter(limits.values()))
+    stop = body.get(STOP)
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+            raise invalid("stop must be a string or a list of strings", STOP)
+        if stop:
+            sampling[STOP] = stop
+    for key, value in sampling.items():
+        if key != STOP and not isinstance(value, (int, float, bool, str)):
+            raise invalid(f"{key} must be a number", key)
+    return sampling
+
+
+def _messages(messages: Any) -> list[dict[str, str]]:
+    """OpenAI chat messages -> [{"role", "content"}] with text content."""
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages must be a non-empty list", "messages")
+    return [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+
+
+def _message(message: Any, where: str) -> dict[str, str]:
+    if not isinstance(message, Mapping):
+        raise invalid(f"{where} must be an object with role and content", where)
+    extra = sorted(set(message) - {"role", "content"})
+    if extra:
+        raise invalid(f"{where}.{extra[0]} is not supported by this server", f"{where}.{extra[0]}")
+    role = ROLE_ALIASES.get(message.get("role"), message.get("role"))
+    if role not in ROLES:
+        roles = ", ".join((*ROLES, *ROLE_ALIASES))
+        raise invalid(f"{where}.role must be one of {roles}", f"{where}.role")
+    return {"role": role, "content": _content(message.get("content"), f"{where}.content")}
+
+
+def _content(content: Any, where: str) -> str:
+    """A string, or the list-of-parts form with text parts only (joined by newlines)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise invalid(f"{where} must be a string or a non-empty list of text parts", where)
+    texts = []
+    for i, part in enumerate(content):
+        if not (isinstance(part, Mapping) and part.get("type") == "text"):
+            raise invalid(f"{where}[{i}]: only text parts are supported", f"{where}[{i}]")
+        if not isinstance(part.get("text"), str):
+            raise invalid(f"{where}[{i}].text must be a string", f"{where}[{i}].text")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
+    """A completion prompt: a string, a list of one string, or a list of token ids."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        return prompt, None
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return None, prompt
+    raise invalid(
+        "prompt must be a non-empty string or list of token ids (one prompt per request)", "prompt"
+    )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,72 @@
+"""Retry a generation on another replica when its stream fails as unavailable before its first
+response: the user never sees a replica that died, drained or restarted between streams.
+
+Each attempt is a new gRPC stream, and round_robin gives a new stream the next ready connection,
+so a retry lands on another replica. A replica that is gone drops out of round_robin as soon as
+its connection breaks; one that still accepts streams but refuses them (stopping or draining)
+is skipped by these retries until it closes. After the first response nothing is retried: the
+client already showed tokens, and the failure is reported as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+
+from clients.chunk import Chunk, GenerationError
+from streaming_backend.wire import UNAVAILABLE
+
+log = logging.getLogger("tokenstream.client")
+
+# Pauses before attempts 2, 3, ...: the first retry goes at once (round_robin moves on), later
+# ones leave a moment for gRPC to notice broken connections. At most ~0.75 s in all.
+RETRY_DELAYS_S = (0.0, 0.05, 0.1, 0.2, 0.4)
+
+
+def retryable(error: GenerationError, responses: int) -> bool:
+    """Whether a failed attempt may be retried: unavailable, and nothing received yet."""
+    return responses == 0 and error.code == UNAVAILABLE.code and error.retryable
+
+
+async def failover(
+    attempt: Callable[[], AsyncIterator[Chunk]], delays: tuple[float, ...] = RETRY_DELAYS_S
+) -> AsyncIterator[Chunk]:
+    """The chunks of the first attempt that gets a response; closing this closes the attempt."""
+    for tries, delay in enumerate((*delays, None), start=1):
+        received = 0
+        chunks = attempt()
+        try:
+            async for chunk in chunks:
+                received += 1
+                yield chunk
+            return
+        except GenerationError as exc:
+            if delay is None or not retryable(exc, received):
+                raise
+            log.info("attempt %d failed before its first response (%s); retrying", tries, exc)
+        finally:
+            await chunks.aclose()  # leaving early cancels the stream upstream
+        await asyncio.sleep(delay)
+
+
+def failover_sync(
+    attempt: Callable[[], Iterator[Chunk]], delays: tuple[float, ...] = RETRY_DELAYS_S
+) -> Iterator[Chunk]:
+    """The synchronous twin of failover()."""
+    for tries, delay in enumerate((*delays, None), start=1):
+        received = 0
+        chunks = attempt()
+        try:
+            for chunk in chunks:
+                received += 1
+                yield chunk
+            return
+        except GenerationError as exc:
+            if delay is None or not retryable(exc, received):
+                raise
+            log.info("attempt %d failed before its first response (%s); retrying", tries, exc)
+        finally:
+            chunks.close()
+        time.sleep(delay)

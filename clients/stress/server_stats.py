@@ -1,0 +1,214 @@
+"""What the server saw during a run: deltas of Triton's model statistics (the batches it formed,
+queue time), its metrics port (queue time, GPU), and memory sampled while the load runs (RSS of
+the model's python-backend stub processes when they run on this machine)."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+NS_PER_MS = 1_000_000
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def _get(url: str, timeout: float = 5.0) -> str:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
+    with opener.open(url, timeout=timeout) as response:
+        return response.read().decode()
+
+
+# ---- Triton's statistics extension ------------------------------------------------------------
+
+
+def model_stats(http_url: str, model: str) -> dict:
+    """GET /v2/models/<model>/stats: the statistics of the model's (first) version."""
+    return json.loads(_get(f"{http_url}/v2/models/{model}/stats"))["model_stats"][0]
+
+
+@dataclass(frozen=True)
+class Batching:
+    """The batches Triton formed between two statistics snapshots."""
+
+    executions: int  # execute() calls
+    inferences: int  # requests they held
+    batch_sizes: Mapping[int, int]  # requests per execute() -> how many execute() calls
+    queue_ms: float | None  # mean time a request waited in Triton's queue
+    compute_ms: float | None  # mean time of one execute() (compute_infer)
+
+    @property
+    def mean_batch_size(self) -> float | None:
+        """Requests per execute(), on average: batching efficiency."""
+        return self.inferences / self.executions if self.executions else None
+
+
+def batching_delta(before: Mapping, after: Mapping) -> Batching:
+    """Batching between two model_stats() snapshots."""
+    sizes_before = {b["batch_size"]: _count(b["compute_infer"]) for b in before["batch_stats"]}
+    sizes = {}
+    for entry in after["batch_stats"]:
+        n = _count(entry["compute_infer"]) - sizes_before.get(entry["batch_size"], 0)
+        if n:
+            sizes[entry["batch_size"]] = n
+    queue = _delta(before, after, "queue")
+    executions = int(after["execution_count"]) - int(before["execution_count"])
+    compute_ns = sum(int(b["compute_infer"]["ns"]) for b in after["batch_stats"]) - sum(
+        int(b["compute_infer"]["ns"]) for b in before["batch_stats"]
+    )
+    return Batching(
+        executions=executions,
+        inferences=int(after["inference_count"]) - int(before["inference_count"]),
+        batch_sizes=dict(sorted(sizes.items())),
+        queue_ms=queue[1] / queue[0] / NS_PER_MS if queue[0] else None,
+        compute_ms=compute_ns / executions / NS_PER_MS if executions else None,
+    )
+
+
+def _count(stat: Mapping) -> int:
+    return int(stat.get("count", 0))
+
+
+def _delta(before: Mapping, after: Mapping, name: str) -> tuple[int, int]:
+    """(count, ns) of one inference_stats entry between two snapshots."""
+    a, b = before["inference_stats"][name], after["inference_stats"][name]
+    return _count(b) - _count(a), int(b.get("ns", 0)) - int(a.get("ns", 0))
+
+
+# ---- the metrics port -------------------------------------------------------------------------
+
+
+def scrape(metrics_url: str) -> list[tuple[str, dict[str, str], float]]:
+    """Parse a Prometheus text page into (name, labels, value) samples."""
+    samples = []
+    for line in _get(metrics_url).splitlines():
+        match = _SAMPLE.match(line)
+        if match and not line.startswith("#"):
+            labels = dict(_LABEL.findall(match.group(2) or ""))
+            samples.append((match.group(1), labels, float(match.group(3))))
+    return samples
+
+
+def metric_sum(samples, name: str, **labels: str) -> float | None:
+    """The sum of a metric's samples whose labels include `labels`; None if there is none."""
+    values = [
+        value
+        for sample_name, sample_labels, value in samples
+        if sample_name == name and all(sample_labels.get(k) == v for k, v in labels.items())
+    ]
+    return sum(values) if values else None
+
+
+def metrics_queue_ms(before, after, model: str) -> float | None:
+    """Mean queue time per request from nv_inference_queue_duration_us / nv_inference_count."""
+    queue = [metric_sum(s, "nv_inference_queue_duration_us", model=model) for s in (before, after)]
+    count = [metric_sum(s, "nv_inference_count", model=model) for s in (before, after)]
+    if None in queue or None in count or count[1] == count[0]:
+        return None
+    return (queue[1] - queue[0]) / (count[1] - count[0]) / 1000
+
+
+# ---- memory and accelerator, sampled during the run ------------------------------------------
+
+
+def stub_pids(model: str, proc: Path = Path("/proc")) -> list[int]:
+    """Python-backend stub processes of `model` on this machine (their argv names its model.py)."""
+    pattern = re.compile(rf"/{re.escape(model)}/\d+/model\.py$")
+    pids = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"triton_python_backend_stub"):
+            if any(pattern.search(arg.decode(errors="replace")) for arg in argv[1:]):
+                pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process (0 once it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def host_memory_used() -> float | None:
+    """Fraction of this machine's memory in use (MemTotal - MemAvailable) / MemTotal."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        total = int(info["MemTotal"].split()[0])
+        available = int(info["MemAvailable"].split()[0])
+    except (OSError, KeyError, ValueError):
+        return None
+    return (total - available) / total
+
+
+@dataclass
+class Resources:
+    """Peaks and means of what was sampled during the run."""
+
+    stub_pids: list[int] = field(default_factory=list)
+    stub_rss_bytes: int | None = None  # peak of the sum over the model's stubs (local only)
+    host_memory_used: float | None = None  # peak fraction
+    gpu_utilization: float | None = None  # mean fraction over the run (Triton's metrics)
+    gpu_memory_used: float | None = None  # peak fraction (Triton's metrics)
+    samples: int = 0
+
+
+class ResourceSampler:
+    """Samples memory and GPU figures every `interval_s` in a thread while the load runs."""
+
+    def __init__(self, model: str, metrics_url: str, interval_s: float = 0.5):
+        self.model, self.metrics_url, self.interval_s = model, metrics_url, interval_s
+        self.resources = Resources()
+        self._utilization: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="stress-sampler", daemon=True)
+
+    def __enter__(self) -> ResourceSampler:
+        self.resources.stub_pids = stub_pids(self.model)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()  # at least one sample, even for a very short run
+        if self._utilization:
+            self.resources.gpu_utilization = sum(self._utilization) / len(self._utilization)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def _sample(self) -> None:
+        r = self.resources
+        r.samples += 1
+        if r.stub_pids:
+            r.stub_rss_bytes = max(r.stub_rss_bytes or 0, sum(rss_bytes(p) for p in r.stub_pids))
+        used = host_memory_used()
+        if used is not None:
+            r.host_memory_used = max(r.host_memory_used or 0.0, used)
+        try:
+            samples = scrape(self.metrics_url)
+        except OSError:
+            return
+        utilization = metric_sum(samples, "nv_gpu_utilization")
+        gpus = len([s for s in samples if s[0] == "nv_gpu_utilization"])
+        if utilization is not None and gpus:
+            self._utilization.append(utilization / gpus)
+        used_bytes = metric_sum(samples, "nv_gpu_memory_used_bytes")
+        total_bytes = metric_sum(samples, "nv_gpu_memory_total_bytes")
+        if used_bytes is not None and total_bytes:
+            r.gpu_memory_used = max(r.gpu_memory_used or 0.0, used_bytes / total_bytes)

@@ -1,0 +1,150 @@
+"""The dialogue_model's converters: a request's input arrays -> GenerationRequest, and a
+GenerationResult -> output arrays. No Triton import (repository/dialogue_model/1/model.py moves
+the arrays in and out of pb_utils), so both are tested in-process.
+
+Every input carries Triton's batch dimension first: input_ids [1, L], each scalar [1, 1].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from streaming_backend.batch_generation import GenerationRequest, GenerationResult
+from streaming_backend.errors import InvalidRequest
+from streaming_backend.settings import MAX_SEED, SamplingSettings
+from streaming_backend.wire import (
+    BEAM_WIDTH,
+    CUM_LOG_PROBS,
+    DIALOGUE_INPUT_IDS,
+    DIALOGUE_INPUT_NAMES,
+    DIALOGUE_OUTPUT_IDS,
+    DIALOGUE_REPETITION_PENALTY,
+    DIALOGUE_TEMPERATURE,
+    END_ID,
+    LEN_PENALTY,
+    PAD_ID,
+    RANDOM_SEED,
+    REQUEST_OUTPUT_LEN,
+    RUNTIME_TOP_K,
+    RUNTIME_TOP_P,
+    SEQUENCE_LENGTH,
+)
+
+
+@dataclass(frozen=True)
+class DialogueRequest:
+    """One parsed request: what to generate, and the id that pads its output."""
+
+    generation: GenerationRequest
+    pad_id: int | None  # None: the end id
+
+
+def parse_dialogue_request(
+    inputs: Mapping[str, np.ndarray], default_output_len: int
+) -> DialogueRequest:
+    """Validate one request's input arrays (copied out of Triton) into a DialogueRequest."""
+    unknown = sorted(set(inputs) - set(DIALOGUE_INPUT_NAMES))
+    if unknown:
+        raise InvalidRequest(f"unknown input(s) {', '.join(unknown)}")
+    ids = _prompt_ids(inputs.get(DIALOGUE_INPUT_IDS))
+    scalar = {
+        name: _scalar(name, array) for name, array in inputs.items() if name != DIALOGUE_INPUT_IDS
+    }
+    end_id = _integer(scalar, END_ID, None, low=0)
+    generation = GenerationRequest(
+        prompt_ids=ids,
+        max_new_tokens=_integer(scalar, REQUEST_OUTPUT_LEN, default_output_len, low=1),
+        beam_width=_integer(scalar, BEAM_WIDTH, 1, low=1),
+        settings=_sampling(scalar),
+        end_ids=frozenset({end_id}) if end_id is not None else None,
+        length_penalty=_finite(scalar, LEN_PENALTY, 1.0),
+    )
+    return DialogueRequest(generation, _integer(scalar, PAD_ID, None))
+
+
+def dialogue_outputs(
+    result: GenerationResult, output_len: int, pad_id: int
+) -> dict[str, np.ndarray]:
+    """Output arrays of one request: output_ids [1, W, output_len] padded with pad_id, etc."""
+    beams = result.beams
+    ids = np.full((1, len(beams), output_len), pad_id, dtype=np.int32)
+    for row, beam in enumerate(beams):
+        ids[0, row, : len(beam.tokens)] = beam.tokens
+    return {
+        DIALOGUE_OUTPUT_IDS: ids,
+        SEQUENCE_LENGTH: np.array([[len(b.tokens) for b in beams]], dtype=np.int32),
+        CUM_LOG_PROBS: np.array([[b.cum_log_prob for b in beams]], dtype=np.float32),
+    }
+
+
+def _prompt_ids(array: np.ndarray | None) -> tuple[int, ...]:
+    """input_ids [1, L] (or [L]) -> the prompt; one prompt per request."""
+    if array is None:
+        raise InvalidRequest(f"{DIALOGUE_INPUT_IDS} is required")
+    if not np.issubdtype(array.dtype, np.integer):
+        raise InvalidRequest(f"{DIALOGUE_INPUT_IDS} must be INT32, got {array.dtype}")
+    if array.ndim == 2 and array.shape[0] != 1:
+        raise InvalidRequest(
+            f"send one prompt per request: {DIALOGUE_INPUT_IDS} has shape {list(array.shape)}, "
+            "expected [1, L] (Triton batches requests itself)"
+        )
+    if array.ndim > 2:
+        raise InvalidRequest(
+            f"{DIALOGUE_INPUT_IDS} must have shape [1, L], got {list(array.shape)}"
+        )
+    return tuple(int(i) for i in array.reshape(-1))
+
+
+def _scalar(name: str, array: np.ndarray) -> float | int:
+    if array.size != 1:
+        raise InvalidRequest(f"{name} must hold one value (shape [1, 1]), got {array.size}")
+    value = array.reshape(-1)[0]
+    return value.item() if hasattr(value, "item") else value
+
+
+def _integer(scalar, name: str, default: int | None, low: int | None = None) -> int | None:
+    if name not in scalar:
+        return default
+    value = scalar[name]
+    if isinstance(value, float) and value != int(value):
+        raise InvalidRequest(f"{name} must be an integer, got {value!r}")
+    value = int(value)
+    if low is not None and value < low:
+        raise InvalidRequest(f"{name} must be at least {low}, got {value}")
+    return value
+
+
+def _finite(scalar, name: str, default: float) -> float:
+    value = float(scalar.get(name, default))
+    if not math.isfinite(value):
+        raise InvalidRequest(f"{name} must be a finite number, got {value}")
+    return value
+
+
+def _in(name: str, value: float, low: float, high: float, low_open: bool = False) -> float:
+    if value < low or value > high or (low_open and value == low):
+        bracket = "(" if low_open else "["
+        raise InvalidRequest(f"{name} must be in {bracket}{low:g}, {high:g}], got {value:g}")
+    return value
+
+
+def _sampling(scalar) -> SamplingSettings:
+    """Greedy unless temperature > 0, runtime_top_p > 0 or runtime_top_k > 0 asks to sample."""
+    temperature = _in(DIALOGUE_TEMPERATURE, _finite(scalar, DIALOGUE_TEMPERATURE, 1.0), 0, 100)
+    top_p = _in(RUNTIME_TOP_P, _finite(scalar, RUNTIME_TOP_P, 0.0), 0, 1)  # 0 = off
+    top_k = _integer(scalar, RUNTIME_TOP_K, 0, low=0)
+    penalty = _finite(scalar, DIALOGUE_REPETITION_PENALTY, 1.0)
+    _in(DIALOGUE_REPETITION_PENALTY, penalty, 0, 100, low_open=True)
+    seed = _integer(scalar, RANDOM_SEED, None, low=0)
+    asked = DIALOGUE_TEMPERATURE in scalar or top_p > 0 or top_k > 0
+    return SamplingSettings(
+        temperature=temperature if asked else 0.0,
+        top_p=top_p or 1.0,
+        top_k=top_k,
+        repetition_penalty=penalty,
+        seed=None if seed is None else seed % (MAX_SEED + 1),  # random_seed is UINT64
+    )

@@ -1,0 +1,314 @@
+"""Batched, non-streaming generation: several requests (token ids in, token ids out) run together,
+one forward pass per step for every row of every request.
+
+Used by the dialogue_model, whose execute() receives a batch formed by Triton's dynamic batcher.
+A request is one row (sampling) or W rows (beam search, streaming_backend.beam; greedy is beam
+search of width 1). Rows are left-padded in one KV cache (streaming_backend.kvcache); after each
+step the cache is re-indexed so that every row holds the beam it continues, and finished
+requests' rows are dropped.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from streaming_backend import kvcache, sampling
+from streaming_backend.beam import BeamSearch, Hypothesis, step_all
+from streaming_backend.errors import InvalidRequest, StreamingError
+from streaming_backend.loading import LoadedModel
+from streaming_backend.settings import SamplingSettings
+
+log = logging.getLogger(__name__)
+
+GREEDY = SamplingSettings(temperature=0.0)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One request of a batch: prompt ids, how many new tokens, how to choose them."""
+
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    beam_width: int = 1
+    # temperature 0 = greedy; beam search ignores temperature, top_p, top_k and seed
+    settings: SamplingSettings = GREEDY
+    end_ids: frozenset[int] | None = None  # None: the model's EOS ids
+    length_penalty: float = 1.0
+
+    @property
+    def uses_beams(self) -> bool:
+        """Beam search (greedy is its width-1 case) rather than sampling."""
+        return self.beam_width > 1 or self.settings.greedy
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """A request's beams, best first (one for sampling and greedy)."""
+
+    beams: tuple[Hypothesis, ...]
+
+
+def validate(request: GenerationRequest, loaded: LoadedModel, max_beam_width: int) -> None:
+    """Raise InvalidRequest if the model cannot serve this request."""
+    vocab = vocab_size(loaded)
+    ids = request.prompt_ids
+    if not ids:
+        raise InvalidRequest("input_ids is empty")
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise InvalidRequest(f"input_ids must be in [0, {vocab}); got {bad[:5]}")
+    if not 1 <= request.beam_width <= max_beam_width:
+        raise InvalidRequest(
+            f"beam_width must be in [1, {max_beam_width}], got {request.beam_width}"
+        )
+    if request.max_new_tokens < 1:
+        raise InvalidRequest(f"request_output_len must be at least 1, got {request.max_new_tokens}")
+    if len(ids) + request.max_new_tokens > loaded.context_length:
+        raise InvalidRequest(
+            f"the prompt has {len(ids)} tokens and request_output_len is "
+            f"{request.max_new_tokens}; together they exceed the model's context of "
+            f"{loaded.context_length}"
+        )
+    ends = request.end_ids or frozenset()
+    if any(not 0 <= i < vocab for i in ends):
+        raise InvalidRequest(f"end_id must be in [0, {vocab}); got {sorted(ends)}")
+
+
+def vocab_size(loaded: LoadedModel) -> int:
+    """Rows of the model's input embedding."""
+    return int(loaded.model.get_input_embeddings().weight.shape[0])
+
+
+def generate_batch(
+    loaded: LoadedModel, requests: Sequence[GenerationRequest], max_beam_width: int
+) -> list[GenerationResult | StreamingError]:
+    """Generate for every request together; a request that fails gets its own error instead."""
+    results: list[GenerationResult | StreamingError | None] = [None] * len(requests)
+    valid = []
+    for index, request in enumerate(requests):
+        try:
+            validate(request, loaded, max_beam_width)
+            valid.append(index)
+        except InvalidRequest as error:
+            results[index] = error
+    for index, outcome in zip(valid, _generate_isolated(loaded, [requests[i] for i in valid])):
+        results[index] = outcome
+    return results
+
+
+def _generate_isolated(loaded, requests):
+    """Run the batch; if it fails, run each request alone so only a failing one errs."""
+    if not requests:
+        return []
+    try:
+        with torch.inference_mode():
+            return _generate(loaded, requests)
+    except Exception as error:  # a bug or an allocation failure: find who fails
+        if len(requests) == 1:
+            log.exception("generation failed")
+            return [StreamingError(f"{type(error).__name__}: {error}")]
+        return [_generate_isolated(loaded, [r])[0] for r in requests]
+
+
+# ---- one request's rows ---------------------------------------------------------------------
+
+
+@dataclass
+class _Sampled:
+    """A request that samples: one row."""
+
+    request: GenerationRequest
+    end_ids: frozenset[int]
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    cum_log_prob: float = 0.0
+    done: bool = False
+    rows: int = 1
+
+    def advance(self, token: int, log_prob: float) -> tuple[list[int], list[int]]:
+        """Append a sampled token -> (source rows, tokens) of the next step; empty when done."""
+        self.tokens.append(token)
+        self.cum_log_prob += log_prob
+        self.done = token in self.end_ids or len(self.tokens) >= self.request.max_new_tokens
+        return ([], []) if self.done else ([0], [token])
+
+    def result(self) -> GenerationResult:
+        score = self.cum_log_prob / (len(self.tokens) ** self.request.length_penalty)
+        return GenerationResult((Hypothesis(tuple(self.tokens), self.cum_log_prob, score),))
+
+
+@dataclass
+class _Beams:
+    """A request searched with beams (greedy = width 1): W rows."""
+
+    request: GenerationRequest
+    search: BeamSearch
+
+    @property
+    def rows(self) -> int:
+        return self.search.width
+
+    @property
+    def done(self) -> bool:
+        return self.search.done
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(tuple(self.search.results()))
+
+
+def _start(request: GenerationRequest, model_end_ids: frozenset[int]):
+    end_ids = request.end_ids or model_end_ids
+    if request.uses_beams:
+        search = BeamSearch(
+            request.beam_width, request.max_new_tokens, end_ids, request.length_penalty
+        )
+        return _Beams(request, search)
+    return _Sampled(request, end_ids, sampling.new_generator(request.settings.seed))
+
+
+# ---- the loop -------------------------------------------------------------------------------
+
+
+def _generate(loaded: LoadedModel, requests: Sequence[GenerationRequest]):
+    """Prefill all prompts together, then step every live row together until all are done."""
+    groups = [_start(r, loaded.eos_ids) for r in requests]
+    batch, logits, positions = _prefill(loaded, [r.prompt_ids for r in requests])
+    expand = [i for i, g in enumerate(groups) for _ in range(g.rows)]  # beam rows share a prompt
+    if len(expand) != len(groups):
+        batch, logits, positions = kvcache.select(batch, expand), logits[expand], positions[expand]
+    live = groups
+    while True:
+        choices = _choose(live, logits)  # per group: (source rows, next tokens)
+        keep, next_tokens, still = [], [], []
+        offset = 0
+        for group, (sources, tokens) in zip(live, choices):
+            if sources:
+                keep += [offset + s for s in sources]
+                next_tokens += tokens
+                still.append(group)
+            offset += group.rows
+        if not still:
+            break
+        if keep != list(range(offset)):
+            batch, positions = kvcache.select(batch, keep), positions[keep]
+        logits = _decode(loaded, batch, next_tokens, positions)
+        positions = positions + 1
+        live = still
+    return [g.result() for g in groups]
+
+
+def _choose(groups, logits: torch.Tensor) -> list[tuple[list[int], list[int]]]:
+    """Pick each group's next tokens from its rows of logits [R, V]."""
+    starts = [0]
+    for group in groups:
+        starts.append(starts[-1] + group.rows)
+    choices: list[tuple[list[int], list[int]] | None] = [None] * len(groups)
+    sampled = [i for i, g in enumerate(groups) if isinstance(g, _Sampled)]
+    if sampled:
+        rows = [starts[i] for i in sampled]
+        tokens, log_probs = _sample([groups[i] for i in sampled], logits[rows])
+        for i, token, log_prob in zip(sampled, tokens, log_probs):
+            choices[i] = groups[i].advance(token, log_prob)
+    beams = [i for i, g in enumerate(groups) if isinstance(g, _Beams)]
+    if beams:
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in beams])
+        log_probs = _beam_log_probs([groups[i] for i in beams], logits[rows])
+        for i, choice in zip(beams, step_all([groups[i].search for i in beams], log_probs)):
+            choices[i] = choice
+    return choices
+
+
+def _sample(groups: list[_Sampled], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """One token per sampling row (logits [N, V]) and its log-prob under the raw model."""
+    processed = sampling.apply_repetition_penalty(
+        logits.clone(),
+        [
+            (row, g.request.settings.repetition_penalty, _seen(g.request, g.tokens, logits))
+            for row, g in enumerate(groups)
+            if g.request.settings.repetition_penalty != 1.0
+        ],
+    )
+    settings = [g.request.settings for g in groups]
+    params = sampling.BatchSampling.from_settings(settings, logits.device)
+    uniforms = sampling.draw_uniforms([g.generator for g in groups])
+    ids = sampling.sample(processed, params, uniforms)
+    return ids.tolist(), sampling.token_logprobs(logits, ids).tolist()
+
+
+def _beam_log_probs(groups: list[_Beams], logits: torch.Tensor) -> torch.Tensor:
+    """Log-softmax of the beam groups' stacked rows [R, V], after their repetition penalties."""
+    penalised, row = [], 0
+    for group in groups:
+        penalty = group.request.settings.repetition_penalty
+        for tokens in group.search.tokens:
+            if penalty != 1.0:
+                penalised.append((row, penalty, _seen(group.request, tokens, logits)))
+            row += 1
+    if penalised:
+        logits = sampling.apply_repetition_penalty(logits.clone(), penalised)
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def _seen(request: GenerationRequest, tokens: list[int], logits: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(list(request.prompt_ids) + tokens, device=logits.device)
+
+
+# ---- forward passes -------------------------------------------------------------------------
+
+
+def _cache_kwarg(model) -> str:
+    """The name under which this model's forward() takes a KV cache."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _prefill(loaded: LoadedModel, prompts: Sequence[Sequence[int]]):
+    """One forward pass over left-padded prompts -> (cache, last logits [N, V], positions [N])."""
+    device = loaded.device
+    length = max(len(p) for p in prompts)
+    pad = min(loaded.eos_ids, default=0)  # any valid id: masked out
+    ids = torch.full((len(prompts), length), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), length), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, length - len(prompt) :] = torch.tensor(prompt)
+        mask[row, length - len(prompt) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [N, L]; padding gets position 0
+    cache = kvcache.DynamicCache()
+    out = loaded.model(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        position_ids=positions.to(device),
+        use_cache=True,
+        logits_to_keep=1,
+        **{_cache_kwarg(loaded.model): cache},
+    )
+    logits = out.logits[:, -1, :].float()  # [N, V]
+    return kvcache.BatchCache(cache, mask.to(device)), logits, mask.sum(-1)
+
+
+def _decode(loaded: LoadedModel, batch: kvcache.BatchCache, tokens: list[int], positions):
+    """One forward pass of one new token per row -> logits [R, V]; extends the cache in place."""
+    device = loaded.device
+    batch.mask = torch.cat([batch.mask, batch.mask.new_ones((batch.rows, 1))], dim=1)
+    out = loaded.model(
+        input_ids=torch.tensor(tokens, dtype=torch.long)[:, None].to(device),
+        attention_mask=batch.mask,
+        position_ids=positions[:, None].to(device),
+        use_cache=True,
+        **{_cache_kwarg(loaded.model): batch.cache},
+    )
+    return out.logits[:, -1, :].float()
+
+
+def sequence_log_prob(loaded: LoadedModel, prompt_ids: Sequence[int], tokens: Sequence[int]):
+    """The model's summed log-probability of `tokens` after `prompt_ids` (one forward pass)."""
+    ids = torch.tensor([list(prompt_ids) + list(tokens)], device=loaded.device)
+    with torch.inference_mode():
+        logits = loaded.model(input_ids=ids).logits[0].float()  # [L, V]
+    log_probs = torch.log_softmax(logits[len(prompt_ids) - 1 : -1], dim=-1)  # [T, V]
+    chosen = torch.tensor(list(tokens), device=loaded.device)[:, None]
+    return float(log_probs.gather(-1, chosen).sum()) if len(tokens) else 0.0

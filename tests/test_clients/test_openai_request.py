@@ -1,0 +1,157 @@
+"""Tests of clients/bridge/openai_request.py and openai_errors.py: OpenAI bodies -> ApiRequest
+or an ApiError, without a server."""
+
+from __future__ import annotations
+
+import pytest
+
+from clients.bridge.openai_errors import ApiError, from_generation_error
+from clients.bridge.openai_request import CHAT, COMPLETION, parse_chat, parse_completion
+
+MODEL = "chat"
+
+
+def chat(**fields):
+    """A chat body with one user message, plus `fields`."""
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+def refusal(parse, body) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        parse(body, MODEL)
+    return info.value
+
+
+def test_chat_body_becomes_a_generate_request():
+    """Messages, sampling keys, benchmark extras and stop reach the model under its own keys."""
+    body = chat(
+        messages=[
+            {"role": "developer", "content": "Be brief."},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+            {"role": "assistant", "content": "ok"},
+            {"role": "tool", "content": "{}"},
+        ],
+        stream=True,
+        stream_options={"include_usage": True},
+        max_completion_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        seed=3,
+        stop="END",
+        n=1,
+        frequency_penalty=0,
+        presence_penalty=0.0,
+        logprobs=False,
+        ignore_eos=True,
+        min_tokens=2,
+        top_k=5,
+        repetition_penalty=1.1,
+        user="someone",
+    )
+    parsed = parse_chat(body, MODEL)
+    assert (parsed.kind, parsed.model, parsed.stream, parsed.include_usage) == (
+        CHAT,
+        MODEL,
+        True,
+        True,
+    )
+    assert list(parsed.request.messages) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "tool", "content": "{}"},
+    ]
+    assert parsed.request.sampling == {
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "seed": 3,
+        "top_k": 5,
+        "min_tokens": 2,
+        "ignore_eos": True,
+        "repetition_penalty": 1.1,
+        "max_tokens": 7,
+        "stop": ["END"],
+    }
+
+
+def test_defaults_send_no_sampling_and_no_stream():
+    """A minimal body streams nothing, asks no usage chunk and leaves the model's defaults."""
+    parsed = parse_chat(chat(), MODEL)
+    assert (parsed.stream, parsed.include_usage, parsed.request.sampling) == (False, False, {})
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "status"),
+    [
+        (chat(model="gpt-4o"), "model", 404),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "model", 400),
+        (chat(n=2), "n", 400),
+        (chat(logprobs=True), "logprobs", 400),
+        (chat(top_logprobs=3), "top_logprobs", 400),
+        (chat(frequency_penalty=0.5), "frequency_penalty", 400),
+        (chat(presence_penalty=1), "presence_penalty", 400),
+        (chat(tools=[{"type": "function"}]), "tools", 400),
+        (chat(response_format={"type": "json_object"}), "response_format", 400),
+        (chat(bogus=1), "bogus", 400),
+        (chat(stream_options={"include_usage": True}), "stream_options", 400),
+        (chat(stop=["a", 1]), "stop", 400),
+        (chat(max_tokens=3, max_completion_tokens=4), "max_tokens", 400),
+        (chat(messages=[]), "messages", 400),
+        (chat(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role", 400),
+        (chat(messages=[{"role": "user", "content": "x", "name": "a"}]), "messages[0].name", 400),
+        (
+            chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+            "messages[0].content[0]",
+            400,
+        ),
+        (chat(stream="yes"), "stream", 400),
+    ],
+)
+def test_chat_refusals_name_the_parameter(body, param, status):
+    """What cannot be honoured is refused with OpenAI's error object naming the parameter."""
+    error = refusal(parse_chat, body)
+    assert (error.status, error.param) == (status, param)
+    assert set(error.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_completion_prompts():
+    """A string, a batch of one, or token ids; the same sampling keys as chat."""
+    parsed = parse_completion({"model": MODEL, "prompt": "Once", "max_tokens": 4}, MODEL)
+    assert (parsed.kind, parsed.request.prompt, parsed.request.sampling) == (
+        COMPLETION,
+        "Once",
+        {"max_tokens": 4},
+    )
+    assert parse_completion({"model": MODEL, "prompt": ["Once"]}, MODEL).request.prompt == "Once"
+    ids = parse_completion({"model": MODEL, "prompt": [1, 2, 3]}, MODEL).request.input_ids
+    assert ids == (1, 2, 3)
+    for bad in ("", ["a", "b"], [1, "a"], None, 5):
+        assert refusal(parse_completion, {"model": MODEL, "prompt": bad}).param == "prompt"
+    assert refusal(parse_completion, {"model": MODEL, "prompt": "x", "echo": True}).param == "echo"
+    assert refusal(parse_completion, {"model": MODEL, "prompt": "x", "logprobs": 2}).status == 400
+
+
+@pytest.mark.parametrize(
+    ("code", "message", "status", "param", "retry"),
+    [
+        (
+            "invalid_request",
+            "invalid request: sampling_parameters.top_p must be in (0, 1], got 2",
+            400,
+            "top_p",
+            None,
+        ),
+        ("overloaded", "overloaded: the queue is full", 429, None, "1"),
+        ("unavailable", "unavailable: Stream removed", 503, None, "1"),
+        ("internal", "internal error: boom", 500, None, None),
+        ("something-new", "?", 500, None, None),
+    ],
+)
+def test_generation_errors_map_to_status(code, message, status, param, retry):
+    """The engine's error categories map to OpenAI statuses; its message is kept verbatim."""
+    error = from_generation_error(code, message)
+    assert (error.status, error.param, error.message) == (status, param, message)
+    assert error.headers().get("Retry-After") == retry
