@@ -39,7 +39,10 @@ class Chunk:
 class GenerationError(Exception):
     """A generation failed; `code` is a category (wire.ERROR_CODES), the message the server's."""
 
-    def __init__(self, message: str, code: str = INTERNAL.code) -> None:
+    def __init__(self, message: str, code: str = INTERNAL.code, retryable: bool = True) -> None:
+        """`retryable` False: failover must not retry it (e.g. an idle timeout: the request may
+        still be queued on a busy server, and a retry would only add to its load)."""
         super().__init__(message)
         self.message = message
         self.code = code
+        self.retryable = retryable

@@ -9,7 +9,8 @@ import sys
 # subcommand -> module exposing `add_arguments(parser)` and `main(args) -> int`.
 # Modules are imported lazily so `tokenstream chat` does not pay for torch.
 SUBCOMMANDS = {
-    "serve": ("clients.serve", "start tritonserver (and the bridge) on repository/"),
+    "serve": ("clients.serve", "start and supervise tritonserver (and the bridge) on repository/"),
+    "reload": ("clients.reload", "swap the model of a running serve without downtime"),
     "chat": ("clients.chat", "chat with a running server in the terminal over gRPC"),
     "bridge": ("clients.bridge", "run the websocket bridge and chat page on its own"),
     "bench": ("clients.bench.cli", "measure TTFT, inter-token latency and throughput"),

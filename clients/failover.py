@@ -27,7 +27,7 @@ RETRY_DELAYS_S = (0.0, 0.05, 0.1, 0.2, 0.4)
 
 def retryable(error: GenerationError, responses: int) -> bool:
     """Whether a failed attempt may be retried: unavailable, and nothing received yet."""
-    return responses == 0 and error.code == UNAVAILABLE.code
+    return responses == 0 and error.code == UNAVAILABLE.code and error.retryable
 
 
 async def failover(

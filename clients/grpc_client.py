@@ -33,6 +33,7 @@ from streaming_backend.wire import (
     NUM_INPUT_TOKENS,
     NUM_OUTPUT_TOKENS,
     OUTPUT_IDS,
+    SERVER_LOST,
     TEXT_OUTPUT,
     TIMING,
     UNAVAILABLE,
@@ -50,6 +51,12 @@ __all__ = [  # the request and chunk types are re-exported for the chat CLI and 
 ]
 
 MODEL_NAME = CHAT_MODEL
+# A generation that receives nothing for this long ends with an `unavailable` error instead of
+# waiting forever (a server that lost the stream without closing it). Long enough for a request
+# that queues behind a full engine on a CPU; callers with tighter needs pass their own.
+DEFAULT_IDLE_TIMEOUT_S = 120.0
+# What gRPC says when the connection under a stream is gone (tritonserver died or restarted).
+_CONNECTION_LOST = ("Socket closed", "Stream removed", "GOAWAY", "Connection reset", "Broken pipe")
 
 # gRPC channel: Triton's limits plus a short reconnect backoff, so a client notices a restarted
 # server within about two seconds instead of gRPC's default of up to two minutes.
@@ -111,7 +118,15 @@ def to_generation_error(error: InferenceServerException | grpc.RpcError) -> Gene
         message, status = error.message(), error.status()
     else:
         message, status = str(error.details()), str(error.code())
+    if any(sign in message for sign in _CONNECTION_LOST):
+        return GenerationError(f"{UNAVAILABLE.prefix}: {SERVER_LOST} ({message})", UNAVAILABLE.code)
     return GenerationError(message, error_code(message, status))
+
+
+def idle_error(seconds: float) -> GenerationError:
+    """The error of a generation that received nothing for `seconds`."""
+    text = f"{UNAVAILABLE.prefix}: no response from the server for {seconds:g} s; gave up"
+    return GenerationError(text, UNAVAILABLE.code, retryable=False)
 
 
 def parse_result(result: grpcclient.InferResult, received_ns: int | None = None) -> Chunk:
@@ -139,14 +154,18 @@ def stream_generate(
     model: str = MODEL_NAME,
     request_id: str | None = None,
     cancel: threading.Event | None = None,
+    idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S,
 ) -> Iterator[Chunk]:
     """Stream one generation synchronously; setting `cancel` or closing the iterator cancels it.
 
     `url` is any target of clients.targets; a stream that fails as unavailable before its first
-    response is retried on another replica (clients.failover).
+    response is retried on another replica (clients.failover). Raises GenerationError (code
+    `unavailable`) when nothing arrives for `idle_timeout_s`.
     """
     request_id = request_id or uuid.uuid4().hex
-    return failover_sync(lambda: _stream_once(url, request, model, request_id, cancel))
+    return failover_sync(
+        lambda: _stream_once(url, request, model, request_id, cancel, idle_timeout_s)
+    )
 
 
 def _stream_once(
@@ -155,6 +174,7 @@ def _stream_once(
     model: str,
     request_id: str,
     cancel: threading.Event | None,
+    idle_timeout_s: float | None,
 ) -> Iterator[Chunk]:
     """One attempt of stream_generate: one channel, one stream."""
     responses: queue.SimpleQueue = queue.SimpleQueue()
@@ -173,7 +193,7 @@ def _stream_once(
             enable_empty_final_response=True,
         )
         while not finished:
-            item = _next_response(responses, cancel)
+            item = _next_response(responses, cancel, idle_timeout_s)
             if item is None:
                 return
             result, error, received_ns = item
@@ -185,13 +205,33 @@ def _stream_once(
             yield chunk
     finally:
         # Cancelling the stream is how Triton learns to stop this request (is_cancelled()).
-        client.stop_stream(cancel_requests=not finished)
+        stop_stream(client, cancel=not finished)
         client.close()
 
 
-def _next_response(responses: queue.SimpleQueue, cancel: threading.Event | None):
-    """The next (result, error, received_ns), or None once `cancel` is set."""
+def stop_stream(client: grpcclient.InferenceServerClient, cancel: bool) -> None:
+    """tritonclient's stop_stream, without leaking a thread when it cancels.
+
+    With cancel_requests=True tritonclient (2.51) never queues the end marker of its request
+    iterator, so gRPC's thread that feeds requests into the stream blocks on that queue forever:
+    one thread per cancelled generation. We queue the marker ourselves.
+    """
+    stream = getattr(client, "_stream", None)
+    client.stop_stream(cancel_requests=cancel)
+    feed = getattr(stream, "_request_queue", None)
+    if cancel and feed is not None:
+        feed.put(None)  # the iterator's end: the feeding thread returns
+
+
+def _next_response(
+    responses: queue.SimpleQueue, cancel: threading.Event | None, idle_timeout_s: float | None
+):
+    """The next (result, error, received_ns); None once `cancel` is set; GenerationError after
+    `idle_timeout_s` without one."""
+    deadline = None if idle_timeout_s is None else time.monotonic() + idle_timeout_s
     while cancel is None or not cancel.is_set():
+        if deadline is not None and time.monotonic() >= deadline:
+            raise idle_error(idle_timeout_s)
         try:
             # A short timeout keeps both the cancel event and Ctrl-C responsive.
             return responses.get(timeout=0.05)
@@ -207,9 +247,16 @@ class AsyncChatClient:
     round_robin sends each generation's stream to the next replica.
     """
 
-    def __init__(self, url: str, model: str = MODEL_NAME) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str = MODEL_NAME,
+        idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S,
+    ) -> None:
+        """`idle_timeout_s`: a generation receiving nothing this long fails (`unavailable`)."""
         self.url = url
         self.model = model
+        self.idle_timeout_s = idle_timeout_s
         self._client = grpcaio.InferenceServerClient(url, channel_args=BALANCED_CHANNEL_ARGS)
 
     async def __aenter__(self) -> AsyncChatClient:
@@ -263,7 +310,7 @@ class AsyncChatClient:
         finished = False
         try:
             while not finished:
-                chunk = await _next_chunk(responses)
+                chunk = await _next_chunk(responses, self.idle_timeout_s)
                 finished = chunk.final
                 yield chunk
         except GenerationError:
@@ -275,10 +322,12 @@ class AsyncChatClient:
                 responses.cancel()
 
 
-async def _next_chunk(responses) -> Chunk:
-    """The next Chunk of an aio response stream; errors become GenerationError."""
+async def _next_chunk(responses, idle_timeout_s: float | None) -> Chunk:
+    """The next Chunk of an aio response stream; errors (and silence) become GenerationError."""
     try:
-        result, error = await responses.__anext__()
+        result, error = await asyncio.wait_for(responses.__anext__(), idle_timeout_s)
+    except asyncio.TimeoutError:
+        raise idle_error(idle_timeout_s) from None
     except StopAsyncIteration:
         raise GenerationError("stream ended before the final response", UNAVAILABLE.code) from None
     except grpc.RpcError as exc:

@@ -1,9 +1,11 @@
-"""`tokenstream serve`: tritonserver and the websocket bridge in one process.
+"""`tokenstream serve`: a supervised tritonserver and the websocket bridge in one process.
 
-Start Triton on repository/ through the launcher, wait until every model is loaded, print the
-endpoints, run the bridge in this thread, and stop everything on SIGINT/SIGTERM. The launcher
-(streaming_backend.launcher) knows nothing of the bridge: this module composes the two, and
-`_bridge` is its only use of clients.bridge.
+Start Triton on repository/ through the launcher's supervisor, wait until every model is loaded,
+print the endpoints, run the bridge in a thread, and supervise Triton from the main thread
+(restart on a lost model, readiness and reload on the supervisor port). SIGINT/SIGTERM drains:
+new requests are refused, open streams get --drain-timeout to finish, then everything stops; a
+second signal stops at once. The launcher (streaming_backend.launcher) knows nothing of the
+bridge: this module composes the two, and `_bridge` is its only use of clients.bridge.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import signal
 import sys
 import threading
@@ -23,14 +26,20 @@ from pathlib import Path
 from streaming_backend.config import PARAMETER_HELP, default_parameters
 from streaming_backend.launcher import ServerConfig, ServerDied, TritonServer
 from streaming_backend.launcher.batching import DialogueBatching
+from streaming_backend.launcher.health import HealthServer
 from streaming_backend.launcher.server import (
     DEFAULT_PORTS,
     GRPC_MAX_CONNECTION_AGE_S,
     client_host,
 )
-from streaming_backend.paths import default_repository
+from streaming_backend.launcher.supervisor import RestartBudget, Supervisor, SupervisorConfig
+from streaming_backend.paths import admin_key_file, default_repository
+from streaming_backend.wire import ADMIN_KEY_VARIABLE
 
 DEFAULT_BRIDGE_PORT = 8080
+DEFAULT_SUPERVISOR_PORT = 8003
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+BRIDGE_STOP_S = 5.0
 SERVE_OPTIONS = ("model", "dtype", "max_streams", "queue_limit")  # parameters with an option
 
 RunUntil = Callable[[asyncio.Event], Awaitable[None]]  # an async service, run until the event
@@ -38,10 +47,16 @@ RunUntil = Callable[[asyncio.Event], Awaitable[None]]  # an async service, run u
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """Triton's settings and the bridge's port (0: no bridge)."""
+    """The supervised Triton, the bridge's port (0: no bridge) and the supervisor's port."""
 
-    server: ServerConfig
+    supervisor: SupervisorConfig
     bridge_port: int = DEFAULT_BRIDGE_PORT
+    supervisor_port: int = DEFAULT_SUPERVISOR_PORT
+
+    @property
+    def server(self) -> ServerConfig:
+        """Triton's settings."""
+        return self.supervisor.server
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +90,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--bridge-port", type=int, default=DEFAULT_BRIDGE_PORT, help="0 disables the bridge"
     )
     parser.add_argument("--no-bridge", action="store_true", help="do not run the bridge")
+    parser.add_argument(
+        "--supervisor-port",
+        type=int,
+        default=DEFAULT_SUPERVISOR_PORT,
+        help="readiness (/ready), liveness (/live), /status, /metrics and POST /reload "
+        f"(default {DEFAULT_SUPERVISOR_PORT})",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        help="seconds open streams get to finish after SIGTERM/SIGINT "
+        f"(default {DEFAULT_DRAIN_TIMEOUT_S:g})",
+    )
+    budget = RestartBudget()
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=budget.max_restarts,
+        help=f"restarts of a lost Triton within {budget.window_s:g} s before giving up "
+        f"(default {budget.max_restarts})",
+    )
+    parser.add_argument(
+        "--admin-key",
+        default=None,
+        help=f"key of the model-repository API and of reload (default ${ADMIN_KEY_VARIABLE}, "
+        "else a new one per start, kept in a file only this user reads)",
+    )
     parser.add_argument("--repository", type=Path, default=None, help=argparse.SUPPRESS)
     _add_model_arguments(parser)
 
@@ -103,8 +146,28 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         metrics_port=args.metrics_port or DEFAULT_PORTS["metrics"],
         log_level=args.log_level,
         grpc_max_connection_age_s=args.grpc_max_connection_age or None,
+        admin_key=args.admin_key or os.environ.get(ADMIN_KEY_VARIABLE) or None,
     )
-    return ServeConfig(server, bridge_port=0 if args.no_bridge else args.bridge_port)
+    supervisor = SupervisorConfig(
+        server,
+        budget=RestartBudget(max_restarts=args.max_restarts),
+        drain_timeout_s=args.drain_timeout,
+    )
+    return ServeConfig(
+        supervisor,
+        bridge_port=0 if args.no_bridge else args.bridge_port,
+        supervisor_port=args.supervisor_port,
+    )
+
+
+def write_admin_key(port: int, key: str) -> Path:
+    """Keep the admin key where `tokenstream reload` finds it (readable by this user only)."""
+    path = admin_key_file(port)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(key)
+    return path
 
 
 def _key_value(item: str) -> tuple[str, str]:
@@ -120,24 +183,35 @@ def main(args: argparse.Namespace) -> int:
 
 
 def serve(cfg: ServeConfig) -> int:
-    """Run Triton (and the bridge) until SIGINT/SIGTERM; non-zero if the server dies."""
-    stop = threading.Event()
-    restore = _handle_signals(stop)
-    server = TritonServer(cfg.server)
+    """Run and supervise Triton (and the bridge) until SIGINT/SIGTERM; non-zero if it cannot
+    start. The first signal drains, a second one stops at once."""
+    stop, force = threading.Event(), threading.Event()
+    restore = _handle_signals(stop, force)
+    supervisor = Supervisor(cfg.supervisor)
+    health = HealthServer(supervisor, cfg.supervisor.server.host, cfg.supervisor_port).start()
+    key_file = write_admin_key(cfg.supervisor_port, supervisor.admin_key)
     try:
-        return _serve(server, cfg.bridge_port, stop)
+        return _serve(supervisor, cfg, stop, force)
     finally:
-        seconds = server.stop()
-        print(f"tokenstream: stopped in {seconds:.1f} s", flush=True)
+        seconds = supervisor.shutdown(graceful=not force.is_set())
+        server = supervisor.server
+        clean = "cleanly" if server is not None and server.exited_cleanly else "(killed)"
+        print(f"tokenstream: stopped in {seconds:.1f} s, tritonserver exited {clean}", flush=True)
+        health.close()
+        key_file.unlink(missing_ok=True)
         restore()
 
 
-def _handle_signals(stop: threading.Event) -> Callable[[], None]:
-    """SIGINT/SIGTERM set `stop`; returns a function restoring the previous handlers."""
+def _handle_signals(stop: threading.Event, force: threading.Event) -> Callable[[], None]:
+    """SIGINT/SIGTERM set `stop`, a second one `force`; returns a function restoring the
+    previous handlers."""
 
     def on_signal(signum: int, frame: object) -> None:
         # set from another thread: Event.set() here could deadlock on the lock wait() holds
-        threading.Thread(target=stop.set, daemon=True).start()
+        event = force if stop.is_set() else stop
+        threading.Thread(target=event.set, daemon=True).start()
+        if event is force:
+            print("tokenstream: second signal: stopping at once", flush=True)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
 
@@ -148,41 +222,45 @@ def _handle_signals(stop: threading.Event) -> Callable[[], None]:
     return restore
 
 
-def _serve(server: TritonServer, bridge_port: int, stop: threading.Event) -> int:
-    """Start, wait for readiness, serve until `stop`; the exit status."""
-    print(f"tokenstream: starting tritonserver on {server.config.repository}", flush=True)
-    server.start()
+def _serve(
+    supervisor: Supervisor, cfg: ServeConfig, stop: threading.Event, force: threading.Event
+) -> int:
+    """Start, wait for readiness, supervise until `stop`, drain; the exit status."""
+    print(f"tokenstream: starting tritonserver on {cfg.supervisor.server.repository}", flush=True)
     try:
-        if not server.wait_ready(abort=stop):
+        if not supervisor.start(stop):
             return 0  # interrupted while the models loaded
     except (ServerDied, TimeoutError) as error:
         print(f"tokenstream: {error}", file=sys.stderr, flush=True)
         return 1
-    died = threading.Event()
-    threading.Thread(target=_watch, args=(server, died, stop), daemon=True).start()
-    bridge = _bridge(server, bridge_port) if bridge_port else None
-    _print_endpoints(server, bridge_port if bridge else 0)
+    server = supervisor.server
+    bridge = _bridge(server, cfg.bridge_port, supervisor.ready) if cfg.bridge_port else None
+    _print_endpoints(server, cfg.bridge_port if bridge else 0, cfg.supervisor_port)
+    bridge_stop = threading.Event()
+    bridge_thread = None
     if bridge is not None:
-        if _run_until(bridge, stop):
-            return 1
-        if not stop.is_set():
-            print("tokenstream: the bridge ended; Triton keeps serving", flush=True)
-    stop.wait()
-    if died.is_set():
-        print(f"tokenstream: {server.died_error()}", file=sys.stderr, flush=True)
-        return 1
+        bridge_thread = threading.Thread(
+            target=_run_bridge, args=(bridge, bridge_stop, stop), name="bridge", daemon=True
+        )
+        bridge_thread.start()
+    supervisor.watch(stop)  # this (main) thread restarts Triton: its parent-death signal holds
+    if not force.is_set():
+        supervisor.drain(force)
+    bridge_stop.set()
+    if bridge_thread is not None:
+        bridge_thread.join(timeout=BRIDGE_STOP_S)
     return 0
 
 
-def _watch(server: TritonServer, died: threading.Event, stop: threading.Event) -> None:
-    """Set `died` and `stop` when tritonserver exits on its own."""
-    server.wait()
-    if not stop.is_set():
-        died.set()
+def _run_bridge(bridge: RunUntil, bridge_stop: threading.Event, stop: threading.Event) -> None:
+    """Run the bridge until `bridge_stop`; if it fails, stop everything."""
+    if _run_until(bridge, bridge_stop):
         stop.set()
+    elif not bridge_stop.is_set():
+        print("tokenstream: the bridge ended; Triton keeps serving", flush=True)
 
 
-def _print_endpoints(server: TritonServer, bridge_port: int) -> None:
+def _print_endpoints(server: TritonServer, bridge_port: int, supervisor_port: int) -> None:
     models = server.config.models or sorted(
         p.name for p in server.config.repository.iterdir() if p.is_dir()
     )
@@ -192,14 +270,16 @@ def _print_endpoints(server: TritonServer, bridge_port: int) -> None:
         f"  HTTP     {server.http_url}   (e.g. POST /v2/models/<model>/generate_stream)",
         f"  gRPC     {server.grpc_url}",
         f"  metrics  {server.metrics_url}",
+        f"  health   http://{client_host(server.config.host)}:{supervisor_port}/ready"
+        "   (/live, /status, /metrics, POST /reload)",
     ]
     if bridge_port:
         lines.append(f"  chat     http://{client_host(server.config.host)}:{bridge_port}/")
-    lines.append("  Ctrl-C stops everything")
+    lines.append("  Ctrl-C drains and stops everything; a second Ctrl-C stops at once")
     print("\n".join(lines), flush=True)
 
 
-def _bridge(server: TritonServer, port: int) -> RunUntil | None:
+def _bridge(server: TritonServer, port: int, ready: Callable[[], bool]) -> RunUntil | None:
     """The websocket bridge in front of `server`; None, with a warning, when it cannot run."""
     # optional: `serve` goes on without it when websockets or tritonclient are not installed
     try:
@@ -207,7 +287,9 @@ def _bridge(server: TritonServer, port: int) -> RunUntil | None:
     except ImportError as error:
         print(f"tokenstream: warning: websocket bridge not started ({error})", flush=True)
         return None
-    cfg = BridgeConfig(triton_url=server.grpc_url, host=server.config.host, port=port)
+    cfg = BridgeConfig(
+        triton_url=server.grpc_url, host=server.config.host, port=port, also_ready=ready
+    )
     return functools.partial(serve_bridge, cfg)
 
 

@@ -32,6 +32,11 @@ from streaming_backend.stopping import StopStringMatcher, check_stop
 
 log = logging.getLogger(__name__)
 
+# A failed step whose message holds one of these leaves the device unusable (every later step
+# fails too): the engine turns unhealthy at once, so the model reports it and gets restarted.
+POISON_MARKERS = ("CUDA error", "device-side assert", "out of memory", "CUBLAS_STATUS", "NCCL")
+MAX_FAILED_STEPS = 3  # consecutive failed steps that make the engine unhealthy whatever the cause
+
 
 class EventSink(Protocol):
     """Where a stream's events go: anything with `put`, such as a queue.Queue."""
@@ -105,6 +110,8 @@ class Engine:
         self._waiting: collections.deque[_Stream] = collections.deque()
         self._batch: RunningBatch[_Stream] = RunningBatch()  # owned by the engine thread
         self._stopping = False
+        self._failed_steps = 0  # consecutive steps that raised
+        self._fault: str | None = None  # why the engine is unhealthy; None while healthy
         self._last_emit_ns = 0  # when the latest step's tokens existed
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="streaming-engine", daemon=True)
@@ -136,6 +143,14 @@ class Engine:
         """Streams waiting for a slot."""
         return len(self._waiting)
 
+    def health(self) -> tuple[bool, str]:
+        """(healthy, reason): unhealthy once the device is poisoned or the thread has died."""
+        if self._fault is not None:
+            return False, self._fault
+        if not self._stopping and self._thread.ident is not None and not self._thread.is_alive():
+            return False, "the engine thread ended"
+        return True, ""
+
     def submit(
         self,
         prompt_ids: Sequence[int],
@@ -161,6 +176,8 @@ class Engine:
         with self._cond:
             if self._stopping or not self._thread.is_alive():
                 raise EngineStopped("the engine is not running")
+            if self._fault is not None:
+                raise EngineStopped(f"the engine failed and awaits a restart: {self._fault}")
             if len(self._waiting) >= self.config.queue_limit:
                 raise Overloaded(
                     f"{len(self._waiting)} requests are already waiting "
@@ -216,10 +233,32 @@ class Engine:
                         self._prefill_group(group)  # each group's first tokens go out at once
                     if self._batch.rows:
                         self._decode_step()
+                    self._failed_steps = 0
                 except Exception as exc:  # a bug must not kill the thread: fail the batch
                     log.exception("engine step failed")
+                    self._note_failure(exc)
                     self._fail(self._batch.clear(), exc)
         self._shutdown_streams()
+
+    def _note_failure(self, exc: Exception) -> None:
+        """Count a failed step; a poisoned device or repeated failures make the engine unhealthy."""
+        self._failed_steps += 1
+        if self._failed_steps >= MAX_FAILED_STEPS and self._fault is None:
+            message = f"{type(exc).__name__}: {exc}"
+            self._fault = f"{self._failed_steps} steps in a row failed, the last with {message}"
+            log.error("engine unhealthy: %s", self._fault)
+        self._check_poison(exc)
+
+    def _check_poison(self, exc: Exception) -> None:
+        """Turn unhealthy when `exc` says the device is unusable; end what waits for it."""
+        message = f"{type(exc).__name__}: {exc}"
+        if self._fault is None and any(marker in message for marker in POISON_MARKERS):
+            self._fault = f"the device failed ({message})"
+            log.error("engine unhealthy: %s", self._fault)
+        if self._fault is not None and self._waiting:
+            with self._cond:  # nothing waiting will ever run: end it now
+                waiting, self._waiting = list(self._waiting), collections.deque()
+            self._fail(waiting, EngineStopped(f"the engine failed: {self._fault}"))
 
     def _admit(self) -> list[_Stream] | None:
         """Take waiting requests into free slots (blocks while idle); None when stopping."""
@@ -263,6 +302,7 @@ class Engine:
             if len(alive) == 1:
                 log.exception("prefill failed for %s", alive[0].handle.request_id)
                 self._fail(alive, exc)
+                self._check_poison(exc)
                 return
             for stream in alive:  # split and retry: only the bad prompt fails
                 self._prefill_group([stream])

@@ -25,3 +25,8 @@ def cache_dir() -> Path:
 def default_repository() -> Path:
     """$TOKENSTREAM_REPOSITORY if set, else the checkout's repository/ folder."""
     return Path(os.environ.get(REPOSITORY_VARIABLE) or CHECKOUT_REPOSITORY)
+
+
+def admin_key_file(supervisor_port: int) -> Path:
+    """Where `tokenstream serve` keeps its admin key for `tokenstream reload` (mode 0600)."""
+    return cache_dir() / "run" / f"admin-key-{supervisor_port}"

@@ -20,7 +20,7 @@ def parse_messages(messages: str | bytes | Sequence[Any]) -> list[dict[str, str]
     if isinstance(messages, (str, bytes)):
         try:
             messages = json.loads(messages)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep JSON
             raise InvalidRequest(f"messages is not valid JSON: {exc}") from None
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages must be a non-empty JSON list of {role, content} objects")
@@ -63,6 +63,10 @@ def encode_prompt(
         ids = render_chat(tokenizer, parse_messages(messages))
     else:
         ids = [int(i) for i in input_ids]
+        vocabulary = len(tokenizer)
+        outside = [i for i in ids if not 0 <= i < vocabulary]
+        if outside:
+            raise InvalidRequest(f"input_ids must be in [0, {vocabulary}); got {outside[:5]}")
     if not ids:
         raise InvalidRequest("the prompt is empty")
     return list(ids)

@@ -45,6 +45,20 @@ STRING_INPUTS = (TEXT_INPUT, SAMPLING_PARAMETERS, MESSAGES)
 PROMPT_INPUTS = (TEXT_INPUT, MESSAGES, INPUT_IDS)  # exactly one of these per request
 INPUT_NAMES = (*STRING_INPUTS, INPUT_IDS, *BOOL_INPUTS)
 
+# ---- control requests (ours): the supervisor's canary and drain ---------------------------------
+# CONTROL (STRING [1]) holds a JSON object {"key": <admin key>, "action": <CONTROL_ACTIONS>}; a
+# request carrying it is a control request, answered with one response whose TEXT_OUTPUT is the
+# model's health as JSON (HEALTH_KEYS). The model takes it only with the admin key the launcher
+# gave its process; without the key it is refused as an invalid request.
+CONTROL = "tokenstream_control"
+CONTROL_HEALTH = "health"  # answer with the model's health (the canary)
+CONTROL_DRAIN = "drain"  # refuse new requests (UNAVAILABLE, "draining"); open streams go on
+CONTROL_END = "end"  # end every open stream now with a final error response (drain deadline)
+CONTROL_ACTIONS = (CONTROL_HEALTH, CONTROL_DRAIN, CONTROL_END)
+HEALTH_KEYS = ("healthy", "reason", "draining", "active", "waiting")
+ADMIN_KEY_VARIABLE = "TOKENSTREAM_ADMIN_KEY"  # the admin key, as the model process sees it
+ADMIN_HEADER = "tokenstream-admin-key"  # the header Triton's restricted repository API checks
+
 # ---- output tensors -----------------------------------------------------------------------------
 TEXT_OUTPUT = "text_output"  # STRING: the new text (a delta when streaming)
 FINISH_REASON = "finish_reason"  # STRING: a FinishReason value, on the last response
@@ -124,6 +138,12 @@ ERROR_CODES = tuple(kind.code for kind in ERROR_KINDS)
 # Triton's own messages for a model that is known but has no loaded version on this server right
 # now (being unloaded at shutdown, or reloaded): another replica, or a moment later, may serve it.
 TRITON_MODEL_UNAVAILABLE = ("has no available versions",)
+
+
+# What a stream whose model process died, or whose server went away, ends with (the bridge and the
+# clients say this instead of gRPC's bare "Socket closed").
+SERVER_LOST = "the model server went away (its model process died or it restarted); retry"
+DRAINING = "the server is draining (shutting down); retry on another replica"
 
 
 def error_code(message: str, status: str | None = None) -> str:

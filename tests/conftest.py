@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import threading
 import time
 from pathlib import Path
 
@@ -183,6 +186,192 @@ def alive(processes: dict[int, int]) -> list[int]:
     from streaming_backend.launcher.processes import is_alive
 
     return [pid for pid, start in processes.items() if is_alive(pid, start)]
+
+
+# --------------------------------------------------------------------------- supervised servers
+
+
+@contextlib.contextmanager
+def supervised_server(model_dir, canary_interval_s: float = 0.5, budget=None, **server_overrides):
+    """A Supervisor watching a server (of `model_dir` as the chat model, None: the repository's
+    own models) from a thread, and its HTTP port's URL.
+
+    Yields (supervisor, health_url, events): events collects the supervisor's log lines.
+    """
+    from streaming_backend.launcher import ServerConfig, free_port
+    from streaming_backend.launcher.health import HealthServer
+    from streaming_backend.launcher.supervisor import Supervisor, SupervisorConfig
+    from streaming_backend.launcher.watch import CanaryConfig
+
+    server = ServerConfig(
+        model=str(model_dir) if model_dir is not None else None,
+        dtype="float32",
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+        **server_overrides,
+    )
+    canary = CanaryConfig(interval_s=canary_interval_s, timeout_s=5.0)
+    events: list[str] = []
+    config = SupervisorConfig(server, canary=canary)
+    if budget is not None:
+        config = SupervisorConfig(server, budget=budget, canary=canary)
+    supervisor = Supervisor(config, events.append, None)
+    stop = threading.Event()
+    health = HealthServer(supervisor, "127.0.0.1", free_port()).start()
+    watcher = threading.Thread(target=supervisor.watch, args=(stop,), daemon=True)
+    try:
+        assert supervisor.start(stop)
+        watcher.start()
+        yield supervisor, f"http://127.0.0.1:{health.port}", events
+    finally:
+        stop.set()
+        if watcher.is_alive():
+            watcher.join(timeout=30)
+        health.close()
+        supervisor.shutdown()
+
+
+class GrpcStream:
+    """One streamed generation with plain tritonclient on its own gRPC stream, in the background.
+
+    Records the tokens received, whether a FINAL came, the error if one came, and when it ended.
+    """
+
+    def __init__(self, grpc_url: str, prompt: str = "Hello", max_tokens: int = 32, **extra):
+        import numpy as np
+        import tritonclient.grpc as grpcclient
+
+        from streaming_backend import wire
+
+        self.client = grpcclient.InferenceServerClient(grpc_url)
+        self.texts: list[str] = []
+        self.tokens = 0
+        self.final = False
+        self.error: Exception | None = None
+        self.ended = threading.Event()
+        self.ended_at = 0.0
+        sampling = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0} | extra
+        values = {
+            wire.TEXT_INPUT: np.array([prompt.encode()], dtype=np.object_),
+            wire.SAMPLING_PARAMETERS: np.array([json.dumps(sampling).encode()], dtype=np.object_),
+            wire.STREAM: np.array([True]),
+            wire.RETURN_NUM_OUTPUT_TOKENS: np.array([True]),
+        }
+        self.inputs = []
+        for name, array in values.items():
+            dtype = "BOOL" if array.dtype == bool else "BYTES"
+            self.inputs.append(grpcclient.InferInput(name, [1], dtype))
+            self.inputs[-1].set_data_from_numpy(array)
+
+    def start(self) -> GrpcStream:
+        """Send the request; responses arrive on tritonclient's thread."""
+        from streaming_backend import wire
+
+        self.client.start_stream(callback=self._on_response)
+        self.client.async_stream_infer(
+            wire.CHAT_MODEL, self.inputs, enable_empty_final_response=True
+        )
+        return self
+
+    def _on_response(self, result, error) -> None:
+        from streaming_backend import wire
+
+        if self.ended.is_set():
+            return
+        if error is not None:
+            self.error = error
+            self._end()
+            return
+        text = result.as_numpy(wire.TEXT_OUTPUT)
+        count = result.as_numpy(wire.NUM_OUTPUT_TOKENS)
+        self.texts.append(text[0].decode() if text is not None and len(text) else "")
+        self.tokens += int(count[0]) if count is not None and len(count) else 0
+        if result.get_response().parameters[wire.FINAL_RESPONSE].bool_param:
+            self.final = True
+            self._end()
+
+    def _end(self) -> None:
+        self.ended_at = time.monotonic()
+        self.ended.set()
+
+    def cancel(self) -> None:
+        """Cancel on the server (tritonclient's stop_stream with cancel_requests)."""
+        self.client.stop_stream(cancel_requests=True)
+
+    def close(self) -> None:
+        """Stop the stream and close the channel (idempotent)."""
+        try:
+            self.client.stop_stream()
+        finally:
+            self.client.close()
+
+
+def stub_pids(server) -> list[int]:
+    """The triton_python_backend_stub processes of a TritonServer."""
+    from streaming_backend.launcher.processes import descendants
+
+    found = []
+    for pid in descendants(server.pid):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"triton_python_backend_stub" in command:
+            found.append(pid)
+    return found
+
+
+def ws_generation(port: int, max_tokens: int, result: dict, prompt: str = "Hello") -> None:
+    """One websocket generation through a bridge on `port`: fills `result` with the tokens
+    received, `started`, the last frame (`done` or `error`) and when it came (`at`)."""
+    from websockets.sync.client import connect
+
+    with connect(f"ws://127.0.0.1:{port}/ws") as ws:
+        params = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+        ws.send(json.dumps({"type": "generate", "id": "g", "prompt": prompt, "params": params}))
+        result["tokens"] = 0
+        while True:
+            got = json.loads(ws.recv(timeout=60))
+            if got["type"] == "token":
+                result["tokens"] += 1
+                result["started"] = True
+            else:
+                result.update(last=got, at=time.monotonic())
+                return
+
+
+@contextlib.contextmanager
+def bridge_thread(triton_grpc_url: str, **overrides):
+    """A websocket bridge in front of `triton_grpc_url`, on its own event loop thread; yields
+    its port."""
+    import asyncio
+
+    from clients.bridge import BridgeConfig, serve_bridge
+    from streaming_backend.launcher import free_port
+
+    port = free_port()
+    cfg = BridgeConfig(triton_url=triton_grpc_url, port=port, health_interval_s=0.2, **overrides)
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    thread = threading.Thread(
+        target=loop.run_until_complete, args=(serve_bridge(cfg, stop),), daemon=True
+    )
+    thread.start()
+    try:
+        wait_for(lambda: _listening(port), timeout=30)
+        yield port
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(timeout=30)
+        loop.close()
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 DIALOGUE_MAX_BEAM = 4

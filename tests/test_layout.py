@@ -90,6 +90,10 @@ LIGHT_MODULES = (
     "streaming_backend.launcher.processes",
     "streaming_backend.launcher.repository",
     "streaming_backend.launcher.server",
+    "streaming_backend.launcher.control",
+    "streaming_backend.launcher.watch",
+    "streaming_backend.launcher.supervisor",
+    "streaming_backend.launcher.health",
 )
 
 

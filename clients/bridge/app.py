@@ -56,7 +56,8 @@ def _guard(bridge: Bridge):
 
 
 async def _health(bridge: Bridge, request: web.Request) -> web.Response:
-    return http.json_response(200 if bridge.triton_ready else 503, bridge.health())
+    health = bridge.health()
+    return http.json_response(200 if health["ready"] else 503, health)
 
 
 async def _static(request: web.Request) -> web.Response:

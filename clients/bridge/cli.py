@@ -41,6 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="generations per connection",
     )
     parser.add_argument("--model", default=CHAT_MODEL, help="model name in the repository")
+    parser.add_argument(
+        "--upstream-idle-timeout",
+        type=float,
+        default=defaults.upstream_idle_timeout_s,
+        help="seconds without a response from Triton before a generation fails (default "
+        f"{defaults.upstream_idle_timeout_s:g})",
+    )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
 
 
@@ -54,6 +61,7 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
         origins=tuple(args.origin),
         max_concurrent=args.max_concurrent,
         model=args.model,
+        upstream_idle_timeout_s=args.upstream_idle_timeout or None,
     )
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from clients.grpc_client import DEFAULT_IDLE_TIMEOUT_S
 from streaming_backend.wire import CHAT_MODEL
 
 
@@ -27,6 +29,14 @@ class BridgeConfig:
     ping_interval_s: float | None = 20.0
     ping_timeout_s: float | None = 20.0
     close_timeout_s: float = 2.0
+    # on stop, running generations get this long to end (under `serve` the drain has ended them
+    # upstream already) and their last frames to go out, before sockets close with 1001
+    stop_grace_s: float = 2.0
     health_interval_s: float = 1.0
     socket_send_buffer: int | None = None  # SO_SNDBUF per client socket; None = kernel default
     model: str = CHAT_MODEL
+    # a generation that gets nothing from Triton for this long ends with an `unavailable` error
+    upstream_idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S
+    # asked beside Triton's readiness (`tokenstream serve` passes its supervisor's, which is
+    # false while Triton drains or recovers); None: Triton's readiness alone
+    also_ready: Callable[[], bool] | None = None

@@ -116,7 +116,7 @@ class Connection:
         elif len(self.generations) >= self.cfg.max_concurrent:
             limit = self.cfg.max_concurrent
             self.post(error_frame(msg.gen_id, "too_many", f"at most {limit} generations at once"))
-        elif not self.bridge.triton_ready:
+        elif not self.bridge.ready:
             text = f"Triton at {self.cfg.triton_url} is not ready; retry shortly"
             self.post(error_frame(msg.gen_id, "unavailable", text))
         else:

@@ -55,7 +55,7 @@ def parse_message(raw: str | bytes) -> Generate | Cancel | Auth:
         raise ProtocolError("bad_frame", "binary frames are not supported; send JSON text")
     try:
         data = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep JSON
         raise ProtocolError("bad_frame", f"frame is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ProtocolError("bad_frame", "frame must be a JSON object with a 'type' field")

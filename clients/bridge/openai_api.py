@@ -143,7 +143,7 @@ class OpenAIApi:
         try:
             self._check_access(request)
             api_request = parse(await _read_json(request, self.cfg.max_body_bytes), self.cfg.model)
-            if not self.bridge.triton_ready:
+            if not self.bridge.ready:
                 raise not_ready(self.cfg.triton_url)
             return await self._generate(request, api_request)
         except ApiError as exc:

@@ -61,7 +61,9 @@ class Bridge:
 
     async def start(self) -> None:
         """Connect to Triton, start the health watch, listen."""
-        self.client = AsyncChatClient(self.cfg.triton_url, self.cfg.model)
+        self.client = AsyncChatClient(
+            self.cfg.triton_url, self.cfg.model, idle_timeout_s=self.cfg.upstream_idle_timeout_s
+        )
         self.replicas = ReplicaHealth(parse_target(self.cfg.triton_url), self.cfg.model)
         await self.client.is_ready()  # connects the channel to every replica before streams come
         self.triton_ready = await self._probe_replicas()
@@ -110,10 +112,24 @@ class Bridge:
                 log.log(level, "Triton at %s is %s", self.cfg.triton_url, _state(ready))
             self.triton_ready = ready
 
+    @property
+    def ready(self) -> bool:
+        """Triton is ready, and so is whatever else the config names (the supervisor)."""
+        also = self.cfg.also_ready
+        return self.triton_ready and (also is None or also())
+
+    async def settle(self, grace_s: float) -> None:
+        """Wait up to `grace_s` for running generations to end and every queued frame to go."""
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while any(c.generations or not c.outbox.empty() for c in self.connections):
+            if asyncio.get_running_loop().time() >= deadline:
+                return
+            await asyncio.sleep(0.02)
+
     def health(self) -> dict[str, Any]:
         """The /healthz body."""
         return {
-            "ready": self.triton_ready,
+            "ready": self.ready,
             "triton": self.cfg.triton_url,
             "triton_state": _state(self.triton_ready),
             "replicas": dict(self.replicas.states) if self.replicas else {},
@@ -168,8 +184,9 @@ def _state(ready: bool) -> str:
 async def serve_bridge(cfg: BridgeConfig, stop: asyncio.Event | None = None) -> None:
     """Run the bridge until `stop` is set (forever without one)."""
     stop = stop or asyncio.Event()
-    async with Bridge(cfg):
+    async with Bridge(cfg) as bridge:
         await stop.wait()
+        await bridge.settle(cfg.stop_grace_s)
 
 
 def run_bridge(cfg: BridgeConfig) -> None:

@@ -90,7 +90,7 @@ def _json_object(text: str | None) -> dict[str, Any]:
         return {}
     try:
         value = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep JSON
         raise InvalidRequest(f"sampling_parameters is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise InvalidRequest("sampling_parameters must be a JSON object")

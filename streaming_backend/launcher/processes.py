@@ -48,6 +48,16 @@ def descendants(pid: int) -> dict[int, int]:
     return found
 
 
+def zombie_children(pid: int) -> dict[int, int]:
+    """Children of `pid` that died and were not reaped: pid -> start time."""
+    found = {}
+    for name in os.listdir("/proc"):
+        stat = _stat(int(name)) if name.isdigit() else None
+        if stat is not None and stat[0] == "Z" and stat[1] == pid:
+            found[int(name)] = stat[2]
+    return found
+
+
 def is_alive(pid: int, start_time: int) -> bool:
     """Whether that very process (same pid and start time) still runs; zombies count as gone."""
     stat = _stat(pid)

@@ -37,6 +37,7 @@ from streaming_backend.launcher.processes import (
 )
 from streaming_backend.launcher.repository import make_runtime_repository
 from streaming_backend.paths import default_repository
+from streaming_backend.wire import ADMIN_HEADER, ADMIN_KEY_VARIABLE
 
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 LOG_TAIL_LINES = 200
@@ -70,6 +71,13 @@ class ServerConfig:
     exit_timeout_s: float = 5.0
     startup_timeout_s: float = 300.0
     tritonserver: Path | None = None  # explicit binary; None: find_tritonserver()
+    # explicit model control: every model is loaded at start, and the supervisor (or an
+    # operator holding the admin key) loads and unloads them through the repository API
+    explicit_model_control: bool = False
+    # Restricts Triton's model-repository API to requests carrying the header ADMIN_HEADER with
+    # this value, and reaches the models as the environment variable ADMIN_KEY_VARIABLE (the
+    # chat model accepts control requests only with it). None: repository API open, no control.
+    admin_key: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.exit_timeout_s <= MAX_EXIT_TIMEOUT_S:
@@ -183,7 +191,7 @@ class TritonServer:
             # its stub children share one process group that stop() can kill as a whole
             self._process = subprocess.Popen(
                 self.command(binary),
-                env={**os.environ, **binary.env},
+                env=self.environment(binary),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -218,7 +226,29 @@ class TritonServer:
             # our own shm name prefix, so stop() deletes exactly this server's regions
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]
-        return command + model_control(c.models)
+        return command + self._control_options()
+
+    def _control_options(self) -> list[str]:
+        """Explicit model control (chosen models, or all of them) and the restricted repository
+        API, as configured."""
+        c = self.config
+        options = model_control(c.models)
+        if c.explicit_model_control and not options:
+            options = ["--model-control-mode=explicit", "--load-model=*"]
+        if c.admin_key is not None:
+            restriction = f"model-repository:{ADMIN_HEADER}={c.admin_key}"
+            options += [
+                f"--http-restricted-api={restriction}",
+                f"--grpc-restricted-protocol={restriction}",
+            ]
+        return options
+
+    def environment(self, binary: TritonBinary) -> dict[str, str]:
+        """The server process's environment: ours, the binary's, and the admin key if any."""
+        env = {**os.environ, **binary.env}
+        if self.config.admin_key is not None:
+            env[ADMIN_KEY_VARIABLE] = self.config.admin_key
+        return env
 
     def wait_ready(
         self, timeout: float | None = None, abort: threading.Event | None = None
@@ -266,11 +296,13 @@ class TritonServer:
         """A ServerDied describing the exit, with the last log lines."""
         return self._died("unexpectedly")
 
-    def stop(self) -> float:
+    def stop(self, graceful: bool = True) -> float:
         """Stop the server, its stubs, its shm files and its repository copy; seconds taken.
 
         SIGTERM, up to exit_timeout_s + 1 s for a clean exit, then SIGKILL the process group and
         every recorded descendant. Idempotent; bounded to about exit_timeout_s + 4 s.
+        `graceful=False` skips the SIGTERM: everything is killed at once (a dead model process,
+        a second signal), and clients' open streams end right away with UNAVAILABLE.
         """
         if self._stopped:
             return 0.0
@@ -278,17 +310,22 @@ class TritonServer:
         started = time.monotonic()
         try:
             if self._process is not None:
-                self._terminate(self._process)
+                self._terminate(self._process, graceful)
         finally:
             remove_shm(self.shm_prefix)
             self._remove_runtime_repository()
         return time.monotonic() - started
 
-    def _terminate(self, process: subprocess.Popen[str]) -> None:
+    @property
+    def exited_cleanly(self) -> bool:
+        """After stop(): tritonserver exited by itself with status 0 (no abort, no kill)."""
+        return self._stopped and self.returncode == 0 and not self.killed
+
+    def _terminate(self, process: subprocess.Popen[str], graceful: bool = True) -> None:
         """SIGTERM, bounded wait, SIGKILL what is left, reap."""
         # record the tree now: once the server dies its children are reparented and lost to us
         family = descendants(process.pid)
-        if process.poll() is None:
+        if graceful and process.poll() is None:
             process.send_signal(signal.SIGTERM)
             try:
                 process.wait(self.config.exit_timeout_s + 1.0)

@@ -36,8 +36,8 @@ def test_sampling_keys_are_the_settings_fields():
 
 
 def test_tensor_names_match_the_model_config():
-    """The model config declares exactly the wire's inputs and outputs."""
-    assert sorted(_config_names("input")) == sorted(wire.INPUT_NAMES)
+    """The model config declares exactly the wire's inputs (and the control input) and outputs."""
+    assert sorted(_config_names("input")) == sorted((*wire.INPUT_NAMES, wire.CONTROL))
     assert sorted(_config_names("output")) == sorted(wire.OUTPUT_NAMES)
     assert len(set(wire.INPUT_NAMES)) == len(wire.INPUT_NAMES)
     assert set(wire.PROMPT_INPUTS) <= set(wire.INPUT_NAMES)

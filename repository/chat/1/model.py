@@ -4,33 +4,52 @@
 request's inputs, hands it to the engine and returns None. The outbox thread makes every call
 into Triton (responses, cancellation checks, metrics). Every request gets exactly one response
 with the FINAL flag, whatever happens.
+
+Control requests (wire.CONTROL, only with the admin key the launcher put in our environment) are
+the supervisor's canary and drain: they are answered from the outbox thread too, so an answer
+proves that thread, the engine and the stub all still work.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
+import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from streaming_backend.adapter.request import ModelRequest, parse_request
 from streaming_backend.adapter.response import ResponseBuilder
 from streaming_backend.config import ModelSettings
 from streaming_backend.engine import Engine, StreamHandle
-from streaming_backend.errors import Cancelled, StreamingError
+from streaming_backend.errors import Cancelled, EngineStopped, InvalidRequest, StreamingError
 from streaming_backend.events import FinishReason, TokenEvent
 from streaming_backend.loading import load_model
 from streaming_backend.prompts import encode_prompt
-from streaming_backend.wire import INPUT_NAMES, RETURN_CUMULATIVE_LOGPROB, RETURN_LOGPROBS
+from streaming_backend.wire import (
+    ADMIN_KEY_VARIABLE,
+    CONTROL,
+    CONTROL_ACTIONS,
+    CONTROL_DRAIN,
+    CONTROL_END,
+    DRAINING,
+    INPUT_NAMES,
+    RETURN_CUMULATIVE_LOGPROB,
+    RETURN_LOGPROBS,
+    TEXT_OUTPUT,
+)
 
 log = logging.getLogger("tokenstream.model")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0]
 ITL_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5]
+OUTCOMES = ("ok", "failed", "cancelled", "rejected")  # labels of tokenstream_requests_total
 
 
 @dataclass
@@ -85,6 +104,18 @@ class Metrics:
             "Requests refused (invalid or overloaded)",
             family.COUNTER,
         )
+        # nv_inference_request_success counts refused and cancelled requests as successes
+        requests = family(
+            name="tokenstream_requests_total",
+            description="Requests by outcome: ok, failed, cancelled, rejected (refused at entry)",
+            kind=family.COUNTER,
+        )
+        self._families.append(requests)
+        self.outcomes = {o: requests.Metric(labels=labels | {"outcome": o}) for o in OUTCOMES}
+
+    def count(self, outcome: str) -> None:
+        """One more request ended with `outcome` (one of OUTCOMES)."""
+        self.outcomes[outcome].increment(1)
 
 
 class TritonPythonModel:
@@ -107,6 +138,8 @@ class TritonPythonModel:
         self.lock = threading.Lock()  # guards `live` and `counter` between execute and outbox
         self.counter = 0
         self.reported_active = 0  # the active-streams gauge's value (set by the outbox only)
+        self.admin_key = os.environ.get(ADMIN_KEY_VARIABLE) or None  # None: no control requests
+        self.draining = False  # set by a drain control request: new requests are refused
         self.outbox_thread = threading.Thread(target=self._outbox_loop, name="outbox", daemon=True)
         self.outbox_thread.start()
 
@@ -128,10 +161,16 @@ class TritonPythonModel:
         """Validate and submit one request; a bad one is queued for its error and FINAL."""
         received_ns = time.monotonic_ns()
         sender = request.get_response_sender()
+        control = pb_utils.get_input_tensor_by_name(request, CONTROL)
+        if control is not None:
+            self.outbox.put(self._control(sender, control.as_numpy().reshape(-1)[0]))
+            return
         with self.lock:
             self.counter += 1
             request_id = f"{self.counter}"
         try:
+            if self.draining:
+                raise EngineStopped(DRAINING)
             parsed = parse_request(_copy_inputs(request), request.parameters())
             prompt_ids = encode_prompt(
                 self.tokenizer,
@@ -158,6 +197,19 @@ class TritonPythonModel:
                 self.live.pop(request_id, None)
             self.outbox.put(_Rejected(sender, exc))
 
+    def _control(self, sender, raw: bytes) -> _Control | _Rejected:
+        """A control request for the outbox, or its refusal (no or a wrong admin key)."""
+        try:
+            body = json.loads(raw)
+            key, action = str(body["key"]), body["action"]
+        except (ValueError, TypeError, KeyError):
+            return _Rejected(sender, InvalidRequest(f"{CONTROL} must be JSON with key and action"))
+        if self.admin_key is None or not hmac.compare_digest(key, self.admin_key):
+            return _Rejected(sender, InvalidRequest(f"{CONTROL} needs the server's admin key"))
+        if action not in CONTROL_ACTIONS:
+            return _Rejected(sender, InvalidRequest(f"{CONTROL} action must be {CONTROL_ACTIONS}"))
+        return _Control(sender, action)
+
     # ---- responses out: the only thread that calls Triton --------------------------------------
 
     def _outbox_loop(self) -> None:
@@ -171,14 +223,60 @@ class TritonPythonModel:
                 item = _TICK
             if item is None:
                 break
-            if isinstance(item, _Rejected):
-                _send_error(item.sender, item.error)
-                self.metrics.rejected.increment(1)
-            elif isinstance(item, TokenEvent):
-                self._deliver(item)
-            if time.monotonic() >= next_check:
-                self._poll_cancelled()
-                next_check = time.monotonic() + interval
+            # nothing may end this thread: without it no request would ever be answered again
+            try:
+                self._handle(item)
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + interval
+                    self._poll_cancelled()
+            except Exception:  # noqa: BLE001 - logged; the loop goes on
+                log.exception("the outbox thread caught an error and goes on")
+
+    def _handle(self, item) -> None:
+        """One outbox item: a refusal, a control request or a token event."""
+        if isinstance(item, _Rejected):
+            _send_error(item.sender, item.error)
+            self._count("rejected")
+            self._quietly(self.metrics.rejected.increment, 1)
+        elif isinstance(item, _Control):
+            self._answer_control(item)
+        elif isinstance(item, TokenEvent):
+            self._deliver(item)
+
+    def _answer_control(self, control: _Control) -> None:
+        """Act on a control request, then answer it with the model's health (one FINAL)."""
+        if control.action in (CONTROL_DRAIN, CONTROL_END):
+            self.draining = True
+        if control.action == CONTROL_END:
+            log.warning("ending every open stream: the drain deadline passed")
+            self.engine.shutdown()  # each stream's final error event comes back through us
+        text = json.dumps(self._health())
+        output = pb_utils.Tensor(TEXT_OUTPUT, _string_array(text))
+        control.sender.send(pb_utils.InferenceResponse(output_tensors=[output]), flags=FINAL)
+
+    def _health(self) -> dict:
+        """The model's health (wire.HEALTH_KEYS) as the supervisor's canary reads it."""
+        healthy, reason = self.engine.health()
+        with self.lock:
+            active = len(self.live)
+        return {
+            "healthy": healthy,
+            "reason": reason,
+            "draining": self.draining,
+            "active": active,
+            "waiting": self.engine.waiting_streams,
+        }
+
+    def _count(self, outcome: str) -> None:
+        self._quietly(self.metrics.count, outcome)
+
+    @staticmethod
+    def _quietly(call, *args) -> None:
+        """A metrics call whose failure is logged, never raised: metrics must not end a stream."""
+        try:
+            call(*args)
+        except Exception:  # noqa: BLE001
+            log.exception("a metrics call failed")
 
     def _deliver(self, event: TokenEvent) -> None:
         """Send one event's response; after a FINAL the request is forgotten."""
@@ -195,9 +293,11 @@ class TritonPythonModel:
                 live.handle.cancel()
             if event.final:
                 _send_error(live.sender, exc)
+                event = _as_failed(event)
         if event.final:
             with self.lock:
                 self.live.pop(event.request_id, None)
+            self._count(_outcome(event))
             self._report_active()
 
     def _report_active(self) -> None:
@@ -205,7 +305,7 @@ class TritonPythonModel:
         with self.lock:
             active = len(self.live)
         if active != self.reported_active:
-            self.metrics.active.set(active)
+            self._quietly(self.metrics.active.set, active)
             self.reported_active = active
 
     def _poll_cancelled(self) -> None:
@@ -214,12 +314,17 @@ class TritonPythonModel:
             entries = list(self.live.values())
         for entry in entries:  # none of these has had its FINAL: only this thread sends them
             if entry.handle is not None and not entry.handle.cancelled:
-                if entry.sender.is_cancelled():
+                try:
+                    cancelled = entry.sender.is_cancelled()
+                except Exception:  # noqa: BLE001 - one broken sender must not stop the polling
+                    log.exception("is_cancelled() failed; cancelling that request")
+                    cancelled = True
+                if cancelled:
                     entry.handle.cancel()
         self._report_active()
 
     def _send(self, live: _Live, event: TokenEvent) -> None:
-        self._observe(live, event)
+        self._quietly(self._observe, live, event)
         if event.error is not None or event.finish_reason is FinishReason.CANCELLED:
             _send_error(live.sender, event.error or Cancelled())
             return
@@ -256,7 +361,32 @@ class _Rejected:
     error: Exception
 
 
+@dataclass(frozen=True)
+class _Control:
+    """An accepted control request (wire.CONTROL_ACTIONS), answered by the outbox."""
+
+    sender: object
+    action: str
+
+
 _TICK = object()  # the outbox's "no item, time to poll cancellation"
+
+
+def _string_array(text: str) -> np.ndarray:
+    """A STRING tensor's [1] array holding `text`."""
+    return np.array([text.encode()], dtype=np.object_)
+
+
+def _outcome(event: TokenEvent) -> str:
+    """How a finished stream counts in tokenstream_requests_total."""
+    if event.finish_reason is FinishReason.CANCELLED:
+        return "cancelled"
+    return "failed" if event.error is not None else "ok"
+
+
+def _as_failed(event: TokenEvent) -> TokenEvent:
+    """The final event as it counts once its response could not be sent."""
+    return replace(event, finish_reason=FinishReason.ERROR, error=StreamingError("send failed"))
 
 
 def _copy_inputs(request) -> dict:

@@ -1,0 +1,362 @@
+"""Keep tritonserver serving: restart it when a model is lost, reload a model without downtime,
+and drain before a clean exit. Standard library only.
+
+Recovery restarts tritonserver rather than reloading the model: checked on 2.51, a reload through
+the repository API brings a model with a dead stub back, but the streams that were open on it stay
+hung for good (their response senders died with the stub, and Triton never ends them); only
+closing the clients' connections, i.e. a new tritonserver, ends them. Killing the old one at once
+ends every open stream on every transport with UNAVAILABLE within the watch's poll interval.
+
+Drain: the model is told (a control request with the admin key) to refuse new requests; open
+streams run on until the drain timeout, then the model ends the rest with a final error response;
+only then does tritonserver get SIGTERM, so it never unloads a model under open decoupled streams
+(Triton does not count those as in flight, and unloading under them aborted the server).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from streaming_backend.launcher.control import ControlError, control, load_model, model_ready
+from streaming_backend.launcher.repository import patch_parameters
+from streaming_backend.launcher.server import ServerConfig, ServerDied, TritonServer
+from streaming_backend.launcher.watch import CanaryConfig, Failure, Watch
+from streaming_backend.wire import CHAT_MODEL, CONTROL, CONTROL_DRAIN, CONTROL_END, CONTROL_HEALTH
+
+POLL_S = 0.25  # process checks: a dead stub is seen within two polls
+DRAIN_POLL_S = 0.1
+CONTROL_TIMEOUT_S = 10.0
+END_WAIT_S = 5.0  # after the drain deadline, for the ended streams' final responses to go out
+RELOAD_TIMEOUT_S = 600.0  # a new model may take minutes to load
+
+# states, as /status and the log name them
+STARTING, READY, RECOVERING, RELOADING, DRAINING, STOPPED, FAILED = (
+    "starting",
+    "ready",
+    "recovering",
+    "reloading",
+    "draining",
+    "stopped",
+    "failed",
+)
+
+
+@dataclass(frozen=True)
+class RestartBudget:
+    """At most `max_restarts` within `window_s`; waits grow from 0 s, doubling up to a cap."""
+
+    max_restarts: int = 5
+    window_s: float = 600.0
+    first_backoff_s: float = 1.0  # before the second restart in the window (the first: none)
+    max_backoff_s: float = 30.0
+
+    def backoff(self, recent: int) -> float | None:
+        """The wait before a restart when `recent` restarts (this one included) fall in the
+        window; None when the budget is spent."""
+        if recent > self.max_restarts:
+            return None
+        if recent <= 1:
+            return 0.0
+        return min(self.max_backoff_s, self.first_backoff_s * 2 ** (recent - 2))
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    """The server to keep running and how to watch, restart and drain it."""
+
+    server: ServerConfig
+    budget: RestartBudget = field(default_factory=RestartBudget)
+    canary: CanaryConfig = field(default_factory=CanaryConfig)
+    drain_timeout_s: float = 30.0
+
+
+class Supervisor:
+    """Runs one tritonserver at a time, with explicit model control and a restricted repository
+    API; the admin key is generated here unless the config names one."""
+
+    def __init__(
+        self,
+        config: SupervisorConfig,
+        say: Callable[[str], None] = lambda line: print(line, flush=True),
+        server_log: Callable[[str], None] | None = lambda line: print(line, flush=True),
+    ):
+        """`say` gets our event lines, `server_log` tritonserver's (None: only its tail kept)."""
+        server = config.server
+        key = server.admin_key or secrets.token_urlsafe(24)
+        server = dataclasses.replace(server, explicit_model_control=True, admin_key=key)
+        self.config = dataclasses.replace(config, server=server)
+        self._say = say
+        self._server_log = server_log
+        self._lock = threading.RLock()  # one lifecycle change at a time: restart, reload, drain
+        self.server: TritonServer | None = None
+        self.state = STARTING
+        self.reason = ""  # why the state is not ready (the last failure, the give-up reason)
+        self.restarts: dict[str, int] = {}  # failure kind -> restarts it caused
+        self.reloads = {"ok": 0, "failed": 0}
+        self.heartbeat = time.monotonic()  # liveness: the supervising loop still turns
+        self._restart_times: list[float] = []
+        self._watch: Watch | None = None
+
+    @property
+    def admin_key(self) -> str:
+        """The key of Triton's restricted repository API and of the model's control requests."""
+        return self.config.server.admin_key or ""
+
+    # ---- readiness --------------------------------------------------------------------------
+
+    def ready(self) -> bool:
+        """Ready for traffic: serving (also while a reload swaps the model), not starting,
+        recovering, draining or failed. Cheap (no request to Triton): the bridge asks per frame."""
+        server = self.server
+        return self.state in (READY, RELOADING) and server is not None and server.returncode is None
+
+    def status(self) -> dict:
+        """State, reason, counters and endpoints, as /status shows them."""
+        server = self.server
+        return {
+            "state": self.state,
+            "ready": self.ready(),
+            "reason": self.reason,
+            "restarts": dict(self.restarts),
+            "reloads": dict(self.reloads),
+            "model": self.config.server.model or "",
+            "tritonserver_pid": server.pid if server else None,
+        }
+
+    # ---- run --------------------------------------------------------------------------------
+
+    def start(self, stop: threading.Event) -> bool:
+        """Start tritonserver and wait until it is ready; False if `stop` came first.
+
+        Raises ServerDied or TimeoutError when it cannot start at all (nothing is restarted
+        before the models have been ready once: a model that never loads is a config error).
+        """
+        with self._lock:
+            self.state = STARTING
+            return self._launch(stop)
+
+    def watch(self, stop: threading.Event) -> None:
+        """Watch the server until `stop`; restart it whenever its models are lost."""
+        while not stop.wait(POLL_S):
+            self.heartbeat = time.monotonic()
+            watch = self._watch
+            failure = watch.check() if watch is not None and self.state == READY else None
+            if failure is not None:
+                self._recover(failure, stop)
+
+    def drain(self, force: threading.Event) -> float:
+        """Refuse new requests, let open streams finish up to the drain timeout, end the rest;
+        seconds taken. `force` (a second signal) cuts it short."""
+        with self._lock:
+            return self._drain(force)
+
+    def shutdown(self, graceful: bool = True) -> float:
+        """Stop tritonserver (SIGTERM, bounded; or at once); seconds taken."""
+        if self._watch is not None:
+            self._watch.close()
+        self.state = STOPPED
+        return self.server.stop(graceful) if self.server is not None else 0.0
+
+    # ---- recovery ---------------------------------------------------------------------------
+
+    def _recover(self, failure: Failure, stop: threading.Event) -> None:
+        """Kill the lost server (ending every open stream), then start a new one within budget."""
+        with self._lock:
+            started = time.monotonic()
+            self.state, self.reason = RECOVERING, failure.message
+            self.restarts[failure.kind] = self.restarts.get(failure.kind, 0) + 1
+            self._say(f"tokenstream: {failure.message}; restarting tritonserver")
+            self._kill()
+            while not stop.is_set():
+                wait = self._budget_wait()
+                if wait is None:
+                    return self._give_up(failure)
+                if wait:
+                    self._say(f"tokenstream: backing off {wait:.0f} s before the restart")
+                if stop.wait(wait):
+                    return
+                try:
+                    if self._launch(stop):
+                        took = time.monotonic() - started
+                        self._say(
+                            f"tokenstream: serving again {took:.1f} s after: {failure.message}"
+                        )
+                    return
+                except (ServerDied, TimeoutError) as error:
+                    self._say(f"tokenstream: restart failed: {str(error).splitlines()[0]}")
+                    self._kill()
+
+    def _budget_wait(self) -> float | None:
+        """Record a restart; the backoff before it, None once the budget is spent."""
+        now = time.monotonic()
+        window = self.config.budget.window_s
+        self._restart_times = [t for t in self._restart_times if now - t < window] + [now]
+        return self.config.budget.backoff(len(self._restart_times))
+
+    def _give_up(self, failure: Failure) -> None:
+        budget = self.config.budget
+        self.state = FAILED
+        self.reason = (
+            f"gave up: {budget.max_restarts} restarts within {budget.window_s:g} s "
+            f"did not keep the models serving; last failure: {failure.message}"
+        )
+        self._say(f"tokenstream: {self.reason}")
+
+    def _kill(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+        if self.server is not None:
+            self.server.stop(graceful=False)
+
+    def _launch(self, stop: threading.Event) -> bool:
+        """A new TritonServer on the same ports, waited for; True once ready."""
+        self.server = TritonServer(self.config.server, on_log=self._server_log)
+        self.server.start()
+        deadline = time.monotonic() + self.config.server.startup_timeout_s
+        while not stop.is_set():
+            self.heartbeat = time.monotonic()
+            try:
+                if self.server.wait_ready(timeout=1.0, abort=stop):
+                    break
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise
+        else:
+            return False
+        self._watch = Watch(
+            self.server, self._controlled_models(), self.admin_key, self.config.canary
+        )
+        self._watch.start()
+        self.state, self.reason = READY, ""
+        return True
+
+    def _controlled_models(self) -> list[str]:
+        """Models of the repository that take control requests (their config has CONTROL)."""
+        server = self.config.server
+        loaded = server.models or [path.name for path in server.repository.iterdir()]
+        return sorted(
+            name
+            for name in loaded
+            if f'"{CONTROL}"' in _read(server.repository / name / "config.pbtxt")
+        )
+
+    # ---- reload -----------------------------------------------------------------------------
+
+    def reload(self, model: str | None = None, name: str = CHAT_MODEL) -> float:
+        """Load `name` again (with `model` as its weights when given) while the old one serves;
+        seconds taken. Raises ControlError when it fails; the old model then keeps serving."""
+        with self._lock:
+            server = self.server
+            if self.state != READY or server is None or server.runtime_repository is None:
+                raise ControlError(f"cannot reload while {self.state}: {self.reason}")
+            config_path = server.runtime_repository / name / "config.pbtxt"
+            if not config_path.is_file():
+                raise ControlError(f"no model {name!r} in the repository")
+            started = time.monotonic()
+            self.state = RELOADING
+            if self._watch is not None:
+                self._watch.pause()
+            try:
+                self._swap(server, config_path, name, model)
+            except ControlError:
+                self.reloads["failed"] += 1
+                raise
+            finally:
+                self.state = READY if self.state == RELOADING else self.state
+                if self._watch is not None:
+                    self._watch.resume()
+            self.reloads["ok"] += 1
+            return time.monotonic() - started
+
+    def _swap(self, server: TritonServer, config_path: Path, name: str, model: str | None) -> None:
+        """Rewrite the runtime config.pbtxt and load; on failure restore it."""
+        old_text = config_path.read_text()
+        new_text = patch_parameters(old_text, {"model": model}) if model else old_text
+        # a fresh write changes the file's time, which is how Triton tells that it must reload
+        config_path.write_text(new_text.rstrip("\n") + f"\n# reloaded at {time.time():.3f}\n")
+        self._say(f"tokenstream: reloading {name}" + (f" with {model}" if model else ""))
+        try:
+            load_model(server.http_url, name, self.admin_key, RELOAD_TIMEOUT_S)
+        except ControlError as error:
+            config_path.write_text(old_text)
+            serving = model_ready(server.http_url, name)
+            note = "the old model keeps serving" if serving else "the model is not ready"
+            self._say(f"tokenstream: reload of {name} failed ({note}): {error}")
+            raise ControlError(f"reload failed ({note}): {error}") from None
+        if model:
+            server_config = dataclasses.replace(self.config.server, model=model)
+            self.config = dataclasses.replace(self.config, server=server_config)
+        self._say(f"tokenstream: reloaded {name}")
+
+    # ---- drain ------------------------------------------------------------------------------
+
+    def _drain(self, force: threading.Event) -> float:
+        started = time.monotonic()
+        server = self.server
+        if self._watch is not None:
+            self._watch.close()
+        if server is None or server.returncode is not None or self.state == FAILED:
+            self.state = DRAINING
+            return 0.0
+        self.state, self.reason = DRAINING, "shutting down"
+        models = self._controlled_models()
+        deadline = started + self.config.drain_timeout_s
+        open_streams = self._tell(server, models, CONTROL_DRAIN)
+        self._say(
+            f"tokenstream: draining: new requests are refused; {open_streams} open streams "
+            f"get up to {self.config.drain_timeout_s:g} s to finish"
+        )
+        left = self._wait_drained(server, models, deadline, force)
+        if left:
+            self._say(f"tokenstream: drain deadline: ending {left} open streams")
+            self._tell(server, models, CONTROL_END)
+            self._wait_drained(server, models, time.monotonic() + END_WAIT_S, force)
+        took = time.monotonic() - started
+        self._say(f"tokenstream: drained in {took:.1f} s")
+        return took
+
+    def _tell(self, server: TritonServer, models: list[str], action: str) -> int:
+        """Send `action` to every controlled model; the open streams they report."""
+        total = 0
+        for model in models:
+            try:
+                health = control(server.http_url, model, self.admin_key, action, CONTROL_TIMEOUT_S)
+                total += health.active
+            except ControlError as error:
+                self._say(f"tokenstream: {model} did not take {action!r}: {error}")
+        return total
+
+    def _wait_drained(
+        self, server: TritonServer, models: list[str], deadline: float, force: threading.Event
+    ) -> int:
+        """Poll until no model has open streams, the deadline or `force`; streams still open."""
+        while True:
+            self.heartbeat = time.monotonic()
+            left = self._tell_quiet(server, models)
+            if left == 0 or time.monotonic() >= deadline or force.wait(DRAIN_POLL_S):
+                return left
+
+    def _tell_quiet(self, server: TritonServer, models: list[str]) -> int:
+        total = 0
+        for model in models:
+            try:
+                health = control(
+                    server.http_url, model, self.admin_key, CONTROL_HEALTH, CONTROL_TIMEOUT_S
+                )
+                total += health.active
+            except ControlError:
+                return 0  # the model cannot answer: nothing more to wait for
+        return total
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""

@@ -1,0 +1,196 @@
+"""Tests for streaming_backend/launcher/supervisor.py, health.py and control.py: a supervised real
+tritonserver on the tiny model; its repository API is closed to plain clients."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from conftest import stub_pids, supervised_server, wait_for
+from tritonclient.utils import InferenceServerException
+
+from streaming_backend.launcher.control import ControlError, control, unload_model
+from streaming_backend.launcher.health import metrics_text
+from streaming_backend.launcher.supervisor import (
+    RestartBudget,
+)
+from streaming_backend.wire import (
+    ADMIN_HEADER,
+    CHAT_MODEL,
+    CONTROL,
+    CONTROL_HEALTH,
+    SAMPLING_PARAMETERS,
+    STREAM,
+    TEXT_INPUT,
+    TEXT_OUTPUT,
+)
+
+
+def test_restart_budget_waits_longer_each_time_then_gives_up() -> None:
+    """The first restart in the window is immediate, the next ones double, then none."""
+    budget = RestartBudget(max_restarts=4, first_backoff_s=1.0, max_backoff_s=3.0)
+    assert [budget.backoff(n) for n in range(1, 6)] == [0.0, 1.0, 2.0, 3.0, None]
+
+
+def get(url: str, timeout: float = 10) -> tuple[int, dict | str]:
+    """GET: (status, JSON body or text), for error statuses too."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            status, body = response.status, response.read()
+    except urllib.error.HTTPError as error:
+        status, body = error.code, error.read()
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, body.decode()
+
+
+def post(url: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
+    """POST JSON: (status, JSON body)."""
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"} | (headers or {}),
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return response.status, json.loads(response.read() or b"{}")
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+@pytest.fixture(scope="module")
+def supervised(tiny_model_dir):
+    """A Supervisor watching a tiny-model server (canary every 0.5 s), and its HTTP port."""
+    with supervised_server(tiny_model_dir, max_streams=8, queue_limit=16) as running:
+        yield running
+
+
+def infer_text(grpc_url: str, prompt: str, max_tokens: int = 4) -> str:
+    """One streamed gRPC generation with tritonclient; its whole text."""
+    client = grpcclient.InferenceServerClient(grpc_url)
+    results: list = []
+    done = threading.Event()
+
+    def callback(result, error):
+        results.append(error or result)
+        if error or result.get_response().parameters["triton_final_response"].bool_param:
+            done.set()
+
+    inputs = []
+    for name, value in (
+        (TEXT_INPUT, prompt.encode()),
+        (SAMPLING_PARAMETERS, json.dumps({"max_tokens": max_tokens, "temperature": 0}).encode()),
+    ):
+        inputs.append(grpcclient.InferInput(name, [1], "BYTES"))
+        inputs[-1].set_data_from_numpy(np.array([value], dtype=np.object_))
+    inputs.append(grpcclient.InferInput(STREAM, [1], "BOOL"))
+    inputs[-1].set_data_from_numpy(np.array([True]))
+    client.start_stream(callback=callback)
+    try:
+        client.async_stream_infer(CHAT_MODEL, inputs, enable_empty_final_response=True)
+        assert done.wait(60), "no final response"
+    finally:
+        client.stop_stream()
+        client.close()
+    errors = [r for r in results if isinstance(r, Exception)]
+    assert not errors, errors
+    return "".join(
+        r.as_numpy(TEXT_OUTPUT)[0].decode() for r in results if r.as_numpy(TEXT_OUTPUT) is not None
+    )
+
+
+@pytest.mark.server
+def test_plain_clients_cannot_unload_the_model_but_still_infer(supervised) -> None:
+    """The model-repository API wants the admin key on HTTP and gRPC; inference does not."""
+    supervisor, _, _ = supervised
+    server = supervisor.server
+    with pytest.raises(ControlError, match="restricted"):
+        unload_model(server.http_url, CHAT_MODEL, key=None, timeout=10)
+    with pytest.raises(ControlError, match="restricted"):
+        unload_model(server.http_url, CHAT_MODEL, key="a wrong key", timeout=10)
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    with pytest.raises(InferenceServerException, match="restricted"):
+        client.unload_model(CHAT_MODEL)
+    client.close()
+    assert infer_text(server.grpc_url, "Hello")
+    assert get(f"{server.http_url}/v2/models/{CHAT_MODEL}/ready")[0] == 200
+
+
+@pytest.mark.server
+def test_control_requests_need_the_admin_key(supervised) -> None:
+    """With the key the model answers its health; without it the request is refused."""
+    supervisor, _, _ = supervised
+    url = supervisor.server.http_url
+    health = control(url, CHAT_MODEL, supervisor.admin_key, CONTROL_HEALTH, timeout=10)
+    assert health.healthy and not health.draining and health.active == 0
+    with pytest.raises(ControlError, match="admin key"):
+        control(url, CHAT_MODEL, "not the key", CONTROL_HEALTH, timeout=10)
+    body = {CONTROL: "not json"}
+    request = urllib.request.Request(
+        f"{url}/v2/models/{CHAT_MODEL}/generate_stream", data=json.dumps(body).encode()
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    assert b"invalid request" in refused.value.read()
+
+
+@pytest.mark.server
+def test_health_endpoints_tell_ready_live_status_and_metrics(supervised) -> None:
+    """/ready 200 while serving, /live 200, /status names the state, /metrics counts restarts."""
+    supervisor, url, _ = supervised
+    status, body = get(f"{url}/ready")
+    assert status == 200 and body["state"] == "ready", body
+    assert get(f"{url}/live")[0] == 200
+    assert get(f"{url}/status")[1]["ready"] is True
+    status, text = get(f"{url}/metrics")
+    assert status == 200 and 'tokenstream_supervisor_restarts_total{cause="stub_died"}' in text
+    assert "tokenstream_supervisor_ready 1" in text
+    assert text == metrics_text(supervisor)
+    assert get(f"{url}/nothing")[0] == 404
+
+
+@pytest.mark.server
+def test_reload_needs_the_admin_key_and_a_failed_reload_keeps_the_old_model(
+    supervised, tmp_path
+) -> None:
+    """POST /reload without the key is refused; with a model that cannot load, the caller gets
+    the error and the old model goes on serving."""
+    supervisor, url, events = supervised
+    assert post(f"{url}/reload", {})[0] == 403
+    status, body = post(
+        f"{url}/reload", {"model": str(tmp_path / "missing")}, {ADMIN_HEADER: supervisor.admin_key}
+    )
+    assert status == 500 and "old model keeps serving" in body["error"], body
+    assert infer_text(supervisor.server.grpc_url, "Hello")
+    assert get(f"{url}/ready")[0] == 200
+    assert supervisor.reloads["failed"] == 1
+
+
+@pytest.mark.server
+def test_a_crash_looping_model_backs_off_then_stays_down_with_a_reason(echo_repository) -> None:
+    """With a budget of one restart: the first dead stub is restarted, the second one is not;
+    readiness then stays 503 and /status says why."""
+    budget = RestartBudget(max_restarts=1, window_s=600)
+    with supervised_server(None, repository=echo_repository, budget=budget) as running:
+        supervisor, url, events = running
+        first = supervisor.server
+        os.kill(stub_pids(first)[0], signal.SIGKILL)
+        wait_for(lambda: supervisor.server is not first and supervisor.state == "ready", 120)
+        assert get(f"{url}/ready")[0] == 200
+        os.kill(stub_pids(supervisor.server)[0], signal.SIGKILL)
+        wait_for(lambda: supervisor.state == "failed", timeout=30)
+        status, body = get(f"{url}/ready")
+        assert status == 503 and body["state"] == "failed"
+        assert "gave up" in body["reason"] and "model process" in body["reason"]
+        assert body["restarts"] == {"stub_died": 2}
+        assert get(f"{url}/live")[0] == 200  # the supervisor itself is fine
+    assert sum("restarting tritonserver" in line for line in events) == 2
+    assert any("gave up" in line for line in events)
