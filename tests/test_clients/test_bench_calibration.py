@@ -8,10 +8,10 @@ TTFT >= 300 ms plus a small overhead and ITL >= 50 ms plus one tiny decode step.
 The calibration proper is tight and holds on a busy machine, because it holds the bench against
 the server's own stamps on the same clock:
 - lower bounds are physical: no token can arrive before its delay has passed (TTFT >= 300 ms,
-  the server's prefill part >= 300 ms, ITL >= 50 ms less 1 ms of receive jitter);
+  the server's prefill part >= 300 ms, ITL >= 50 ms less 5 ms of receive jitter);
 - reported TTFT = the server's own time to first token (the 300 ms delay plus the tiny model's
-  prefill, as stamped by the server) + two loopback hops, whose median must stay under 25 ms;
-- reported ITL = the server's own token spacing (50 ms plus one decode step) within 2 ms (median),
+  prefill, as stamped by the server) + two loopback hops, whose median must stay under 100 ms;
+- reported ITL = the server's own token spacing (50 ms plus one decode step) within 5 ms (median),
   over grpc and sse, which carry the stamps on every response.
 The absolute medians against 300 ms and 50 ms get only a loose guard against gross errors (units,
 counting chunks as tokens): the tiny model's own steps stretch under load. Seen on this 2-core
@@ -36,9 +36,13 @@ OUTPUT_TOKENS, INPUT_TOKENS, REQUESTS = 8, 16, 6
 # Gross-error guards (a unit slip is x1000): the tiny model's own steps stretch several-fold on a
 # saturated 2-core machine (ITL medians of 230-270 ms were seen at load 12), so only 10x is wrong.
 GROSS_FACTOR = 10.0
-HOPS_MS = 25.0  # median of client -> server + server -> client (gRPC/HTTP/ws, python backend)
-AGREE_MS = 2.0  # median |client ITL - server ITL|: jitter of two stamps spread over 7 gaps
-JITTER_MS = 1.0
+# Two loopback hops (client -> server + server -> client): a few ms when idle, but 33 ms medians
+# were seen with the machine saturated; a misattributed breakdown would be off by 300 ms.
+HOPS_MS = 100.0
+AGREE_MS = 5.0  # median |client ITL - server ITL|: receive jitter of two stamps over 7 gaps
+# A client ITL is two receive stamps 7 gaps apart: under load one stamp can be late by a few ms
+# (48.5 ms was seen against the 50 ms pacing), so the physical bound allows that much.
+JITTER_MS = 5.0
 
 
 @pytest.fixture(scope="module")
