@@ -307,8 +307,9 @@ class GrpcStream:
             self.client.close()
 
 
-def stub_pids(server) -> list[int]:
-    """The triton_python_backend_stub processes of a TritonServer."""
+def stub_pids(server, model: str | None = None) -> list[int]:
+    """The triton_python_backend_stub processes of a TritonServer (of `model` only, if given:
+    a stub's command line holds its model's path)."""
     from streaming_backend.launcher.processes import descendants
 
     found = []
@@ -317,7 +318,9 @@ def stub_pids(server) -> list[int]:
             command = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"triton_python_backend_stub" in command:
+        if b"triton_python_backend_stub" in command and (
+            model is None or f"/{model}/".encode() in command
+        ):
             found.append(pid)
     return found
 
