@@ -49,7 +49,7 @@ def prompt_ids(loaded: LoadedModel, batch: int, length: int) -> list[list[int]]:
     """B prompts of exactly `length` tokens, from the shared chat prompts (cycled)."""
     ids = []
     for messages in load_chat_prompts():
-        ids.extend(encode_prompt(loaded.tokenizer, messages))
+        ids.extend(encode_prompt(loaded.tokenizer, messages=messages))
     rows = []
     for row in range(batch):
         start = (row * 37) % len(ids)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
+import torch.fx.experimental._config as fx_config
 
 from streaming_backend.forward.buckets import (
     MIN_WINDOW,
@@ -17,17 +19,18 @@ from streaming_backend.forward.buckets import (
     batch_for,
     window_buckets,
 )
-from streaming_backend.forward.llama import CompactLlama, Rows
+from streaming_backend.forward.llama import CompactLlama, Rows, decoder_layer
 from streaming_backend.forward.slots import SlotCache
 
 log = logging.getLogger(__name__)
 
 
-def scratch_rows(cache: SlotCache, batch: int, device: torch.device) -> Rows:
-    """Decode rows that only touch the scratch slot: for warm-up, and to pad a batch."""
-    scratch = torch.full((batch, 1), cache.scratch, dtype=torch.long, device=device)
-    zeros = torch.zeros((batch, 1), dtype=torch.long, device=device)
-    return Rows(zeros, zeros.clone(), scratch, scratch[:, 0].clone(), zeros[:, 0].clone())
+RowsFor = Callable[[int], Rows]  # batch size -> decode rows that touch only the scratch slot
+
+
+def _cloned(rows: Rows) -> Rows:
+    """Rows that own their memory (graph input buffers must not alias each other)."""
+    return Rows(*(t.clone() for t in rows))
 
 
 class EagerFallback:
@@ -47,21 +50,52 @@ class EagerFallback:
         return self.eager(k, v, rows, window)
 
 
-def compile_decode(model: CompactLlama, cache: SlotCache, device: torch.device, backend="inductor"):
-    """torch.compile the decode step and warm it up -> (step, seconds), eager on failure."""
+def compile_decode(
+    model: CompactLlama, cache: SlotCache, scratch_rows: RowsFor, backend="inductor"
+):
+    """torch.compile the decode step and warm it up -> (step, seconds), eager on failure.
+
+    What is compiled is one decoder layer: every layer of the model shares its graph, so it
+    compiles once (a whole-model graph took minutes longer on a 2-core CPU), and inductor's
+    on-disk cache (TORCHINDUCTOR_CACHE_DIR) makes later starts faster.
+    """
     started = time.monotonic()
     try:
-        # dynamic: one graph serves every batch size and window (no recompilation per shape)
-        fast = torch.compile(model, dynamic=True, backend=backend)
+        step = CompiledStep(model, torch.compile(decoder_layer, dynamic=True, backend=backend))
         with torch.inference_mode():
-            for batch, window in ((1, MIN_WINDOW), (2, MIN_WINDOW), (2, 2 * MIN_WINDOW)):
-                fast(cache.k, cache.v, scratch_rows(cache, batch, device), window)
+            for batch, window in warm_up_shapes(cache.max_len):
+                step(cache.k, cache.v, scratch_rows(batch), window)
     except Exception as exc:
         log.warning("torch.compile of the decode step failed (%s); decoding eagerly", exc)
         return model, None
     seconds = time.monotonic() - started
     log.info("compiled the decode step in %.1f s", seconds)
-    return EagerFallback(fast, model, "compiled"), seconds
+    return EagerFallback(step, model, "compiled"), seconds
+
+
+def warm_up_shapes(max_len: int) -> list[tuple[int, int]]:
+    """(batch, window) pairs that produce every graph a decode step needs.
+
+    Batch 1 and batch >= 2 are two graphs (size 1 is always specialised); a window equal to
+    the cache length makes the window slice the whole dimension, which is a third case.
+    """
+    windows = sorted({min(MIN_WINDOW, max_len), min(2 * MIN_WINDOW, max_len), max_len})
+    return [(batch, window) for batch in (1, 2) for window in windows]
+
+
+class CompiledStep:
+    """The model's forward with its decoder layer replaced by a compiled copy."""
+
+    def __init__(self, model: CompactLlama, layer):
+        self.model, self.layer = model, layer
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor, rows: Rows, window: int) -> torch.Tensor:
+        """The decode step: logits [B, V] fp32."""
+        # Without this, sizes that happen to be equal at compile time (a window of 64 and a
+        # hidden size of 64, a batch of 2 and 2 KV heads) are assumed equal forever, and every
+        # later step where they differ recompiles.
+        with fx_config.patch(use_duck_shape=False):
+            return self.model(k, v, rows, window, layer=self.layer)
 
 
 class CudaGraphDecode:
@@ -73,12 +107,12 @@ class CudaGraphDecode:
     graph's output are returned. All graphs share one memory pool.
     """
 
-    def __init__(self, model: CompactLlama, cache: SlotCache):
+    def __init__(self, model: CompactLlama, cache: SlotCache, scratch_rows: RowsFor):
         self.model, self.cache = model, cache
         self.device = cache.k.device
         self.batches = batch_buckets(cache.slots)
         self.windows = window_buckets(cache.max_len)
-        self.inputs = {b: scratch_rows(cache, b, self.device) for b in self.batches}
+        self.inputs = {b: _cloned(scratch_rows(b)) for b in self.batches}  # static buffers
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
@@ -127,10 +161,10 @@ def capture_all(step: CudaGraphDecode) -> float:
     return seconds
 
 
-def graph_decode(model: CompactLlama, cache: SlotCache):
+def graph_decode(model: CompactLlama, cache: SlotCache, scratch_rows: RowsFor):
     """CUDA-graphed decode step, every bucket captured now -> (step, seconds); eager on failure."""
     try:
-        step = CudaGraphDecode(model, cache)
+        step = CudaGraphDecode(model, cache, scratch_rows)
         seconds = capture_all(step)
     except Exception as exc:
         log.warning("capturing the decode step as CUDA graphs failed (%s); decoding eagerly", exc)

@@ -14,6 +14,7 @@ chunk, a reused prefix) are simply part of what it attends to.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -37,15 +38,28 @@ class Rows(NamedTuple):
     last: torch.Tensor  # [N] long: index in T of the token whose logits are returned
 
 
-class _Step(NamedTuple):
-    """Per-layer context of one forward call."""
+class Block(NamedTuple):
+    """One decoder layer's weights (q/k/v and gate/up fused); biases are None when absent."""
 
-    layer: int
-    cos: torch.Tensor  # [N, 1, T, head_dim]
-    sin: torch.Tensor
-    mask: torch.Tensor  # [N, 1, groups * T, W] bool, True = attend
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
+    norm1: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [hidden, heads * head_dim]
+    o_bias: torch.Tensor | None
+    norm2: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor  # [hidden, intermediate]
+    down_bias: torch.Tensor | None
+
+
+class Dims(NamedTuple):
+    """The sizes one layer needs (plain ints: a compiled layer specialises on them)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
 
 
 class UnsupportedModel(ValueError):
@@ -70,6 +84,11 @@ class LlamaShape:
     def groups(self) -> int:
         """Query heads per key/value head."""
         return self.heads // self.kv_heads
+
+    @property
+    def dims(self) -> Dims:
+        """What `decoder_layer` needs to know."""
+        return Dims(self.heads, self.kv_heads, self.head_dim, self.eps)
 
 
 def model_shape(model: Any) -> LlamaShape:
@@ -136,50 +155,30 @@ class CompactLlama(nn.Module):
 
     def __init__(self, model: Any):
         super().__init__()
-        self.shape = shape = model_shape(model)
+        self.shape = model_shape(model)
         inner = model.model
         self.embed = inner.embed_tokens.weight.detach()  # [V, hidden]
         self.head = model.lm_head.weight.detach()  # [V, hidden]; tied models share the tensor
         self.final_norm = inner.norm.weight.detach()
-        self.blocks = [self._block(layer) for layer in inner.layers]
-        self.cos, self.sin = self._rope_tables(inner.rotary_emb, self.embed.dtype)
-        self.q_size = shape.heads * shape.head_dim
-        self.kv_size = shape.kv_heads * shape.head_dim
+        self.blocks = [_block(layer) for layer in inner.layers]
+        self.cos, self.sin = _rope_tables(inner.rotary_emb, self.shape, self.embed.dtype)
 
-    @staticmethod
-    def _block(layer: Any) -> dict[str, torch.Tensor | None]:
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
-        return {
-            "norm1": layer.input_layernorm.weight.detach(),
-            "qkv": qkv,  # [(heads + 2 * kv_heads) * head_dim, hidden]
-            "qkv_bias": qkv_bias,
-            "o": attn.o_proj.weight.detach(),
-            "o_bias": _param(attn.o_proj.bias),
-            "norm2": layer.post_attention_layernorm.weight.detach(),
-            "gate_up": gate_up,  # [2 * intermediate, hidden]
-            "gate_up_bias": gate_up_bias,
-            "down": mlp.down_proj.weight.detach(),
-            "down_bias": _param(mlp.down_proj.bias),
-        }
-
-    def _rope_tables(self, rotary: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [max_positions, head_dim], computed as Hugging Face does (fp32, then cast)."""
-        inv_freq = rotary.inv_freq.float()  # [head_dim / 2]
-        positions = torch.arange(self.shape.max_positions, device=inv_freq.device).float()
-        freqs = positions[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        scale = rotary.attention_scaling
-        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
-
-    def forward(self, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: Rows, window: int):
+    def forward(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        rows: Rows,
+        window: int,
+        layer: Callable[..., torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Run N rows of T tokens; return the logits [N, V] (fp32) of each row's `last` token.
 
         k_cache, v_cache: [layers, slots, kv_heads, max_len, head_dim], written in place at
         (write_slots, positions). `window` >= the largest position + 1: each row attends over
         positions [0, window) of its slot, masked to those <= its own (and in its sliding window).
+        `layer` replaces `decoder_layer` (a compiled copy of it).
         """
+        layer = layer or decoder_layer
         n = rows.tokens.shape[0]
         device = rows.tokens.device
         x = F.embedding(rows.tokens, self.embed)  # [N, T, hidden]
@@ -187,17 +186,27 @@ class CompactLlama(nn.Module):
         sin = self.sin[rows.positions][:, None]
         key_pos = torch.arange(window, device=device)
         distance = rows.positions[:, :, None] - key_pos[None, None, :]  # [N, T, W]
-        masks = {
-            w: self._grouped((distance >= 0) & (distance < w)) for w in set(self.shape.windows)
-        }
+        windows = self.shape.windows
+        masks = {w: self._grouped((distance >= 0) & (distance < w)) for w in set(windows)}
+        dims = self.shape.dims
         for index, block in enumerate(self.blocks):
-            step = _Step(index, cos, sin, masks[self.shape.windows[index]], k_cache, v_cache)
-            h = self._rms_norm(x, block["norm1"])
-            x = x + self._attention(block, h, rows, step, window)
-            h = self._rms_norm(x, block["norm2"])
-            x = x + self._mlp(block, h)
+            mask = masks[windows[index]]
+            kv = (k_cache[index], v_cache[index])
+            x = layer(
+                x,
+                block,
+                kv,
+                cos,
+                sin,
+                mask,
+                rows.write_slots,
+                rows.positions,
+                rows.read_slots,
+                window,
+                dims,
+            )
         x = x[torch.arange(n, device=device), rows.last]  # [N, hidden]
-        x = self._rms_norm(x, self.final_norm)
+        x = rms_norm(x, self.final_norm, self.shape.eps)
         return F.linear(x, self.head).float()  # [N, V]
 
     def _grouped(self, mask: torch.Tensor) -> torch.Tensor:
@@ -205,40 +214,90 @@ class CompactLlama(nn.Module):
         n, t, w = mask.shape
         return mask[:, None, None].expand(n, 1, self.shape.groups, t, w).reshape(n, 1, -1, w)
 
-    def _attention(self, block, h: torch.Tensor, rows: Rows, step: _Step, window: int):
-        """Self-attention of one layer; writes this step's K/V into the cache, then reads it."""
-        s = self.shape
-        n, t, _ = h.shape
-        qkv = F.linear(h, block["qkv"], block["qkv_bias"])  # [N, T, (H + 2 Hkv) D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, t, s.heads, s.head_dim).transpose(1, 2)  # [N, H, T, D]
-        k = k.view(n, t, s.kv_heads, s.head_dim).transpose(1, 2)  # [N, Hkv, T, D]
-        q = q * step.cos + _rotate_half(q) * step.sin
-        k = (k * step.cos + _rotate_half(k) * step.sin).transpose(1, 2)  # [N, T, Hkv, D]
-        v = v.view(n, t, s.kv_heads, s.head_dim)  # [N, T, Hkv, D]
-        # write first (padding tokens go to the scratch slot), then read the slot's window
-        k_layer, v_layer = step.k_cache[step.layer], step.v_cache[step.layer]
-        k_layer[rows.write_slots, :, rows.positions] = k  # indexed view: [N, T, Hkv, D]
-        v_layer[rows.write_slots, :, rows.positions] = v
-        keys = k_layer[rows.read_slots, :, :window]  # [N, Hkv, W, D]
-        values = v_layer[rows.read_slots, :, :window]
-        # grouped-query attention without repeating K/V: the `groups` query heads that share a
-        # key/value head are stacked along the query axis -> [N, Hkv, groups * T, D]
-        q = q.reshape(n, s.kv_heads, s.groups * t, s.head_dim)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask)
-        out = out.reshape(n, s.heads, t, s.head_dim).transpose(1, 2).reshape(n, t, self.q_size)
-        return F.linear(out, block["o"], block["o_bias"])
 
-    @staticmethod
-    def _mlp(block, h: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(h, block["gate_up"], block["gate_up_bias"]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, block["down"], block["down_bias"])
+def _block(layer: Any) -> Block:
+    """A Hugging Face decoder layer's weights, q/k/v and gate/up fused."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+    gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
+    return Block(
+        norm1=layer.input_layernorm.weight.detach(),
+        qkv=qkv,
+        qkv_bias=qkv_bias,
+        o=attn.o_proj.weight.detach(),
+        o_bias=_param(attn.o_proj.bias),
+        norm2=layer.post_attention_layernorm.weight.detach(),
+        gate_up=gate_up,
+        gate_up_bias=gate_up_bias,
+        down=mlp.down_proj.weight.detach(),
+        down_bias=_param(mlp.down_proj.bias),
+    )
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Hugging Face's Llama RMSNorm: normalise in fp32, cast back, then scale."""
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.shape.eps)
-        return weight * y.to(x.dtype)
+
+def _rope_tables(rotary: Any, shape: LlamaShape, dtype: torch.dtype):
+    """cos, sin [max_positions, head_dim], computed as Hugging Face does (fp32, then cast)."""
+    inv_freq = rotary.inv_freq.float()  # [head_dim / 2]
+    positions = torch.arange(shape.max_positions, device=inv_freq.device).float()
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    scale = rotary.attention_scaling
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def decoder_layer(
+    x: torch.Tensor,  # [N, T, hidden]
+    block: Block,
+    kv: tuple[torch.Tensor, torch.Tensor],  # this layer's K, V [slots, kv_heads, max_len, D]
+    cos: torch.Tensor,  # [N, 1, T, head_dim]
+    sin: torch.Tensor,
+    mask: torch.Tensor,  # [N, 1, groups * T, W] bool, True = attend
+    write_slots: torch.Tensor,  # [N, T]: see Rows
+    positions: torch.Tensor,  # [N, T]
+    read_slots: torch.Tensor,  # [N]
+    window: int,
+    dims: Dims,
+) -> torch.Tensor:
+    """One decoder layer (the unit torch.compile compiles once and reuses for every layer)."""
+    h = rms_norm(x, block.norm1, dims.eps)
+    where = (write_slots, positions, read_slots, window)
+    x = x + attention(h, block, kv, cos, sin, mask, where, dims)
+    h = rms_norm(x, block.norm2, dims.eps)
+    gate, up = F.linear(h, block.gate_up, block.gate_up_bias).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, block.down, block.down_bias)
+
+
+def attention(h, block: Block, kv, cos, sin, mask, where, dims: Dims) -> torch.Tensor:
+    """Self-attention of one layer: write this step's K/V into the cache, then attend over it."""
+    n, t, _ = h.shape
+    k_layer, v_layer = kv
+    write_slots, positions, read_slots, window = where
+    q_size, kv_size = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
+    qkv = F.linear(h, block.qkv, block.qkv_bias)  # [N, T, (H + 2 Hkv) D]
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.view(n, t, dims.heads, dims.head_dim).transpose(1, 2)  # [N, H, T, D]
+    k = k.view(n, t, dims.kv_heads, dims.head_dim).transpose(1, 2)  # [N, Hkv, T, D]
+    q = q * cos + _rotate_half(q) * sin
+    k = (k * cos + _rotate_half(k) * sin).transpose(1, 2)  # [N, T, Hkv, D]
+    v = v.view(n, t, dims.kv_heads, dims.head_dim)  # [N, T, Hkv, D]
+    # write first (padding tokens go to the scratch slot), then read the slots' windows
+    k_layer[write_slots, :, positions] = k  # the indexed view is [N, T, Hkv, D]
+    v_layer[write_slots, :, positions] = v
+    keys = k_layer[read_slots, :, :window]  # [N, Hkv, W, D]
+    values = v_layer[read_slots, :, :window]
+    # grouped-query attention without repeating K/V: the query heads that share a key/value
+    # head are stacked along the query axis -> [N, Hkv, groups * T, D]
+    groups = dims.heads // dims.kv_heads
+    q = q.reshape(n, dims.kv_heads, groups * t, dims.head_dim)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    out = out.reshape(n, dims.heads, t, dims.head_dim).transpose(1, 2).reshape(n, t, q_size)
+    return F.linear(out, block.o, block.o_bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's Llama RMSNorm: normalise in fp32, cast back, then scale."""
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

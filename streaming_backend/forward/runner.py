@@ -77,10 +77,12 @@ class SlotForward:
         from streaming_backend.forward import compiled
 
         if self.device.type == "cuda" and config.cuda_graphs:
-            self._decode_fn, self.compile_seconds = compiled.graph_decode(self.model, self.cache)
+            self._decode_fn, self.compile_seconds = compiled.graph_decode(
+                self.model, self.cache, self.scratch_rows
+            )
         elif config.compile:
             self._decode_fn, self.compile_seconds = compiled.compile_decode(
-                self.model, self.cache, self.device
+                self.model, self.cache, self.scratch_rows
             )
 
     @torch.inference_mode()
@@ -130,19 +132,25 @@ class SlotForward:
         lengths = [self.cache.lengths[s] for s in slots]
         for slot in slots:
             self.cache.check_room(slot, 1)
-        # one host-to-device copy per step: the slots and their positions
-        index = torch.tensor([list(slots), lengths], dtype=torch.long).to(self.device)
-        slot_ids, positions = index[0], index[1]
-        b = len(slots)
-        rows = Rows(
-            tokens[:, None], positions[:, None], slot_ids[:, None], slot_ids, self._zeros[:b]
-        )
-        logits = self._decode_fn(
-            self.cache.k, self.cache.v, rows, window_for(max(lengths) + 1, self.cache.max_len)
-        )
+        rows = self.decode_rows(slots, lengths, tokens)
+        window = window_for(max(lengths) + 1, self.cache.max_len)
+        logits = self._decode_fn(self.cache.k, self.cache.v, rows, window)
         for slot in slots:
             self.cache.lengths[slot] += 1
         return logits
+
+    def decode_rows(self, slots: Sequence[int], lengths: Sequence[int], tokens: torch.Tensor):
+        """The Rows of a decode step (also used to warm up: same strides, no recompilation)."""
+        # one host-to-device copy per step: the slots and their positions
+        index = torch.tensor([list(slots), list(lengths)], dtype=torch.long).to(self.device)
+        slot_ids, positions = index[0], index[1]
+        last = self._zeros[: len(slots)]
+        return Rows(tokens[:, None], positions[:, None], slot_ids[:, None], slot_ids, last)
+
+    def scratch_rows(self, batch: int) -> Rows:
+        """Decode rows of `batch` tokens that only touch the scratch slot (warm-up, padding)."""
+        scratch = [self.cache.scratch] * batch
+        return self.decode_rows(scratch, [0] * batch, self._zeros[:batch])
 
 
 def _check_distinct(slots: Sequence[int]) -> None:

@@ -12,6 +12,7 @@ from streaming_backend.forward.runner import Chunk, ForwardConfig, SlotForward
 from streaming_backend.forward.slots import CacheBudget
 from streaming_backend.loading import LoadedModel, load_model
 
+BF16_ATOL = 0.75  # measured: see test_default_model_in_bf16_matches_hf
 FP32_ATOL = 1e-4  # logits of the tiny model are O(1); fp32 reduction order differs a little
 CONFIG = ForwardConfig(CacheBudget(bytes=64 << 20), max_len=128, max_slots=4, compile=False)
 
@@ -174,6 +175,7 @@ def test_bad_calls_are_refused(tiny):
     assert forward.cache.lengths[slot] == 0
 
 
+@pytest.mark.slow  # compiling takes one to several minutes on a small CPU
 def test_compiled_decode_matches_eager(tiny, caplog):
     """The torch.compile'd decode step gives the eager step's logits, and logs its compile time."""
     caplog.set_level(logging.INFO, logger="streaming_backend.forward.compiled")
@@ -200,7 +202,54 @@ def test_failed_compilation_falls_back_to_eager(tiny, caplog):
 
     forward = SlotForward.create(tiny, CONFIG)
     step, seconds = compiled.compile_decode(
-        forward.model, forward.cache, forward.device, backend=broken_backend
+        forward.model, forward.cache, forward.scratch_rows, backend=broken_backend
     )
     assert step is forward.model and seconds is None
     assert "decoding eagerly" in caplog.text
+
+
+@torch.inference_mode()
+def hf_greedy_steps(model, ids: list[int], steps: int) -> list[torch.Tensor]:
+    """Hugging Face's own incremental decode (DynamicCache): next-token logits [V] per step."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    out = model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
+    logits = [out.logits[0, -1].float()]
+    for _ in range(steps):
+        token = logits[-1].argmax()
+        out = model(input_ids=token.view(1, 1), cache=cache, use_cache=True)
+        logits.append(out.logits[0, -1].float())
+    return logits
+
+
+@pytest.mark.slow
+def test_default_model_in_bf16_matches_hf(default_model_dir):
+    """On the default model in bf16, prefill and decode logits stay within bf16 noise of HF."""
+    from conftest import chat_prompts
+
+    from streaming_backend.prompts import encode_prompt
+
+    loaded = load_model(str(default_model_dir), dtype="bfloat16", device="cpu")
+    prompts_ids = [encode_prompt(loaded.tokenizer, messages=m) for m in chat_prompts()[:3]]
+    references = [hf_greedy_steps(loaded.model, ids, 8) for ids in prompts_ids]
+    forward = SlotForward.create(loaded, ForwardConfig(CONFIG.budget, 512, 4, compile=False))
+    slots = [forward.cache.allocate() for _ in prompts_ids]
+    logits = forward.prefill([Chunk(s, ids) for s, ids in zip(slots, prompts_ids)])
+    ours = [logits]
+    for step in range(8):
+        # feed Hugging Face's greedy tokens so both sides see the same sequence
+        token = torch.stack([ref[step].argmax() for ref in references])
+        ours.append(forward.decode(slots, token))
+    for step, logits in enumerate(ours):
+        for row, ref in enumerate(references):
+            # bf16 keeps 8 bits of mantissa: logits of size ~20 move by a few tenths between
+            # two correct implementations; a wrong mask or position moves them by whole units
+            assert (logits[row] - ref[step]).abs().max() < BF16_ATOL, (step, row)
+            assert logits[row].argmax() == ref[step].argmax() or _near_tie(ref[step])
+
+
+def _near_tie(logits: torch.Tensor) -> bool:
+    """The top two logits are closer than bf16 can tell apart."""
+    top = logits.topk(2).values
+    return bool(top[0] - top[1] < 0.25)
