@@ -156,6 +156,7 @@ def main(cfg: BenchConfig) -> dict:
                     seconds, ids = run_slots(forwards[name], prompts, cfg.steps, cfg.warmup_steps)
                 rates[name].append(batch * cfg.steps / seconds)
                 tokens[name] = ids
+                print(f"  batch {batch} {name}: {rates[name][-1]:.1f} tok/s", flush=True)
         medians = {name: statistics.median(r) for name, r in rates.items()}
         result["batches"][batch] = {
             "tokens_per_s": medians,

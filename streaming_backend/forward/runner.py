@@ -35,8 +35,13 @@ class ForwardConfig:
     budget: CacheBudget = field(default_factory=lambda: CacheBudget(fraction=0.5))
     max_len: int | None = None  # positions per slot; None = the model's context length
     max_slots: int | None = None  # at most this many slots even when the budget holds more
-    compile: bool = True  # torch.compile the decode step; eager with a log line on failure
-    cuda_graphs: bool = True  # on CUDA: capture the decode step once per batch-size bucket
+    # torch.compile the decode step (eager with a log line on failure). Off by default: on the
+    # 2-core CPU it compiled in 1-5 min and stepped slower than the eager forward (see
+    # scripts/forward_bench.py); turn it on where a measurement shows it wins.
+    compile: bool = False
+    # On CUDA: capture the decode step as CUDA graphs per batch-size bucket. Off until the path
+    # has run on a GPU (it is written but has never been executed).
+    cuda_graphs: bool = False
 
 
 class Chunk(NamedTuple):

@@ -12,7 +12,9 @@ from streaming_backend.forward.runner import Chunk, ForwardConfig, SlotForward
 from streaming_backend.forward.slots import CacheBudget
 from streaming_backend.loading import LoadedModel, load_model
 
-BF16_ATOL = 0.75  # measured: see test_default_model_in_bf16_matches_hf
+# bf16 logits of the default model are 17-36 in size, where bf16 steps by 0.125-0.25; measured
+# differences from Hugging Face reached 0.72 (3 prompts x 9 steps, 2025-11-30)
+BF16_ATOL = 1.0
 FP32_ATOL = 1e-4  # logits of the tiny model are O(1); fp32 reduction order differs a little
 CONFIG = ForwardConfig(CacheBudget(bytes=64 << 20), max_len=128, max_slots=4, compile=False)
 
@@ -243,13 +245,7 @@ def test_default_model_in_bf16_matches_hf(default_model_dir):
         ours.append(forward.decode(slots, token))
     for step, logits in enumerate(ours):
         for row, ref in enumerate(references):
-            # bf16 keeps 8 bits of mantissa: logits of size ~20 move by a few tenths between
-            # two correct implementations; a wrong mask or position moves them by whole units
             assert (logits[row] - ref[step]).abs().max() < BF16_ATOL, (step, row)
-            assert logits[row].argmax() == ref[step].argmax() or _near_tie(ref[step])
-
-
-def _near_tie(logits: torch.Tensor) -> bool:
-    """The top two logits are closer than bf16 can tell apart."""
-    top = logits.topk(2).values
-    return bool(top[0] - top[1] < 0.25)
+            # the greedy token is Hugging Face's, or one Hugging Face rates within bf16 noise of it
+            chosen = logits[row].argmax()
+            assert ref[step][chosen] >= ref[step].max() - BF16_ATOL, (step, row)
