@@ -7,8 +7,8 @@
     fwd.cache.free(slot)
 
 A chunk is written at its slot's next free positions, so a long prompt can be prefilled in
-several chunks, and a slot whose first N positions were filled otherwise (a prefix cache) just
-has `cache.lengths[slot] == N` before its first chunk.
+several chunks, and a slot whose first N positions were filled otherwise (a prefix cache:
+`cache.copy_prefix(source, slot, N)`) just has `cache.lengths[slot] == N` before its first chunk.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ class ForwardConfig:
     max_len: int | None = None  # positions per slot; None = the model's context length
     max_slots: int | None = None  # at most this many slots even when the budget holds more
     # torch.compile the decode step (eager with a log line on failure). Off by default: on the
-    # 2-core CPU it compiled in 1-5 min and stepped slower than the eager forward (see
-    # scripts/forward_bench.py); turn it on where a measurement shows it wins.
+    # shared 2-core CPU it compiled in 0.5-5 min, was slower than eager at batch 1 and only
+    # sometimes faster at batch 16 (scripts/forward_bench.py); on where a measurement says so.
     compile: bool = False
     # On CUDA: capture the decode step as CUDA graphs per batch-size bucket. Off until the path
     # has run on a GPU (it is written but has never been executed).

@@ -127,6 +127,14 @@ class SlotCache:
         self.lengths[slot] = 0
         self._free.append(slot)
 
+    def copy_prefix(self, source: int, target: int, length: int) -> None:
+        """Give `target` the first `length` positions of `source` (a shared prompt prefix)."""
+        if length > self.lengths[source]:
+            raise ValueError(f"slot {source} holds {self.lengths[source]} positions, not {length}")
+        self.k[:, target, :, :length] = self.k[:, source, :, :length]
+        self.v[:, target, :, :length] = self.v[:, source, :, :length]
+        self.lengths[target] = length
+
     def check_room(self, slot: int, new_tokens: int) -> None:
         """Raise ValueError when `new_tokens` more positions would not fit in `slot`."""
         if self.lengths[slot] + new_tokens > self.max_len:

@@ -134,6 +134,20 @@ def test_chunked_prefill_equals_whole_prefill(tiny):
     )
 
 
+def test_prefill_after_a_copied_prefix_equals_whole_prefill(tiny):
+    """A slot given another slot's first positions (as a prefix cache would) continues from them."""
+    forward = SlotForward.create(tiny, CONFIG)
+    first, second = prompts([25, 8], seed=7)
+    donor, whole, reuser = (forward.cache.allocate() for _ in range(3))
+    forward.prefill([Chunk(donor, first)])
+    expected = forward.prefill([Chunk(whole, first[:20] + second)])
+    forward.cache.copy_prefix(donor, reuser, 20)
+    torch.testing.assert_close(
+        forward.prefill([Chunk(reuser, second)]), expected, atol=1e-5, rtol=0
+    )
+    assert forward.cache.lengths[reuser] == 28
+
+
 @pytest.mark.parametrize(
     "kind, overrides",
     [
