@@ -1,0 +1,222 @@
+"""Decode speed of one model step: Hugging Face eager vs the compact forward (eager, compiled).
+
+    PYTHONPATH=$PWD .venv/bin/python scripts/forward_bench.py --batch 1,16 --steps 64
+
+For each batch size every system prefills the same B prompts of --prompt-tokens tokens (the
+shared chat prompts, tokenised and cycled), then runs --steps greedy decode steps, feeding back
+its own argmax; only the decode steps are timed. The Hugging Face step is the engine's today
+(DynamicCache, attention mask grown by one column, position ids). Systems are interleaved over
+--rounds rounds and the median round is reported, since the machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from streaming_backend.forward.runner import Chunk, ForwardConfig, SlotForward
+from streaming_backend.forward.slots import CacheBudget
+from streaming_backend.loading import LoadedModel, load_model
+from streaming_backend.prompts import encode_prompt, load_chat_prompts
+
+SYSTEMS = ("hf", "eager", "compiled")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to measure."""
+
+    model: str | None
+    dtype: str
+    batches: tuple[int, ...]
+    prompt_tokens: int
+    steps: int
+    warmup_steps: int
+    rounds: int
+    threads: int | None
+    out: Path | None
+
+
+def prompt_ids(loaded: LoadedModel, batch: int, length: int) -> list[list[int]]:
+    """B prompts of exactly `length` tokens, from the shared chat prompts (cycled)."""
+    ids = []
+    for messages in load_chat_prompts():
+        ids.extend(encode_prompt(loaded.tokenizer, messages=messages))
+    rows = []
+    for row in range(batch):
+        start = (row * 37) % len(ids)
+        rows.append([ids[(start + i) % len(ids)] for i in range(length)])
+    return rows
+
+
+@torch.inference_mode()
+def run_hf(loaded: LoadedModel, prompts: list[list[int]], steps: int, warmup: int):
+    """Hugging Face eager decode steps, as the engine runs them -> (seconds, ids [B, steps])."""
+    model, device = loaded.model, loaded.device
+    ids = torch.tensor(prompts, device=device)
+    b, n = ids.shape
+    mask = torch.ones_like(ids)
+    cache = DynamicCache()
+    out = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
+    positions = torch.full((b, 1), n, dtype=torch.long, device=device)
+    token = out.logits[:, -1].float().argmax(-1)
+    chosen, started = [], 0.0
+    for step in range(warmup + steps):
+        if step == warmup:
+            started = time.perf_counter()
+        mask = torch.cat([mask, mask.new_ones((b, 1))], dim=1)
+        out = model(
+            input_ids=token[:, None],
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+        )
+        positions += 1
+        token = out.logits[:, -1].float().argmax(-1)
+        chosen.append(token)
+    elapsed = time.perf_counter() - started
+    return elapsed, torch.stack(chosen[warmup:], dim=1).tolist()
+
+
+@torch.inference_mode()
+def run_slots(forward: SlotForward, prompts: list[list[int]], steps: int, warmup: int):
+    """The compact forward's decode steps -> (seconds, greedy ids [B, steps])."""
+    slots = [forward.cache.allocate() for _ in prompts]
+    try:
+        logits = forward.prefill([Chunk(s, p) for s, p in zip(slots, prompts)])
+        token = logits.argmax(-1)
+        chosen, started = [], 0.0
+        for step in range(warmup + steps):
+            if step == warmup:
+                started = time.perf_counter()
+            token = forward.decode(slots, token).argmax(-1)
+            chosen.append(token)
+        elapsed = time.perf_counter() - started
+    finally:
+        for slot in slots:
+            forward.cache.free(slot)
+    return elapsed, torch.stack(chosen[warmup:], dim=1).tolist()
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of rows' greedy tokens equal up to the first difference, averaged over rows."""
+    same = []
+    for row_a, row_b in zip(a, b):
+        prefix = next((i for i, (x, y) in enumerate(zip(row_a, row_b)) if x != y), len(row_a))
+        same.append(prefix / len(row_a))
+    return statistics.mean(same)
+
+
+def main(cfg: BenchConfig) -> dict:
+    """Run every system at every batch size; print and return the figures."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
+    loaded = load_model(cfg.model, dtype=cfg.dtype)
+    max_len = cfg.prompt_tokens + cfg.warmup_steps + cfg.steps + 1
+    budget = CacheBudget(fraction=0.25)
+    started = time.monotonic()
+    forwards = {
+        "eager": SlotForward.create(
+            loaded, ForwardConfig(budget, max_len, max(cfg.batches), compile=False)
+        ),
+        "compiled": SlotForward.create(
+            loaded, ForwardConfig(budget, max_len, max(cfg.batches), compile=True)
+        ),
+    }
+    setup_s = time.monotonic() - started
+    result = {
+        "model": loaded.name,
+        "dtype": str(loaded.dtype),
+        "device": str(loaded.device),
+        "threads": torch.get_num_threads(),
+        "compile_seconds": forwards["compiled"].compile_seconds,
+        "setup_seconds": setup_s,
+        "config": {k: str(v) for k, v in cfg.__dict__.items()},
+        "batches": {},
+    }
+    for batch in cfg.batches:
+        prompts = prompt_ids(loaded, batch, cfg.prompt_tokens)
+        rates = {name: [] for name in SYSTEMS}
+        tokens = {}
+        for _ in range(cfg.rounds):
+            for name in SYSTEMS:
+                if name == "hf":
+                    seconds, ids = run_hf(loaded, prompts, cfg.steps, cfg.warmup_steps)
+                else:
+                    seconds, ids = run_slots(forwards[name], prompts, cfg.steps, cfg.warmup_steps)
+                rates[name].append(batch * cfg.steps / seconds)
+                tokens[name] = ids
+                print(f"  batch {batch} {name}: {rates[name][-1]:.1f} tok/s", flush=True)
+        medians = {name: statistics.median(r) for name, r in rates.items()}
+        result["batches"][batch] = {
+            "tokens_per_s": medians,
+            "rounds": rates,
+            "compiled_vs_hf": medians["compiled"] / medians["hf"],
+            "eager_vs_hf": medians["eager"] / medians["hf"],
+            "greedy_agreement_eager_vs_hf": agreement(tokens["eager"], tokens["hf"]),
+            "greedy_agreement_compiled_vs_hf": agreement(tokens["compiled"], tokens["hf"]),
+        }
+        print_batch(batch, result["batches"][batch])
+    if cfg.out:
+        cfg.out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def print_batch(batch: int, figures: dict) -> None:
+    """One line per system and the ratios."""
+    rates = figures["tokens_per_s"]
+    rounds = figures["rounds"]
+    for name in SYSTEMS:
+        spread = ", ".join(f"{r:.1f}" for r in rounds[name])
+        print(f"batch {batch:>3} {name:>9}: {rates[name]:8.1f} tok/s (rounds: {spread})")
+    print(
+        f"batch {batch:>3} ratios: eager/hf {figures['eager_vs_hf']:.2f}x, "
+        f"compiled/hf {figures['compiled_vs_hf']:.2f}x; greedy agreement with hf: "
+        f"eager {figures['greedy_agreement_eager_vs_hf']:.2f}, "
+        f"compiled {figures['greedy_agreement_compiled_vs_hf']:.2f}",
+        flush=True,
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> BenchConfig:
+    """Command line -> BenchConfig."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model", default=None, help="model folder, .gguf or hub id (default model)"
+    )
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=64, help="timed decode steps")
+    parser.add_argument("--warmup-steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's)"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    args = parser.parse_args(argv)
+    return BenchConfig(
+        model=args.model,
+        dtype=args.dtype,
+        batches=tuple(int(b) for b in args.batch.split(",")),
+        prompt_tokens=args.prompt_tokens,
+        steps=args.steps,
+        warmup_steps=args.warmup_steps,
+        rounds=args.rounds,
+        threads=args.threads,
+        out=args.out,
+    )
+
+
+if __name__ == "__main__":
+    main(parse_args())

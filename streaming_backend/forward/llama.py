@@ -1,0 +1,305 @@
+"""A compact forward pass for the Llama family over a per-slot KV cache.
+
+Supported: `llama` (Llama 2/3, SmolLM, SmolLM2, TinyLlama), `mistral` (sliding window as a mask)
+and `qwen2` (q/k/v biases, per-layer sliding window). Anything else raises UnsupportedModel and
+the caller keeps the Hugging Face forward. The weights are the Hugging Face model's own tensors
+(q/k/v and gate/up fused into one matmul each; the model's parameters are re-pointed at views of
+the fused tensors, so the weights are held once).
+
+One `forward` serves prefill and decode: N rows of T tokens each (decode is T = 1). Each row's
+new keys and values are written into the cache at their positions first, then every row attends
+over its slot's first `window` positions with a mask, so a slot's earlier positions (an earlier
+chunk, a reused prefix) are simply part of what it attends to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+# RoPE variants whose inverse frequencies are fixed at load (no position-dependent rescaling).
+STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+NO_WINDOW = 1 << 62  # "sliding window" of a full-attention layer
+
+
+class Rows(NamedTuple):
+    """One forward call's inputs: N rows of T tokens (decode: T = 1), all on the model's device."""
+
+    tokens: torch.Tensor  # [N, T] long
+    positions: torch.Tensor  # [N, T] long: each token's position in its slot (padding: 0)
+    write_slots: torch.Tensor  # [N, T] long: the slot its K/V is written to (padding: scratch)
+    read_slots: torch.Tensor  # [N] long: the slot each row attends over
+    last: torch.Tensor  # [N] long: index in T of the token whose logits are returned
+
+
+class Block(NamedTuple):
+    """One decoder layer's weights (q/k/v and gate/up fused); biases are None when absent."""
+
+    norm1: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [hidden, heads * head_dim]
+    o_bias: torch.Tensor | None
+    norm2: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor  # [hidden, intermediate]
+    down_bias: torch.Tensor | None
+
+
+class Dims(NamedTuple):
+    """The sizes one layer needs (plain ints: a compiled layer specialises on them)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+
+
+class UnsupportedModel(ValueError):
+    """The model is not one this forward implements; use the Hugging Face forward."""
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The sizes the forward and the slot cache need."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    max_positions: int
+    eps: float
+    windows: tuple[int, ...]  # per layer: sliding window length, NO_WINDOW for full attention
+
+    @property
+    def groups(self) -> int:
+        """Query heads per key/value head."""
+        return self.heads // self.kv_heads
+
+    @property
+    def dims(self) -> Dims:
+        """What `decoder_layer` needs to know."""
+        return Dims(self.heads, self.kv_heads, self.head_dim, self.eps)
+
+
+def model_shape(model: Any) -> LlamaShape:
+    """Read a Hugging Face model's sizes, or raise UnsupportedModel saying why."""
+    config = model.config
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED_TYPES:
+        raise UnsupportedModel(
+            f"the compact forward supports {', '.join(SUPPORTED_TYPES)}, not {kind!r}"
+        )
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise UnsupportedModel(f"activation {config.hidden_act!r} is not silu")
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") not in STATIC_ROPE_TYPES:
+        raise UnsupportedModel(f"RoPE type {rope.get('rope_type')!r} is not supported")
+    heads = config.num_attention_heads
+    return LlamaShape(
+        layers=config.num_hidden_layers,
+        hidden=config.hidden_size,
+        heads=heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        vocab=config.vocab_size,
+        max_positions=config.max_position_embeddings,
+        eps=config.rms_norm_eps,
+        windows=_layer_windows(config),
+    )
+
+
+def _layer_windows(config: Any) -> tuple[int, ...]:
+    """Sliding window per layer as the Hugging Face masks apply it (None -> full attention)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if config.model_type == "mistral" or layer_types is None:
+        return (window or NO_WINDOW,) * config.num_hidden_layers
+    return tuple(
+        (window or NO_WINDOW) if kind == "sliding_attention" else NO_WINDOW for kind in layer_types
+    )
+
+
+def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight [sum(out), in] (and bias) for several linears; theirs become views of it."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    has_bias = [lin.bias is not None for lin in linears]
+    if any(has_bias) and not all(has_bias):
+        raise UnsupportedModel("a fused projection mixes biased and unbiased linears")
+    bias = torch.cat([lin.bias.detach() for lin in linears]) if all(has_bias) else None
+    start = 0
+    for lin in linears:  # hold the weights once: the Hugging Face modules read the same memory
+        end = start + lin.weight.shape[0]
+        lin.weight.data = weight[start:end]
+        if bias is not None:
+            lin.bias.data = bias[start:end]
+        start = end
+    return weight, bias
+
+
+def _param(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()
+
+
+class CompactLlama(nn.Module):
+    """The forward pass of a loaded Llama-family model, reading and writing a slot KV cache."""
+
+    def __init__(self, model: Any):
+        super().__init__()
+        self.shape = model_shape(model)
+        inner = model.model
+        self.embed = inner.embed_tokens.weight.detach()  # [V, hidden]
+        self.head = model.lm_head.weight.detach()  # [V, hidden]; tied models share the tensor
+        self.final_norm = inner.norm.weight.detach()
+        self.blocks = [_block(layer) for layer in inner.layers]
+        self.cos, self.sin = _rope_tables(inner.rotary_emb, self.shape, self.embed.dtype)
+
+    def forward(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        rows: Rows,
+        window: int,
+        layer: Callable[..., torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Run N rows of T tokens; return the logits [N, V] (fp32) of each row's `last` token.
+
+        k_cache, v_cache: [layers, slots, kv_heads, max_len, head_dim], written in place at
+        (write_slots, positions). `window` >= the largest position + 1: each row attends over
+        positions [0, window) of its slot, masked to those <= its own (and in its sliding window).
+        `layer` replaces `decoder_layer` (a compiled copy of it).
+        """
+        layer = layer or decoder_layer
+        n = rows.tokens.shape[0]
+        device = rows.tokens.device
+        x = F.embedding(rows.tokens, self.embed)  # [N, T, hidden]
+        cos = self.cos[rows.positions][:, None]  # [N, 1, T, head_dim]
+        sin = self.sin[rows.positions][:, None]
+        key_pos = torch.arange(window, device=device)
+        distance = rows.positions[:, :, None] - key_pos[None, None, :]  # [N, T, W]
+        windows = self.shape.windows
+        masks = {w: self._grouped((distance >= 0) & (distance < w)) for w in set(windows)}
+        dims = self.shape.dims
+        for index, block in enumerate(self.blocks):
+            mask = masks[windows[index]]
+            kv = (k_cache[index], v_cache[index])
+            x = layer(
+                x,
+                block,
+                kv,
+                cos,
+                sin,
+                mask,
+                rows.write_slots,
+                rows.positions,
+                rows.read_slots,
+                window,
+                dims,
+            )
+        x = x[torch.arange(n, device=device), rows.last]  # [N, hidden]
+        x = rms_norm(x, self.final_norm, self.shape.eps)
+        return F.linear(x, self.head).float()  # [N, V]
+
+    def _grouped(self, mask: torch.Tensor) -> torch.Tensor:
+        """[N, T, W] -> [N, 1, groups * T, W]: one mask row per (query head of a group, token)."""
+        n, t, w = mask.shape
+        return mask[:, None, None].expand(n, 1, self.shape.groups, t, w).reshape(n, 1, -1, w)
+
+
+def _block(layer: Any) -> Block:
+    """A Hugging Face decoder layer's weights, q/k/v and gate/up fused."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+    gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
+    return Block(
+        norm1=layer.input_layernorm.weight.detach(),
+        qkv=qkv,
+        qkv_bias=qkv_bias,
+        o=attn.o_proj.weight.detach(),
+        o_bias=_param(attn.o_proj.bias),
+        norm2=layer.post_attention_layernorm.weight.detach(),
+        gate_up=gate_up,
+        gate_up_bias=gate_up_bias,
+        down=mlp.down_proj.weight.detach(),
+        down_bias=_param(mlp.down_proj.bias),
+    )
+
+
+def _rope_tables(rotary: Any, shape: LlamaShape, dtype: torch.dtype):
+    """cos, sin [max_positions, head_dim], computed as Hugging Face does (fp32, then cast)."""
+    inv_freq = rotary.inv_freq.float()  # [head_dim / 2]
+    positions = torch.arange(shape.max_positions, device=inv_freq.device).float()
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    scale = rotary.attention_scaling
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def decoder_layer(
+    x: torch.Tensor,  # [N, T, hidden]
+    block: Block,
+    kv: tuple[torch.Tensor, torch.Tensor],  # this layer's K, V [slots, kv_heads, max_len, D]
+    cos: torch.Tensor,  # [N, 1, T, head_dim]
+    sin: torch.Tensor,
+    mask: torch.Tensor,  # [N, 1, groups * T, W] bool, True = attend
+    write_slots: torch.Tensor,  # [N, T]: see Rows
+    positions: torch.Tensor,  # [N, T]
+    read_slots: torch.Tensor,  # [N]
+    window: int,
+    dims: Dims,
+) -> torch.Tensor:
+    """One decoder layer (the unit torch.compile compiles once and reuses for every layer)."""
+    h = rms_norm(x, block.norm1, dims.eps)
+    where = (write_slots, positions, read_slots, window)
+    x = x + attention(h, block, kv, cos, sin, mask, where, dims)
+    h = rms_norm(x, block.norm2, dims.eps)
+    gate, up = F.linear(h, block.gate_up, block.gate_up_bias).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, block.down, block.down_bias)
+
+
+def attention(h, block: Block, kv, cos, sin, mask, where, dims: Dims) -> torch.Tensor:
+    """Self-attention of one layer: write this step's K/V into the cache, then attend over it."""
+    n, t, _ = h.shape
+    k_layer, v_layer = kv
+    write_slots, positions, read_slots, window = where
+    q_size, kv_size = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
+    qkv = F.linear(h, block.qkv, block.qkv_bias)  # [N, T, (H + 2 Hkv) D]
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.view(n, t, dims.heads, dims.head_dim).transpose(1, 2)  # [N, H, T, D]
+    k = k.view(n, t, dims.kv_heads, dims.head_dim).transpose(1, 2)  # [N, Hkv, T, D]
+    q = q * cos + _rotate_half(q) * sin
+    k = (k * cos + _rotate_half(k) * sin).transpose(1, 2)  # [N, T, Hkv, D]
+    v = v.view(n, t, dims.kv_heads, dims.head_dim)  # [N, T, Hkv, D]
+    # write first (padding tokens go to the scratch slot), then read the slots' windows
+    k_layer[write_slots, :, positions] = k  # the indexed view is [N, T, Hkv, D]
+    v_layer[write_slots, :, positions] = v
+    keys = k_layer[read_slots, :, :window]  # [N, Hkv, W, D]
+    values = v_layer[read_slots, :, :window]
+    # grouped-query attention without repeating K/V: the query heads that share a key/value
+    # head are stacked along the query axis -> [N, Hkv, groups * T, D]
+    groups = dims.heads // dims.kv_heads
+    q = q.reshape(n, dims.kv_heads, groups * t, dims.head_dim)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    out = out.reshape(n, dims.heads, t, dims.head_dim).transpose(1, 2).reshape(n, t, q_size)
+    return F.linear(out, block.o, block.o_bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's Llama RMSNorm: normalise in fp32, cast back, then scale."""
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,164 @@
+"""The engine's entry points to the compact forward: prefill chunks and decode steps on slots.
+
+    fwd = SlotForward.create(loaded, ForwardConfig(budget=CacheBudget(fraction=0.5)))
+    slot = fwd.cache.allocate()
+    logits = fwd.prefill([Chunk(slot, prompt_ids)])        # [1, V] fp32, next-token logits
+    logits = fwd.decode([slot], next_ids)                   # next_ids: [1] long on the device
+    fwd.cache.free(slot)
+
+A chunk is written at its slot's next free positions, so a long prompt can be prefilled in
+several chunks, and a slot whose first N positions were filled otherwise (a prefix cache:
+`cache.copy_prefix(source, slot, N)`) just has `cache.lengths[slot] == N` before its first chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from streaming_backend.forward.buckets import window_for
+from streaming_backend.forward.llama import CompactLlama, Rows
+from streaming_backend.forward.slots import CacheBudget, SlotCache
+from streaming_backend.loading import LoadedModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    """How the compact forward runs."""
+
+    budget: CacheBudget = field(default_factory=lambda: CacheBudget(fraction=0.5))
+    max_len: int | None = None  # positions per slot; None = the model's context length
+    max_slots: int | None = None  # at most this many slots even when the budget holds more
+    # torch.compile the decode step (eager with a log line on failure). Off by default: on the
+    # shared 2-core CPU it compiled in 0.5-5 min, was slower than eager at batch 1 and only
+    # sometimes faster at batch 16 (scripts/forward_bench.py); on where a measurement says so.
+    compile: bool = False
+    # On CUDA: capture the decode step as CUDA graphs per batch-size bucket. Off until the path
+    # has run on a GPU (it is written but has never been executed).
+    cuda_graphs: bool = False
+
+
+class Chunk(NamedTuple):
+    """Prompt tokens to append to a slot, at positions lengths[slot], lengths[slot] + 1, ..."""
+
+    slot: int
+    tokens: Sequence[int]
+
+
+DecodeFn = Callable[[torch.Tensor, torch.Tensor, Rows, int], torch.Tensor]
+
+
+class SlotForward:
+    """A compact Llama forward bound to its slot cache, with a compiled or graphed decode step."""
+
+    def __init__(self, model: CompactLlama, cache: SlotCache, device: torch.device):
+        self.model = model
+        self.cache = cache
+        self.device = device
+        self._decode_fn: DecodeFn = model  # replaced by a compiled or graphed step at setup
+        self._zeros = torch.zeros(cache.slots + 1, dtype=torch.long, device=device)
+        self.compile_seconds: float | None = None
+
+    @classmethod
+    def create(cls, loaded: LoadedModel, config: ForwardConfig) -> SlotForward:
+        """Build the forward for a loaded model (UnsupportedModel if not Llama-family)."""
+        model = CompactLlama(loaded.model)
+        max_len = min(config.max_len or loaded.context_length, model.shape.max_positions)
+        cache = SlotCache.for_budget(
+            model.shape, max_len, loaded.dtype, loaded.device, config.budget, config.max_slots
+        )
+        forward = cls(model, cache, loaded.device)
+        forward._set_up_decode(config)
+        return forward
+
+    def _set_up_decode(self, config: ForwardConfig) -> None:
+        """Pick the fastest decode step that works here, warmed up now rather than mid-stream."""
+        from streaming_backend.forward import compiled
+
+        if self.device.type == "cuda" and config.cuda_graphs:
+            self._decode_fn, self.compile_seconds = compiled.graph_decode(
+                self.model, self.cache, self.scratch_rows
+            )
+        elif config.compile:
+            self._decode_fn, self.compile_seconds = compiled.compile_decode(
+                self.model, self.cache, self.scratch_rows
+            )
+
+    @torch.inference_mode()
+    def prefill(self, chunks: Sequence[Chunk]) -> torch.Tensor:
+        """Append each chunk to its slot; return the logits [N, V] (fp32) after its last token."""
+        if not chunks:
+            raise ValueError("prefill needs at least one chunk")
+        _check_distinct([c.slot for c in chunks])
+        starts = [self.cache.lengths[c.slot] for c in chunks]
+        for chunk in chunks:
+            if not chunk.tokens:
+                raise ValueError(f"empty prefill chunk for slot {chunk.slot}")
+            self.cache.check_room(chunk.slot, len(chunk.tokens))
+        rows = self._prefill_rows(chunks, starts)
+        window = window_for(
+            max(s + len(c.tokens) for s, c in zip(starts, chunks)), self.cache.max_len
+        )
+        logits = self.model(self.cache.k, self.cache.v, rows, window)
+        for start, chunk in zip(starts, chunks):
+            self.cache.lengths[chunk.slot] = start + len(chunk.tokens)
+        return logits
+
+    def _prefill_rows(self, chunks: Sequence[Chunk], starts: list[int]) -> Rows:
+        """Right-padded rows [N, T]; padding tokens write to the scratch slot at position 0."""
+        n, t = len(chunks), max(len(c.tokens) for c in chunks)
+        tokens = torch.zeros((n, t), dtype=torch.long)
+        positions = torch.zeros((n, t), dtype=torch.long)
+        write_slots = torch.full((n, t), self.cache.scratch, dtype=torch.long)
+        for row, (start, chunk) in enumerate(zip(starts, chunks)):
+            size = len(chunk.tokens)
+            tokens[row, :size] = torch.as_tensor(chunk.tokens, dtype=torch.long)
+            positions[row, :size] = torch.arange(start, start + size)
+            write_slots[row, :size] = chunk.slot
+        read_slots = torch.tensor([c.slot for c in chunks], dtype=torch.long)
+        last = torch.tensor([len(c.tokens) - 1 for c in chunks], dtype=torch.long)
+        to = self.device
+        return Rows(
+            tokens.to(to), positions.to(to), write_slots.to(to), read_slots.to(to), last.to(to)
+        )
+
+    @torch.inference_mode()
+    def decode(self, slots: Sequence[int], tokens: torch.Tensor) -> torch.Tensor:
+        """One new token per slot (tokens [B] long, on the device); return logits [B, V] fp32."""
+        if len(slots) != tokens.shape[0]:
+            raise ValueError(f"{len(slots)} slots but {tokens.shape[0]} tokens")
+        _check_distinct(slots)
+        lengths = [self.cache.lengths[s] for s in slots]
+        for slot in slots:
+            self.cache.check_room(slot, 1)
+        rows = self.decode_rows(slots, lengths, tokens)
+        window = window_for(max(lengths) + 1, self.cache.max_len)
+        logits = self._decode_fn(self.cache.k, self.cache.v, rows, window)
+        for slot in slots:
+            self.cache.lengths[slot] += 1
+        return logits
+
+    def decode_rows(self, slots: Sequence[int], lengths: Sequence[int], tokens: torch.Tensor):
+        """The Rows of a decode step (also used to warm up: same strides, no recompilation)."""
+        # one host-to-device copy per step: the slots and their positions
+        index = torch.tensor([list(slots), list(lengths)], dtype=torch.long).to(self.device)
+        slot_ids, positions = index[0], index[1]
+        last = self._zeros[: len(slots)]
+        return Rows(tokens[:, None], positions[:, None], slot_ids[:, None], slot_ids, last)
+
+    def scratch_rows(self, batch: int) -> Rows:
+        """Decode rows of `batch` tokens that only touch the scratch slot (warm-up, padding)."""
+        scratch = [self.cache.scratch] * batch
+        return self.decode_rows(scratch, [0] * batch, self._zeros[:batch])
+
+
+def _check_distinct(slots: Sequence[int]) -> None:
+    """A slot appears at most once per call (two rows would write the same positions)."""
+    if len(set(slots)) != len(slots):
+        raise ValueError(f"a slot appears twice in one step: {list(slots)}")
