@@ -235,9 +235,10 @@ class TritonPythonModel:
     def _handle(self, item) -> None:
         """One outbox item: a refusal, a control request or a token event."""
         if isinstance(item, _Rejected):
-            _send_error(item.sender, item.error)
+            # counted before the answer: a client that sees its refusal sees it counted
             self._count("rejected")
             self._quietly(self.metrics.rejected.increment, 1)
+            _send_error(item.sender, item.error)
         elif isinstance(item, _Control):
             self._answer_control(item)
         elif isinstance(item, TokenEvent):
