@@ -22,6 +22,7 @@ class TokenEvent:
     submitted_ns: int  # time.monotonic_ns() when the request was submitted
     scheduled_ns: int  # when its prefill started (0 if it never started)
     emitted_ns: int  # when this event's token existed
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not recomputed)
     logprobs: tuple[float, ...] | None = None  # log-probability of each of token_ids, when asked
     finish_reason: FinishReason | None = None
     error: StreamingError | None = None

@@ -172,6 +172,7 @@ class ServerTiming:
     prefill_start_ns: int  # its prefill started (0 before it did)
     emitted_ns: int  # this response's token existed
     wall_minus_monotonic_ns: int = 0  # maps the stamps onto wall time (clients on other hosts)
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache (not prefilled again)
 
     def to_json(self) -> str:
         """The TIMING tensor's text."""
@@ -189,6 +190,7 @@ class ServerTiming:
             prefill_start_ns=int(d["prefill_start_ns"]),
             emitted_ns=int(d["emitted_ns"]),
             wall_minus_monotonic_ns=int(d.get("wall_minus_monotonic_ns", 0)),
+            cached_tokens=int(d.get("cached_tokens", 0)),
         )
 
     @staticmethod

@@ -87,4 +87,5 @@ class ResponseBuilder:
             prefill_start_ns=event.scheduled_ns,
             emitted_ns=event.emitted_ns,
             wall_minus_monotonic_ns=ServerTiming.wall_offset_ns(),
+            cached_tokens=event.cached_tokens,
         ).to_json()
