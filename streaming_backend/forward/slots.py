@@ -11,6 +11,7 @@ reused prefix or an earlier prompt chunk simply starts at length N.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -85,8 +86,8 @@ class SlotCache:
         if slots < 1 or max_len < 1:
             raise ValueError(f"need at least one slot and one position, not {slots}, {max_len}")
         size = (shape.layers, slots + 1, shape.kv_heads, max_len, shape.head_dim)
-        self.k = torch.zeros(size, dtype=dtype, device=device)
-        self.v = torch.zeros(size, dtype=dtype, device=device)
+        self.k = _zeroed(size, dtype, device)
+        self.v = _zeroed(size, dtype, device)
         self.slots = slots
         self.max_len = max_len
         self.scratch = slots  # the extra slot that padding rows write into
@@ -135,6 +136,12 @@ class SlotCache:
         self.v[:, target, :, :length] = self.v[:, source, :, :length]
         self.lengths[target] = length
 
+    def truncate(self, slot: int, length: int) -> None:
+        """Keep only the first `length` positions of a held slot (the rest is overwritten later)."""
+        if not 0 <= length <= self.lengths[slot]:
+            raise ValueError(f"slot {slot} holds {self.lengths[slot]} positions, not {length}")
+        self.lengths[slot] = length
+
     def check_room(self, slot: int, new_tokens: int) -> None:
         """Raise ValueError when `new_tokens` more positions would not fit in `slot`."""
         if self.lengths[slot] + new_tokens > self.max_len:
@@ -142,3 +149,21 @@ class SlotCache:
                 f"slot {slot} holds {self.lengths[slot]} positions; {new_tokens} more exceed "
                 f"the cache's context of {self.max_len}"
             )
+
+
+# Above this size a CPU allocation is a fresh anonymous mapping (glibc's mmap threshold is at most
+# 32 MiB): the OS hands out zero pages, resident only once written.
+LAZY_ZERO_BYTES = 64 * 2**20
+
+
+def _zeroed(size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; a large one on the CPU stays unresident until its positions are written.
+
+    Writing the zeros (torch.zeros) would make the whole budget resident at start, although most
+    slots only ever hold short conversations. Masked positions are read by attention, so they
+    must hold finite values: the OS's zero pages do.
+    """
+    element = torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or math.prod(size) * element < LAZY_ZERO_BYTES:
+        return torch.zeros(size, dtype=dtype, device=device)
+    return torch.empty(size, dtype=dtype, device=device)
