@@ -8,7 +8,6 @@ row with its own settings and hands out one `TokenEvent` per stream through that
 from __future__ import annotations
 
 import collections
-import inspect
 import itertools
 import logging
 import queue
@@ -20,14 +19,15 @@ from typing import Protocol
 
 import torch
 
-from streaming_backend import kvcache, sampling
-from streaming_backend.batch import RunningBatch
+from streaming_backend import sampling
 from streaming_backend.config import EngineConfig
 from streaming_backend.detokenize import IncrementalDetokenizer
 from streaming_backend.errors import EngineStopped, InvalidRequest, Overloaded, StreamingError
 from streaming_backend.events import FinishReason, TokenEvent
 from streaming_backend.loading import LoadedModel
 from streaming_backend.settings import SamplingSettings
+from streaming_backend.steps import Steps
+from streaming_backend.steps.build import build_steps
 from streaming_backend.stopping import StopStringMatcher, check_stop
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,7 @@ class _Stream:
     matcher: StopStringMatcher
     output_ids: list[int] = field(default_factory=list)
     scheduled_ns: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     ended: bool = False  # its final event went out: it must never get a second one
 
     @property
@@ -108,7 +109,8 @@ class Engine:
         self.config = config or EngineConfig()
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Stream] = collections.deque()
-        self._batch: RunningBatch[_Stream] = RunningBatch()  # owned by the engine thread
+        # the live streams and the forward they run on; owned by the engine thread
+        self._steps: Steps[_Stream] = build_steps(loaded, self.config, self._prefill_failed)
         self._stopping = False
         self._failed_steps = 0  # consecutive steps that raised
         self._fault: str | None = None  # why the engine is unhealthy; None while healthy
@@ -116,9 +118,6 @@ class Engine:
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="streaming-engine", daemon=True)
         self._vocab_size = int(loaded.model.get_input_embeddings().weight.shape[0])
-        forward_params = inspect.signature(loaded.model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
-        self._pad_id = next(iter(sorted(loaded.eos_ids)), 0)
 
     # ---- public API (any thread) -------------------------------------------------------------
 
@@ -135,8 +134,13 @@ class Engine:
 
     @property
     def live_streams(self) -> int:
-        """Streams in the running batch."""
-        return len(self._batch)
+        """Streams admitted to the model (prefilling or decoding)."""
+        return len(self._steps.live())
+
+    @property
+    def forward(self) -> str:
+        """The forward the streams run on: "compact" or "hf"."""
+        return self._steps.name
 
     @property
     def waiting_streams(self) -> int:
@@ -228,16 +232,15 @@ class Engine:
                 if new is None:
                     break
                 try:
-                    self._drop_cancelled()
-                    for group in length_groups(new, self.config.max_padding):
-                        self._prefill_group(group)  # each group's first tokens go out at once
-                    if self._batch.rows:
+                    self._steps.admit(self._drop_cancelled(new))
+                    self._prefill_step()
+                    if self._steps.decoding():
                         self._decode_step()
                     self._failed_steps = 0
                 except Exception as exc:  # a bug must not kill the thread: fail the batch
                     log.exception("engine step failed")
                     self._note_failure(exc)
-                    self._fail(self._batch.clear(), exc)
+                    self._fail(self._steps.clear(), exc)
         self._shutdown_streams()
 
     def _note_failure(self, exc: Exception) -> None:
@@ -263,98 +266,54 @@ class Engine:
     def _admit(self) -> list[_Stream] | None:
         """Take waiting requests into free slots (blocks while idle); None when stopping."""
         with self._cond:
-            while not self._stopping and not self._waiting and not self._batch.rows:
+            while not self._stopping and not self._waiting and not self._steps.live():
                 self._cond.wait()
             if self._stopping:
                 return None
             new, tokens = [], 0
-            free = self.config.max_streams - len(self._batch)
+            free = self._steps.capacity()
+            limit = self._steps.prompt_tokens_per_step
             while self._waiting and len(new) < free:
                 size = len(self._waiting[0].prompt_ids)
-                if new and tokens + size > self.config.max_prefill_tokens:
+                if new and limit is not None and tokens + size > limit:
                     break
                 new.append(self._waiting.popleft())
                 tokens += size
         return new
 
-    def _drop_cancelled(self) -> None:
-        """End cancelled streams, waiting or live, and free their rows."""
+    def _drop_cancelled(self, new: list[_Stream]) -> list[_Stream]:
+        """End cancelled streams, waiting, new or live, and free their rows; return new's others."""
         with self._cond:
-            cancelled = [s for s in self._waiting if s.handle.cancelled]
-            for stream in cancelled:
+            waiting = [s for s in self._waiting if s.handle.cancelled]
+            for stream in waiting:
                 self._waiting.remove(stream)
-        live = [s for s in self._batch.rows if s.handle.cancelled]
-        for stream in cancelled + live:
+        live = [s for s in self._steps.live() if s.handle.cancelled]
+        fresh = [s for s in new if s.handle.cancelled]
+        for stream in waiting + fresh + live:
             self._finish(stream, FinishReason.CANCELLED, "")
-        self._batch.remove(live)
+        self._steps.remove(live)
+        return [s for s in new if not s.handle.cancelled]
 
-    def _prefill_group(self, streams: list[_Stream]) -> None:
-        """Prefill new streams together; if that fails, alone, so only a bad one fails."""
-        alive = [s for s in streams if not s.handle.cancelled]
-        for stream in streams:
-            if stream.handle.cancelled:
-                self._finish(stream, FinishReason.CANCELLED, "")
-        if not alive:
-            return
-        try:
-            cache, logits, positions = self._prefill(alive)
-        except Exception as exc:
-            if len(alive) == 1:
-                log.exception("prefill failed for %s", alive[0].handle.request_id)
-                self._fail(alive, exc)
-                self._check_poison(exc)
-                return
-            for stream in alive:  # split and retry: only the bad prompt fails
-                self._prefill_group([stream])
-            return
-        self._batch.add(alive, cache, positions)
-        if self.config.test_first_token_delay_s:
-            _pace_until(alive[0].scheduled_ns, self.config.test_first_token_delay_s)
-        params = sampling.BatchSampling.from_settings([s.settings for s in alive], logits.device)
-        self._emit(alive, logits, params)
+    def _prefill_step(self) -> None:
+        """Prefill what this step's budget allows; streams whose prompt is done get a token."""
+        for ready in self._steps.prefill():
+            if self.config.test_first_token_delay_s:
+                _pace_until(ready.streams[0].scheduled_ns, self.config.test_first_token_delay_s)
+            settings = [s.settings for s in ready.streams]
+            params = sampling.BatchSampling.from_settings(settings, ready.logits.device)
+            self._emit(ready.streams, ready.logits, params)
 
-    def _prefill(self, streams: list[_Stream]):
-        """One forward pass over left-padded prompts -> (cache, last logits [N, V], positions)."""
-        now = time.monotonic_ns()
-        for stream in streams:
-            stream.scheduled_ns = now
-        device = self.loaded.device
-        length = max(len(s.prompt_ids) for s in streams)
-        ids = torch.full((len(streams), length), self._pad_id, dtype=torch.long)
-        mask = torch.zeros((len(streams), length), dtype=torch.long)
-        for row, stream in enumerate(streams):
-            n = len(stream.prompt_ids)
-            ids[row, length - n :] = torch.tensor(stream.prompt_ids)
-            mask[row, length - n :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [N, L]; padding gets position 0
-        cache = kvcache.DynamicCache()
-        out = self.loaded.model(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            position_ids=positions.to(device),
-            use_cache=True,
-            logits_to_keep=1,
-            **{self._cache_kwarg: cache},
-        )
-        logits = out.logits[:, -1, :].float()  # [N, V]
-        return kvcache.BatchCache(cache, mask.to(device)), logits, mask.sum(-1)
+    def _prefill_failed(self, streams: list[_Stream], exc: Exception) -> None:
+        """A prompt whose prefill failed alone: that stream ends with the error."""
+        self._fail(streams, exc)
+        self._check_poison(exc)
 
     def _decode_step(self) -> None:
-        """One forward pass for every live stream, one new token each."""
-        batch = self._batch
-        inputs = batch.decode_inputs(self.loaded.device)
-        out = self.loaded.model(
-            input_ids=inputs.input_ids,
-            attention_mask=inputs.attention_mask,
-            position_ids=inputs.position_ids,
-            use_cache=True,
-            **{self._cache_kwarg: batch.cache.cache},
-        )
-        batch.advance(inputs)
+        """One forward pass for every decoding stream, one new token each."""
+        step = self._steps.decode()
         if self.config.test_token_delay_s:
             _pace_until(self._last_emit_ns, self.config.test_token_delay_s)
-        logits = out.logits[:, -1, :].float()  # [B, V]
-        self._emit(list(batch.rows), logits, batch.sampling_params(logits.device))
+        self._emit(step.streams, step.logits, step.params)
 
     # ---- sampling and events -------------------------------------------------------------------
 
@@ -380,7 +339,7 @@ class Engine:
             except Exception as exc:  # one stream's failure must not end the others
                 log.exception("stream %s failed", stream.handle.request_id)
                 self._fail([stream], exc)
-        self._batch.remove(done)
+        self._steps.remove(done)
 
     def _process_logits(self, streams: list[_Stream], logits: torch.Tensor) -> torch.Tensor:
         """Repetition penalty and EOS suppression (min_tokens) before sampling."""
@@ -441,6 +400,7 @@ class Engine:
             submitted_ns=stream.submitted_ns,
             scheduled_ns=stream.scheduled_ns,
             emitted_ns=emitted_ns,
+            cached_tokens=stream.cached_tokens,
             logprobs=logprobs,
             finish_reason=reason,
             error=error,
@@ -472,32 +432,15 @@ class Engine:
         )
         for stream in streams:
             self._finish(stream, FinishReason.ERROR, "", error)
-        self._batch.remove(streams)
+        self._steps.remove(streams, keep=False)
 
     def _shutdown_streams(self) -> None:
         """On shutdown: every waiting and live stream ends with CANCELLED."""
         with self._cond:
             waiting, self._waiting = list(self._waiting), collections.deque()
         error = EngineStopped("the server is shutting down")
-        for stream in waiting + self._batch.clear():
+        for stream in waiting + self._steps.clear():
             self._finish(stream, FinishReason.CANCELLED, "", error)
-
-
-def length_groups(streams: list[_Stream], max_padding: float) -> list[list[_Stream]]:
-    """Split prompts, shortest first, into groups whose padding stays under max_padding."""
-    groups: list[list[_Stream]] = []
-    real = 0
-    for stream in sorted(streams, key=lambda s: len(s.prompt_ids)):
-        n = len(stream.prompt_ids)
-        group = groups[-1] if groups else None
-        # Sorted ascending, so the newest prompt is the longest: every row pads to n.
-        if group and n * (len(group) + 1) <= (1 + max_padding) * (real + n):
-            group.append(stream)
-            real += n
-        else:
-            groups.append([stream])
-            real = n
-    return groups
 
 
 def _pace_until(start_ns: int, delay_s: float) -> None:

@@ -99,6 +99,9 @@ def model_shape(model: Any) -> LlamaShape:
         raise UnsupportedModel(
             f"the compact forward supports {', '.join(SUPPORTED_TYPES)}, not {kind!r}"
         )
+    hooked = [name for name, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+    if hooked:
+        raise UnsupportedModel(f"forward hooks on {hooked[:3]} would be skipped")
     if getattr(config, "hidden_act", "silu") != "silu":
         raise UnsupportedModel(f"activation {config.hidden_act!r} is not silu")
     rope = getattr(config, "rope_parameters", None) or {}

@@ -8,11 +8,13 @@ import statistics
 import threading
 from dataclasses import replace
 
+import faults
 import pytest
 import torch
 from conftest import wait_for
 
 from streaming_backend.engine import Engine, EngineConfig
+from streaming_backend.steps.hf import length_groups
 from streaming_backend.errors import EngineStopped, InvalidRequest, Overloaded
 from streaming_backend.events import FinishReason
 from streaming_backend.prompts import encode_prompt
@@ -21,9 +23,14 @@ from streaming_backend.settings import SamplingSettings
 GREEDY = SamplingSettings(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture
-def engine(tiny_loaded):
-    with Engine(tiny_loaded, EngineConfig(max_streams=8, queue_limit=8)) as eng:
+FORWARDS = ("compact", "hf")
+
+
+@pytest.fixture(params=FORWARDS)
+def engine(tiny_loaded, request):
+    """An engine on each forward: every test using it runs on both."""
+    config = EngineConfig(max_streams=8, queue_limit=8, forward=request.param)
+    with Engine(tiny_loaded, config) as eng:
         yield eng
 
 
@@ -189,7 +196,7 @@ def test_cancel_frees_the_slot(tiny_loaded):
         assert tail[-1].finish_reason is FinishReason.CANCELLED
         assert tail[-1].num_output_tokens < 200
         assert list(waiting)[-1].finish_reason is FinishReason.LENGTH
-        wait_for(lambda: engine.live_streams == 0 and engine._batch.cache is None)
+        wait_for(lambda: engine.live_streams == 0)
 
 
 def test_cancel_while_waiting(tiny_loaded):
@@ -231,6 +238,7 @@ class FailingEngine(Engine):
         super().__init__(*args, **kwargs)
         self.gate = threading.Event()
         self.prefills: list[list[str]] = []  # request ids of each prefill attempt
+        faults.on_prefill(self, self._prefill_pass)
 
     def _admit(self):
         self.gate.wait()
@@ -241,19 +249,19 @@ class FailingEngine(Engine):
             raise RuntimeError("boom")
         return super()._advance(stream, token, logprobs, emitted_ns)
 
-    def _prefill(self, streams):
-        self.prefills.append([s.handle.request_id for s in streams])
-        if any(s.handle.request_id == "bad-prefill" for s in streams):
+    def _prefill_pass(self, request_ids):
+        self.prefills.append(request_ids)
+        if "bad-prefill" in request_ids:
             raise RuntimeError("prefill boom")
-        return super()._prefill(streams)
 
 
-def test_one_failing_request_does_not_stop_the_others(tiny_loaded):
+@pytest.mark.parametrize("forward", FORWARDS)
+def test_one_failing_request_does_not_stop_the_others(tiny_loaded, forward):
     """A failure in one stream (decode or prefill) ends it with an error; the rest complete.
 
     The four arrive together: their joint prefill fails, and each is retried alone.
     """
-    with FailingEngine(tiny_loaded) as engine:
+    with FailingEngine(tiny_loaded, EngineConfig(forward=forward)) as engine:
         prompt = _prompt(tiny_loaded, "hello")
         handles = {
             rid: engine.submit(prompt, GREEDY, request_id=rid)
@@ -382,7 +390,7 @@ def test_test_delays_pace_tokens(tiny_loaded):
 )
 def test_length_groups_bound_padding(tiny_loaded, lengths, groups):
     """Prompts are prefilled shortest first, in groups that waste little compute on padding."""
-    from streaming_backend.engine import _Stream, length_groups
+    from streaming_backend.engine import _Stream
 
     streams = [
         _Stream(None, [1] * n, SamplingSettings(), False, 0, None, None, None) for n in lengths

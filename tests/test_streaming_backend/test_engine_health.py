@@ -6,6 +6,7 @@ from __future__ import annotations
 import queue
 import threading
 
+import faults
 import pytest
 from conftest import wait_for
 
@@ -27,16 +28,16 @@ class FaultyEngine(Engine):
         self.failing = threading.Event()
         self.error: Exception = RuntimeError("boom")
         self.prefill_fails = True  # False: only decode steps fail
+        faults.on_prefill(self, self._prefill_pass)
 
     def _decode_step(self):
         if self.failing.is_set():
             raise self.error
         super()._decode_step()
 
-    def _prefill(self, streams):
+    def _prefill_pass(self, request_ids):
         if self.failing.is_set() and self.prefill_fails:
             raise self.error
-        return super()._prefill(streams)
 
 
 def _final(handle, timeout: float = 30.0):

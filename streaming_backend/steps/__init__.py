@@ -1,0 +1,74 @@
+"""How the engine's streams reach the model: prefill and decode over one forward pass per step.
+
+`hf.HfSteps`: the Hugging Face forward, any causal LM; whole prompts prefilled in length groups,
+a DynamicCache whose rows are concatenated and selected as streams join and leave.
+`slots.SlotSteps`: the compact Llama-family forward over a preallocated per-slot KV cache, with
+chunked prefill under a per-step token budget and prefix reuse across requests.
+
+Both take streams from the engine (`admit`), prefill them (`prefill` yields each group of streams
+whose prompt is done, with their next-token logits), step the decoding rows (`decode`) and free
+a stream's row when it ends (`remove`). Sampling, events and errors stay in the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterator
+from typing import NamedTuple, Protocol, TypeVar
+
+import torch
+
+from streaming_backend import sampling
+from streaming_backend.settings import SamplingSettings
+
+
+class Stream(Protocol):
+    """What the steps need of a stream (the engine's `_Stream`)."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    settings: SamplingSettings
+    scheduled_ns: int  # set when its prefill starts
+    cached_tokens: int  # set at admission: prompt tokens reused from the prefix cache
+
+
+S = TypeVar("S", bound=Stream)
+
+OnFailure = Callable[[list, Exception], None]  # streams whose prefill failed, and why
+
+
+class Prefilled(NamedTuple):
+    """Streams whose whole prompt is in the cache, with their next-token logits [N, V] fp32."""
+
+    streams: list
+    logits: torch.Tensor
+
+
+class Decoded(NamedTuple):
+    """One decode step: the rows in order, their logits [B, V] fp32 and sampling parameters."""
+
+    streams: list
+    logits: torch.Tensor
+    params: sampling.BatchSampling
+
+
+class Steps(Protocol[S]):
+    """A forward path's stream bookkeeping (see the module docstring)."""
+
+    name: str
+    prompt_tokens_per_step: int | None  # admission cap on prompt tokens; None: prefill is chunked
+
+    def capacity(self) -> int: ...  # streams that can be admitted now
+
+    def live(self) -> list[S]: ...  # every admitted stream, prefilling or decoding
+
+    def admit(self, streams: list[S]) -> None: ...
+
+    def prefill(self) -> Iterator[Prefilled]: ...
+
+    def decoding(self) -> bool: ...  # True when a decode step has rows
+
+    def decode(self) -> Decoded: ...
+
+    def remove(self, streams: Collection[S], keep: bool = True) -> None: ...
+
+    def clear(self) -> list[S]: ...  # after a failed step: drop every stream, return them

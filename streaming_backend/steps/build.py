@@ -1,0 +1,55 @@
+"""Pick the forward a model runs on (EngineConfig.forward) and build its steps."""
+
+from __future__ import annotations
+
+import logging
+
+from streaming_backend.config import EngineConfig, parse_memory
+from streaming_backend.loading import LoadedModel
+from streaming_backend.steps import OnFailure, Steps
+from streaming_backend.steps.hf import HfSteps
+
+log = logging.getLogger(__name__)
+
+PREFIX_ENTRIES_PER_STREAM = 2  # KV cache slots per max_streams (the budget may allow fewer)
+
+
+def build_steps(loaded: LoadedModel, config: EngineConfig, on_failure: OnFailure) -> Steps:
+    """The compact forward's steps when asked for or possible ("auto"), else Hugging Face's."""
+    if config.forward == "hf":
+        return HfSteps(loaded, config, on_failure)
+    from streaming_backend.forward.llama import UnsupportedModel
+    from streaming_backend.forward.runner import ForwardConfig, SlotForward
+    from streaming_backend.forward.slots import CacheBudget
+    from streaming_backend.steps.slots import SlotSteps
+
+    size, fraction = parse_memory(config.kv_cache_memory)
+    forward_config = ForwardConfig(
+        budget=CacheBudget(bytes=size, fraction=fraction),
+        compile=config.compile,
+        cuda_graphs=config.compile and loaded.device.type == "cuda",
+        # live streams plus as many idle prefix entries: each admission compares its prompt
+        # with every entry, and more entries rarely hit
+        max_slots=PREFIX_ENTRIES_PER_STREAM * config.max_streams,
+    )
+    try:
+        forward = SlotForward.create(loaded, forward_config)
+    except UnsupportedModel as exc:
+        if config.forward == "compact":
+            raise
+        log.warning("the Hugging Face forward runs this model: %s", exc)
+        return HfSteps(loaded, config, on_failure)
+    cache = forward.cache
+    log.info(
+        "compact forward: %d KV cache slots of %d positions (%.0f MiB), prefix cache %s, "
+        "prefill chunks of %d tokens%s",
+        cache.slots,
+        cache.max_len,
+        2 * cache.k.numel() * cache.k.element_size() / 2**20,
+        "on" if config.prefix_cache else "off",
+        config.prefill_chunk_tokens,
+        f", decode step compiled in {forward.compile_seconds:.1f} s"
+        if forward.compile_seconds is not None
+        else "",
+    )
+    return SlotSteps(forward, config, on_failure)

@@ -1,0 +1,199 @@
+"""The compact forward: chunked prefill under a token budget, prefix reuse, decode over slots.
+
+Every admitted stream holds one slot of the preallocated KV cache. Its prompt is prefilled in
+chunks: each engine step prefills at most `prefill_chunk_tokens` prompt tokens (all admitted
+prompts together, oldest first) and then runs one decode step for the streams already decoding,
+so a long new prompt delays running streams by one chunk per step instead of its whole prefill.
+With nothing decoding, the budget is `max_prefill_tokens`: no one is waiting.
+
+A new stream first looks for a slot whose tokens share a prefix with its prompt (PrefixCache): an
+idle slot left by an ended stream is taken over as it is; a live stream's slot is copied. Either
+way only the rest of the prompt is prefilled, and `cached_tokens` says how much was reused.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection, Iterator, Sequence
+
+import torch
+
+from streaming_backend import sampling
+from streaming_backend.config import EngineConfig
+from streaming_backend.forward.runner import Chunk, SlotForward
+from streaming_backend.prefix_cache import PrefixCache
+from streaming_backend.steps import Decoded, OnFailure, Prefilled
+
+log = logging.getLogger(__name__)
+
+
+class SlotSteps:
+    """Streams on the compact forward's slot cache."""
+
+    name = "compact"
+    prompt_tokens_per_step = None  # admission is by slots; prefill is chunked
+
+    def __init__(self, forward: SlotForward, config: EngineConfig, on_failure: OnFailure):
+        self.forward = forward
+        self.cache = forward.cache
+        self.config = config
+        self.prefix = PrefixCache() if config.prefix_cache else None
+        self._on_failure = on_failure
+        self._slot: dict[int, int] = {}  # id(stream) -> its slot
+        self._prefilling: list = []  # admitted, prompt not wholly in the cache; oldest first
+        self._decoding: list = []  # the decode step's rows, in order
+        self._params = None  # the decoding rows' sampling parameters, rebuilt after a change
+
+    # ---- admission ------------------------------------------------------------------------------
+
+    def capacity(self) -> int:
+        """Streams that can start: free slots, idle prefix entries, and the max_streams limit."""
+        idle = len(self.prefix) if self.prefix is not None else 0
+        room = self.config.max_streams - len(self._slot)
+        return min(room, self.cache.free_slots + idle)
+
+    def live(self) -> list:
+        return [*self._prefilling, *self._decoding]
+
+    def admit(self, streams: list) -> None:
+        """Give each stream a slot, starting from the longest cached prefix of its prompt."""
+        for stream in streams:
+            slot, reused = self._place(stream.prompt_ids)
+            self._slot[id(stream)] = slot
+            stream.cached_tokens = reused
+            self._prefilling.append(stream)
+
+    def _place(self, prompt: list[int]) -> tuple[int, int]:
+        """(slot, prompt tokens already in it) for a new prompt."""
+        match = None
+        if self.prefix is not None:
+            live = [(self._slot[id(s)], self._written(s)) for s in self.live()]
+            match = self.prefix.best(prompt, live)
+        # at least the last prompt token is run again: its logits give the first new token
+        reused = min(match.length, len(prompt) - 1) if match else 0
+        if match is None or reused < self.prefix.min_reuse:
+            return self._allocate(), 0
+        if match.idle:
+            self.prefix.take(match.slot)
+            self.cache.truncate(match.slot, reused)
+            return match.slot, reused
+        slot = self._allocate()
+        self.cache.copy_prefix(match.slot, slot, reused)
+        return slot, reused
+
+    def _allocate(self) -> int:
+        """A free slot, or the least recently used idle one."""
+        if self.cache.free_slots:
+            return self.cache.allocate()
+        if self.prefix is None or not len(self.prefix):
+            raise RuntimeError("no KV cache slot is free: admission went past capacity()")
+        slot = self.prefix.evict()
+        self.cache.truncate(slot, 0)
+        return slot
+
+    def _written(self, stream) -> Sequence[int]:
+        """The tokens whose keys and values are in the stream's slot."""
+        length = self.cache.lengths[self._slot[id(stream)]]
+        prompt = stream.prompt_ids
+        if length <= len(prompt):
+            return prompt[:length]
+        return prompt + stream.output_ids[: length - len(prompt)]
+
+    # ---- prefill --------------------------------------------------------------------------------
+
+    def prefill(self) -> Iterator[Prefilled]:
+        """Prefill the next chunks of the admitted prompts; yield the streams now complete."""
+        if not self._prefilling:
+            return
+        budget = self.config.prefill_chunk_tokens if self._decoding else None
+        chunks = self._chunks(budget or self.config.max_prefill_tokens)
+        now = time.monotonic_ns()
+        for stream, _ in chunks:
+            stream.scheduled_ns = stream.scheduled_ns or now
+        ready, logits = self._run(chunks)
+        if ready:
+            yield Prefilled(ready, torch.cat(logits))
+
+    def _chunks(self, budget: int) -> list[tuple[object, Chunk]]:
+        """This step's chunks: oldest prompts first, at most `budget` tokens (at least one chunk)."""
+        chunks = []
+        for stream in self._prefilling:
+            if budget <= 0:
+                break
+            slot = self._slot[id(stream)]
+            start = self.cache.lengths[slot]
+            tokens = stream.prompt_ids[start : start + budget]
+            chunks.append((stream, Chunk(slot, tokens)))
+            budget -= len(tokens)
+        return chunks
+
+    def _run(self, chunks: list) -> tuple[list, list[torch.Tensor]]:
+        """Run the chunks in one pass (each alone if that fails: only a bad one fails)."""
+        try:
+            logits = self.forward.prefill([chunk for _, chunk in chunks])
+        except Exception as exc:
+            if len(chunks) == 1:
+                stream = chunks[0][0]
+                log.exception("prefill failed for %s", stream.handle.request_id)
+                self.remove([stream], keep=False)
+                self._on_failure([stream], exc)
+                return [], []
+            ready, parts = [], []
+            for chunk in chunks:
+                more, logit = self._run([chunk])
+                ready += more
+                parts += logit
+            return ready, parts
+        done = [r for r, (s, _) in enumerate(chunks) if self._prompt_done(s)]
+        ready = [chunks[r][0] for r in done]
+        for stream in ready:
+            self._prefilling.remove(stream)
+            self._decoding.append(stream)
+        self._params = None
+        return ready, ([logits[done]] if done else [])
+
+    def _prompt_done(self, stream) -> bool:
+        return self.cache.lengths[self._slot[id(stream)]] == len(stream.prompt_ids)
+
+    # ---- decode ---------------------------------------------------------------------------------
+
+    def decoding(self) -> bool:
+        return bool(self._decoding)
+
+    def decode(self) -> Decoded:
+        """One token for every decoding stream, at its slot's next position."""
+        rows = list(self._decoding)
+        slots = [self._slot[id(s)] for s in rows]
+        tokens = torch.tensor([s.output_ids[-1] for s in rows], device=self.forward.device)
+        logits = self.forward.decode(slots, tokens)  # [B, V] fp32
+        if self._params is None:
+            self._params = sampling.BatchSampling.from_settings(
+                [s.settings for s in rows], logits.device
+            )
+        return Decoded(rows, logits, self._params)
+
+    # ---- leaving --------------------------------------------------------------------------------
+
+    def remove(self, streams: Collection, keep: bool = True) -> None:
+        """Free the streams' slots; with `keep`, their KV stays reusable as a prefix."""
+        for stream in streams:
+            slot = self._slot.get(id(stream))
+            if slot is None:
+                continue
+            if keep and self.prefix is not None and self.cache.lengths[slot] > 0:
+                self.prefix.keep(slot, self._written(stream))
+            else:
+                self.cache.free(slot)
+            del self._slot[id(stream)]
+            if stream in self._prefilling:
+                self._prefilling.remove(stream)
+            else:
+                self._decoding.remove(stream)
+                self._params = None
+
+    def clear(self) -> list:
+        """Drop every stream (their KV may be half written: nothing is kept)."""
+        streams = self.live()
+        self.remove(streams, keep=False)
+        return streams

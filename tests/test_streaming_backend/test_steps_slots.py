@@ -1,0 +1,138 @@
+"""The compact forward's steps through the engine: prefix reuse and chunked prefill change when
+tokens are computed, never which tokens come out."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from streaming_backend.engine import Engine, EngineConfig
+from streaming_backend.events import FinishReason
+from streaming_backend.settings import SamplingSettings
+
+GREEDY = SamplingSettings(temperature=0, max_tokens=10, ignore_eos=True)
+PROMPT = list(range(1000, 1040))  # 40 token ids: above the prefix cache's 16-token minimum
+
+
+def _run(engine, prompt, settings=GREEDY):
+    """(output ids, cached_tokens, events) of one request run to its end."""
+    events = list(engine.submit(prompt, settings, logprobs=True))
+    assert events[-1].finish_reason is FinishReason.LENGTH, events[-1]
+    return [t for e in events for t in e.token_ids], events[0].cached_tokens, events
+
+
+def _engine(loaded, **config):
+    return Engine(loaded, EngineConfig(forward="compact", **config))
+
+
+def _reference(loaded, prompt, settings=GREEDY):
+    """Output ids and logprobs of the prompt alone, with no prefix cache and no chunking."""
+    with _engine(loaded, prefix_cache=False) as engine:
+        ids, cached, events = _run(engine, prompt, settings)
+    assert cached == 0
+    return ids, [lp for e in events for lp in e.logprobs]
+
+
+def _same(events, reference) -> None:
+    ids, logprobs = reference
+    assert [t for e in events for t in e.token_ids] == ids
+    assert [lp for e in events for lp in e.logprobs] == pytest.approx(logprobs, abs=1e-4)
+
+
+def test_a_follow_up_turn_reuses_the_conversation_so_far(tiny_loaded):
+    """A prompt that continues an ended request's prompt and answer prefills only the new part:
+    everything but the answer's last token (whose KV was never written) is reused."""
+    with _engine(tiny_loaded) as engine:
+        first, cached, _ = _run(engine, PROMPT)
+        assert cached == 0
+        follow_up = PROMPT + first + [1100, 1101, 1102]
+        _, cached, events = _run(engine, follow_up)
+    assert engine.forward == "compact"
+    assert cached == len(PROMPT) + len(first) - 1
+    _same(events, _reference(tiny_loaded, follow_up))
+
+
+def test_the_same_prompt_again_recomputes_only_its_last_token(tiny_loaded):
+    """An identical prompt reuses all but its last token: that token's logits start the answer."""
+    with _engine(tiny_loaded) as engine:
+        first, _, _ = _run(engine, PROMPT)
+        again, cached, _ = _run(engine, PROMPT)
+    assert cached == len(PROMPT) - 1 and again == first
+
+
+def test_a_running_streams_prefix_is_copied(tiny_loaded):
+    """A request sharing a system prompt with a live stream copies that stream's KV prefix."""
+    shared = PROMPT[:30]
+    with _engine(tiny_loaded, max_streams=4) as engine:
+        long = engine.submit(shared + [7, 8], SamplingSettings(max_tokens=100, ignore_eos=True))
+        next(iter(long))  # its prompt is in the cache
+        second = shared + [9, 10, 11]
+        _, cached, events = _run(engine, second)
+        long.cancel()
+        list(long)
+    assert cached == 30
+    _same(events, _reference(tiny_loaded, second))
+
+
+def test_short_shared_prefixes_are_not_reused(tiny_loaded):
+    """Under 16 shared tokens a request prefills from scratch (a copy would not pay)."""
+    with _engine(tiny_loaded) as engine:
+        _run(engine, PROMPT)
+        _, cached, _ = _run(engine, PROMPT[:10] + [5] * 30)
+    assert cached == 0
+
+
+def test_least_recently_used_entries_are_evicted(tiny_loaded):
+    """With one stream and two slots, a new unrelated prompt evicts the oldest idle entry."""
+    a, b, c = PROMPT, list(range(2000, 2040)), list(range(3000, 3040))
+    with _engine(tiny_loaded, max_streams=1) as engine:  # 2 slots: 1 live + 1 idle, or 2 idle
+        assert engine._steps.cache.slots == 2
+        _run(engine, a)
+        _run(engine, b)  # a and b idle
+        _run(engine, c)  # evicts a (least recently used)
+        assert _run(engine, b)[1] == len(b) - 1  # b survived
+        assert _run(engine, a)[1] == 0  # a was evicted
+
+
+def test_a_cancelled_streams_kv_is_reused_correctly(tiny_loaded):
+    """A cancelled stream's slot is kept as an idle entry; a prompt continuing it is exact."""
+    with _engine(tiny_loaded) as engine:
+        handle = engine.submit(PROMPT, SamplingSettings(max_tokens=200, ignore_eos=True))
+        events = []
+        for event in handle:
+            events.append(event)
+            if len(events) == 5:
+                handle.cancel()
+        said = [t for e in events for t in e.token_ids]
+        follow_up = PROMPT + said + [42] * 3
+        _, cached, after = _run(engine, follow_up)
+    assert cached >= len(PROMPT) + 4
+    _same(after, _reference(tiny_loaded, follow_up))
+
+
+def test_long_prompts_are_prefilled_in_chunks_between_decode_steps(tiny_loaded):
+    """A 200-token prompt with 16-token chunks: the running stream gets a token each step of its
+    prefill (about 13), and the long prompt's answer is what a whole prefill gives."""
+    long_prompt = list(range(4000, 4200))
+    with _engine(tiny_loaded, prefill_chunk_tokens=16, max_streams=4) as engine:
+        running = engine.submit(PROMPT, SamplingSettings(max_tokens=120, ignore_eos=True))
+        stream = iter(running)
+        next(stream)
+        received: list = []
+        reader = threading.Thread(target=lambda: received.extend(stream))
+        reader.start()
+        _, _, events = _run(engine, long_prompt)
+        reader.join(60)
+    first = events[0]
+    during = [e for e in received if first.scheduled_ns < e.emitted_ns < first.emitted_ns]
+    assert len(during) >= 200 // 16 - 1
+    _same(events, _reference(tiny_loaded, long_prompt))
+
+
+def test_hf_forward_has_no_prefix_reuse(tiny_loaded):
+    """forward=hf is the baseline: every prompt is prefilled whole, cached_tokens stays 0."""
+    with Engine(tiny_loaded, EngineConfig(forward="hf")) as engine:
+        first, _, _ = _run(engine, PROMPT)
+        assert _run(engine, PROMPT + first)[1] == 0
+        assert engine.forward == "hf"
