@@ -40,7 +40,9 @@ DEFAULT_BRIDGE_PORT = 8080
 DEFAULT_SUPERVISOR_PORT = 8003
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 BRIDGE_STOP_S = 5.0
-SERVE_OPTIONS = ("model", "dtype", "max_streams", "queue_limit")  # parameters with an option
+# config.pbtxt parameters with an option of their own (the others: --parameter KEY=VALUE)
+SERVE_OPTIONS = ("model", "dtype", "max_streams", "queue_limit")
+ENGINE_OPTIONS = ("forward", "prefix_cache", "prefill_chunk_tokens", "kv_cache_memory", "compile")
 
 RunUntil = Callable[[asyncio.Event], Awaitable[None]]  # an async service, run until the event
 
@@ -69,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=defaults["dtype"], help=_setting_help("dtype"))
     parser.add_argument("--max-streams", type=int, help=_setting_help("max_streams"))
     parser.add_argument("--queue-limit", type=int, help=_setting_help("queue_limit"))
+    for key in ENGINE_OPTIONS:  # passed as the chat model's parameters when given
+        parser.add_argument(f"--{key.replace('_', '-')}", help=_setting_help(key))
     parser.add_argument("--log-level", type=int, default=0, help="tritonserver --log-verbose")
     parser.add_argument(
         "--grpc-max-connection-age",
@@ -78,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="close each gRPC client connection after this long, so clients re-resolve and find "
         f"new replicas; open streams finish (default {GRPC_MAX_CONNECTION_AGE_S:g}; 0: never)",
     )
-    others = ", ".join(key for key in defaults if key not in SERVE_OPTIONS)
+    others = ", ".join(key for key in defaults if key not in SERVE_OPTIONS + ENGINE_OPTIONS)
     parser.add_argument(
         "--parameter",
         action="append",
@@ -131,6 +135,9 @@ def _setting_help(key: str) -> str:
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The ServeConfig for parsed `tokenstream serve` options."""
     extra = dict(_key_value(item) for item in args.parameter)
+    for key in ENGINE_OPTIONS:
+        if getattr(args, key) is not None:
+            extra[key] = getattr(args, key)
     server = ServerConfig(
         repository=args.repository or default_repository(),
         model=args.model,

@@ -23,6 +23,18 @@ class EngineConfig:
     # padding would exceed this fraction of its real tokens (padding is wasted compute).
     max_padding: float = 0.25
     default_max_tokens: int = 512  # when a request names no max_tokens (bounded by the context)
+    # auto: the compact forward for the Llama family (llama, mistral, qwen2), else Hugging Face's;
+    # compact: that forward or an error; hf: always Hugging Face's (the baseline, any model).
+    forward: str = "auto"
+    prefix_cache: bool = True  # reuse the KV of earlier prompts and answers (compact forward)
+    # Prompt tokens prefilled per engine step while other streams decode (compact forward): a new
+    # prompt delays running streams by about one chunk per step. Measured in docs/performance.md.
+    prefill_chunk_tokens: int = 256
+    # The compact forward's KV cache: a fraction of the device's free memory at start (the CPU's
+    # MemAvailable) such as "0.5", or a size such as "4GiB" or "512MiB". Its slots hold the live
+    # streams and the prefix cache; admission waits for a slot, so a step never runs out of it.
+    kv_cache_memory: str = "0.5"
+    compile: bool = False  # torch.compile the compact decode step (see docs/performance.md)
     # Test-only, for benchmark calibration: the first token exists exactly this long after its
     # prefill starts, each next token this long after the previous step (when compute is faster).
     test_first_token_delay_s: float = 0.0
@@ -31,6 +43,38 @@ class EngineConfig:
     def __post_init__(self):
         if self.max_streams < 1 or self.queue_limit < 0 or self.max_prefill_tokens < 1:
             raise ValueError(f"invalid engine limits: {self}")
+        if self.forward not in FORWARDS:
+            raise ValueError(f"forward must be one of {', '.join(FORWARDS)}, not {self.forward!r}")
+        if self.prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1, not {self.prefill_chunk_tokens}")
+        parse_memory(self.kv_cache_memory)
+
+
+FORWARDS = ("auto", "compact", "hf")
+MEMORY_UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def parse_memory(text: str) -> tuple[int | None, float | None]:
+    """(bytes, None) for "4GiB" / "512MiB" / "1000000", (None, fraction) for "0.5"."""
+    value = text.strip()
+    try:
+        for unit, scale in MEMORY_UNITS.items():
+            if value.endswith(unit):
+                size = int(float(value[: -len(unit)]) * scale)
+                break
+        else:
+            number = float(value)
+            if 0 < number <= 1:
+                return None, number
+            size = int(number) if number == int(number) else -1
+    except ValueError:
+        size = -1
+    if size <= 0:
+        raise ValueError(
+            f"KV cache memory must be a fraction in (0, 1] such as 0.5 or a size such as 4GiB, "
+            f"not {text!r}"
+        )
+    return size, None
 
 
 # What each config.pbtxt parameter means (the CLI's help and the README's table say the same).
@@ -41,6 +85,11 @@ PARAMETER_HELP = {
     "queue_limit": "waiting requests before new ones are refused",
     "default_max_tokens": "output length cap of a request that sets no max_tokens",
     "cancel_check_ms": "how often the model asks Triton whether clients cancelled",
+    "forward": "auto (compact for Llama-family models, else hf), compact, or hf (Hugging Face)",
+    "prefix_cache": "on: reuse the KV of earlier prompts and answers (compact forward); off",
+    "prefill_chunk_tokens": "prompt tokens prefilled per step while other streams decode",
+    "kv_cache_memory": "KV cache size: a fraction of free memory (0.5) or a size (4GiB)",
+    "compile": "on: torch.compile the compact decode step (warmed up at load); off",
     "test_first_token_delay_ms": "test only: delay of the first token after prefill starts",
     "test_token_delay_ms": "test only: least spacing of the following tokens",
 }
@@ -72,6 +121,11 @@ class ModelSettings:
                 max_streams=int(text["max_streams"]),
                 queue_limit=int(text["queue_limit"]),
                 default_max_tokens=int(text["default_max_tokens"]),
+                forward=text["forward"],
+                prefix_cache=_switch("prefix_cache", text["prefix_cache"]),
+                prefill_chunk_tokens=int(text["prefill_chunk_tokens"]),
+                kv_cache_memory=text["kv_cache_memory"],
+                compile=_switch("compile", text["compile"]),
                 test_first_token_delay_s=float(text["test_first_token_delay_ms"]) / 1e3,
                 test_token_delay_s=float(text["test_token_delay_ms"]) / 1e3,
             ),
@@ -87,6 +141,11 @@ class ModelSettings:
             "max_streams": str(engine.max_streams),
             "queue_limit": str(engine.queue_limit),
             "default_max_tokens": str(engine.default_max_tokens),
+            "forward": engine.forward,
+            "prefix_cache": "on" if engine.prefix_cache else "off",
+            "prefill_chunk_tokens": str(engine.prefill_chunk_tokens),
+            "kv_cache_memory": engine.kv_cache_memory,
+            "compile": "on" if engine.compile else "off",
             "cancel_check_ms": _milliseconds(self.cancel_check_s),
             "test_first_token_delay_ms": _milliseconds(engine.test_first_token_delay_s),
             "test_token_delay_ms": _milliseconds(engine.test_token_delay_s),
@@ -101,3 +160,13 @@ def default_parameters() -> dict[str, str]:
 def _milliseconds(seconds: float) -> str:
     """Seconds as a millisecond string: 0.04 -> "40"."""
     return f"{seconds * 1e3:g}"
+
+
+def _switch(key: str, text: str) -> bool:
+    """An on/off parameter."""
+    value = text.strip().lower()
+    if value in ("on", "true", "1", "yes"):
+        return True
+    if value in ("off", "false", "0", "no"):
+        return False
+    raise ValueError(f"{key} must be on or off, not {text!r}")

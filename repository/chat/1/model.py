@@ -99,6 +99,19 @@ class Metrics:
         self.active = make(
             "tokenstream_active_streams", "Requests accepted and not yet finished", family.GAUGE
         )
+        self.prompt_tokens = make(
+            "tokenstream_prompt_tokens_total", "Prompt tokens of started requests", family.COUNTER
+        )
+        self.cached_tokens = make(
+            "tokenstream_prefix_cache_reused_tokens_total",
+            "Prompt tokens whose KV came from the prefix cache (not prefilled again)",
+            family.COUNTER,
+        )
+        self.cache_hits = make(
+            "tokenstream_prefix_cache_hits_total",
+            "Started requests that reused a cached prefix",
+            family.COUNTER,
+        )
         self.rejected = make(
             "tokenstream_rejected_requests_total",
             "Requests refused (invalid or overloaded)",
@@ -343,6 +356,10 @@ class TritonPythonModel:
             return
         self.metrics.tokens.increment(len(event.token_ids))
         if event.num_output_tokens == 1:
+            self.metrics.prompt_tokens.increment(event.num_input_tokens)
+            if event.cached_tokens:
+                self.metrics.cache_hits.increment(1)
+                self.metrics.cached_tokens.increment(event.cached_tokens)
             received = live.builder.received_ns
             self.metrics.ttft.observe((event.emitted_ns - received) / 1e9)
             self.metrics.queue.observe((event.scheduled_ns - received) / 1e9)
