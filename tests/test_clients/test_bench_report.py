@@ -270,3 +270,60 @@ def test_genai_perf_export_ignores_outputs_the_request_did_not_ask_for(tmp_path)
     (record,) = run.records
     assert record.prompt_tokens is None and record.output_tokens() == 3
     assert record.server_timing is not None
+
+
+def chat_event(delta: dict, finish_reason: str | None = None, **extra) -> str:
+    """One server-sent event of a chat completion stream, as perf_analyzer keeps it."""
+    choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+    event = {"id": "c1", "object": "chat.completion.chunk", "choices": [choice]} | extra
+    return f"data: {json.dumps(event)}\n\n"
+
+
+def genai_perf_chat_export(usage: bool) -> dict:
+    """A profile_export.json of `genai-perf --endpoint-type chat --streaming`: raw events per
+    response, a role event first, two text events arriving as one response, then the end."""
+    wall = 1_700_000_000_000 * MS
+    events = [
+        chat_event({"role": "assistant"}),
+        chat_event({"content": "Hello"}),
+        chat_event({"content": " wor"}) + chat_event({"content": "ld"}),
+        chat_event({}, "length"),
+    ]
+    if usage:
+        last = {"id": "c1", "object": "chat.completion.chunk", "choices": []}
+        last["usage"] = {"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14}
+        events.append(f"data: {json.dumps(last)}\n\n")
+    events.append("data: [DONE]\n\n")
+    request = {
+        "timestamp": wall,
+        "request_inputs": {"payload": json.dumps({"messages": [], "stream": True})},
+        "response_timestamps": [wall + (40 + 10 * k) * MS for k in range(len(events))],
+        "response_outputs": [{"response": e} for e in events],
+    }
+    return {
+        "service_kind": "openai",
+        "endpoint": "v1/chat/completions",
+        "experiments": [{"experiment": {"mode": "concurrency", "value": 1}, "requests": [request]}],
+    }
+
+
+@pytest.mark.parametrize("usage", [False, True])
+def test_genai_perf_chat_export_counts_tokens_from_the_deltas(tmp_path, usage):
+    """A chat endpoint's export counts delta.content events as tokens (two arriving together
+    are two), the usage event adds the model's count of the rest; TTFT ends at the first text,
+    as over our openai transport (the role event is no response of the model)."""
+    from clients.bench.genai_perf import genai_perf_runs, missing_outputs
+
+    path = tmp_path / "profile_export.json"
+    path.write_text(json.dumps(genai_perf_chat_export(usage)))
+    runs = genai_perf_runs(path)
+    (record,) = runs[0].records
+    assert runs[0].transport == "openai" and record.status == "ok"
+    assert record.text == "Hello world" and record.finish_reason == "length"
+    assert record.output_tokens() == (5 if usage else 3)
+    assert record.prompt_tokens == (9 if usage else None)
+    s = build_report({}, runs, "now")["runs"][0]["summary"]
+    assert s["ttft_ms"]["avg"] == pytest.approx(50) and s["total_output_tokens"] > 0
+    notes = missing_outputs(runs)
+    assert any("usage" in n for n in notes) != usage
+    assert not any("return_timing" in n for n in notes)
