@@ -272,6 +272,60 @@ def test_genai_perf_export_ignores_outputs_the_request_did_not_ask_for(tmp_path)
     assert record.server_timing is not None
 
 
+def multi_turn_doc(later_ttft_ms: int = 100, cached: int = 0, turns: int = 10) -> dict:
+    """One grpc run of 2 conversations of `turns` turns: TTFT 100 ms at turns 1-4 and
+    later_ttft_ms from turn 5 on, with `cached` prompt tokens reused from turn 2 on."""
+    records = []
+    for c in range(2):
+        for t in range(1, turns + 1):
+            r = fake_record(c * turns + t - 1, ttft_ms=100 if t < 5 else later_ttft_ms)
+            timing = replace(r.chunks[0].timing, cached_tokens=cached if t > 1 else 0)
+            r.chunks[0] = replace(r.chunks[0], timing=timing, num_input_tokens=30 * t)
+            r.conversation, r.turn = c, t
+            records.append(r)
+    run = RunResult("grpc", "127.0.0.1:8001", 2, None, ClockMap(True), records)
+    return build_report({"multi_turn": turns}, [run], "2025-01-01T00:00:00+00:00")
+
+
+def test_multi_turn_report_has_turn_figures_tables_and_schema():
+    """The document carries per-turn figures and each request's turn; the run table shows TTFT
+    per turn and over turns 5-10, the overview the later turns' p50."""
+    doc = multi_turn_doc(later_ttft_ms=40, cached=25)
+    validate_report(doc)
+    (run,) = doc["runs"]
+    assert (run["requests"][11]["conversation"], run["requests"][11]["turn"]) == (1, 2)
+    mt = run["summary"]["multi_turn"]
+    assert mt["per_turn"][2]["input_tokens"]["avg"] == 90
+    assert mt["later_turns"]["ttft_ms"]["p50"] == pytest.approx(40)
+    table = format_run(run)
+    assert "TTFT per turn" in table
+    row = next(line for line in table.splitlines() if line.startswith("5-10 "))
+    assert row.split() == ["5-10", "12/12", "40.00", "40.00", "40.00", "225.0", "25.0"]
+    assert "TTFT p50 of turns 5-10: grpc c=2 40.00 ms" in format_overview(doc)
+    validate_report(json.loads(json.dumps(doc)))
+    bad = copy.deepcopy(doc)
+    bad["runs"][0]["summary"]["multi_turn"]["per_turn"][3]["ttft_ms"].pop("p50")
+    with pytest.raises(ValueError, match=r"multi_turn.per_turn\[3\].ttft_ms.p50"):
+        validate_report(bad)
+
+
+def test_compare_shows_ttft_per_turn_with_ratios(tmp_path, capsys):
+    """--compare without.json with.json: per-turn TTFT of both runs, B/A per turn and over turns
+    5-10 (the prefix cache's target: at most x0.30), and the cached tokens of each."""
+    without, with_cache = multi_turn_doc(100, cached=0), multi_turn_doc(25, cached=60)
+    for name, doc in (("without", without), ("with", with_cache)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    paths = [str(tmp_path / "without.json"), str(tmp_path / "with.json")]
+    assert cli.main(["bench", "--compare", *paths]) == 0
+    text = capsys.readouterr().out
+    assert "B/A = B's figure / A's" in text and f"B = {paths[1]}" in text
+    rows = {line.split()[0]: line.split() for line in text.split("TTFT per turn")[1].splitlines()}
+    assert rows["1"] == ["1", *["100.00", "100.00", "x1.00"] * 2, "0.0", "0.0"]
+    assert rows["5-10"] == ["5-10", *["100.00", "25.00", "x0.25"] * 2, "0.0", "60.0"]
+    single = format_compare(fake_doc(), fake_doc())
+    assert "TTFT per turn" not in single
+
+
 def chat_event(delta: dict, finish_reason: str | None = None, **extra) -> str:
     """One server-sent event of a chat completion stream, as perf_analyzer keeps it."""
     choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
