@@ -1,7 +1,8 @@
 """`tokenstream bench`: TTFT, inter-token latency and throughput over grpc, sse, ws and openai.
 
 Definitions follow genai-perf / AIPerf (see clients/metrics.py); each TTFT is split into
-queue, prefill and network parts from the server's per-response timestamps.
+queue, prefill and network parts from the server's per-response timestamps. With --multi-turn the
+load is conversations whose history grows, and TTFT is reported per turn index.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from clients.bench.report import (
     format_run,
     load_report,
 )
-from clients.bench.runner import Level, Workload, run_level, warm_up
+from clients.bench.runner import Level, Workload, multi_turn_problem, run_level, warm_up
 from clients.bench.summary import ClockMap
 from clients.bench.transports import TRANSPORTS, Prompt, make_transport
 from clients.targets import DNS_SCHEME, TARGET_HELP, parse_target, target_option
@@ -51,6 +52,8 @@ class BenchConfig:
     request_rate: tuple[float, ...] = ()  # when set, replaces the concurrency levels
     request_distribution: str = "constant"
     requests: int | None = 50
+    multi_turn: int | None = None  # turns per conversation; None: single requests
+    conversations: int | None = 8  # per level with multi_turn (None with a duration)
     duration_s: float | None = None
     warmup: int = 2
     request_timeout_s: float = 300.0
@@ -96,6 +99,17 @@ def _csv(kind):
         return values
 
     return parse
+
+
+def _positive(text: str) -> int:
+    """argparse type: an integer above zero."""
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def _transports(text: str) -> tuple[str, ...]:
@@ -145,6 +159,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--requests", type=int, default=d.requests, help="requests per level (50)")
     g.add_argument("--duration", type=float, help="seconds per level instead of --requests")
     g.add_argument("--warmup", type=int, default=d.warmup, help="unmeasured requests first (2)")
+    g.add_argument(
+        "--multi-turn",
+        type=_positive,
+        metavar="TURNS",
+        help="conversations of TURNS turns (10 typical) instead of single requests: each turn "
+        "sends the history, the model's own answers included; TTFT per turn",
+    )
+    g.add_argument(
+        "--conversations",
+        type=_positive,
+        default=d.conversations,
+        help="conversations per level with --multi-turn (8); concurrency = conversations at once",
+    )
     g.add_argument("--request-timeout", type=float, default=d.request_timeout_s)
     g = p.add_argument_group("workload")
     g.add_argument("--prompts", type=Path, help=f"JSONL of chats (default {DEFAULT_PROMPTS})")
@@ -193,7 +220,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         openai=args.openai, bridge_token=args.bridge_token, model=args.model,
         concurrency=args.concurrency,
         request_rate=args.request_rate, request_distribution=args.request_distribution,
-        requests=None if args.duration else args.requests, duration_s=args.duration,
+        requests=None if args.duration else args.requests, multi_turn=args.multi_turn,
+        conversations=None if args.duration else args.conversations, duration_s=args.duration,
         warmup=args.warmup, request_timeout_s=args.request_timeout, prompts=args.prompts,
         synthetic_input_tokens=args.synthetic_input_tokens, output_tokens=args.output_tokens,
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -256,9 +284,10 @@ def workload(cfg: BenchConfig) -> Workload:
         top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed,
     )  # fmt: skip
     return Workload(
-        prompts=workload_prompts(cfg), sampling=sampling, requests=cfg.requests,
+        prompts=workload_prompts(cfg), sampling=sampling,
+        requests=cfg.conversations if cfg.multi_turn else cfg.requests,
         duration_s=cfg.duration_s, request_timeout_s=cfg.request_timeout_s,
-        distribution=cfg.request_distribution, seed=cfg.seed,
+        distribution=cfg.request_distribution, seed=cfg.seed, turns=cfg.multi_turn,
     )  # fmt: skip
 
 
@@ -328,6 +357,10 @@ def main(args: argparse.Namespace) -> int:
         print(format_compare(a, b, names=tuple(str(p) for p in args.compare)))
         return 0
     cfg = config_from_args(args)
+    problem = multi_turn_problem(cfg.transports, cfg.levels()) if cfg.multi_turn else None
+    if problem:
+        print(f"bench: {problem}", file=sys.stderr)
+        return 2
     if args.from_genai_perf:
         doc = import_genai_perf(args.from_genai_perf)
     else:

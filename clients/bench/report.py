@@ -1,4 +1,5 @@
-"""The benchmark's outputs: the JSON document, terminal tables and the side-by-side comparison."""
+"""The benchmark's outputs: the JSON document, terminal tables and the side-by-side comparison
+(per turn index too, for multi-turn runs)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from clients.bench.summary import (
     BREAKDOWN_HELP,
     BREAKDOWN_PARTS,
+    LATER_TURNS_FROM,
     ClockMap,
     RequestRecord,
     summarize,
@@ -32,6 +34,7 @@ STAT_ROWS = (
     ("input_tokens", "Input tokens / request", "tok"),
 )
 STAT_COLS = ("avg", "min", "max", "p50", "p90", "p99")
+TURN_STATS = ("ttft_ms", "input_tokens", "cached_tokens")  # of each turn in summary.multi_turn
 
 
 @dataclass
@@ -61,6 +64,8 @@ def record_json(r: RequestRecord, clock: ClockMap) -> dict:
     b = ttft_breakdown_ns(r, clock)
     return {
         "index": r.index,
+        "conversation": r.conversation,
+        "turn": r.turn,
         "status": r.status,
         "error": r.error,
         "finish_reason": r.finish_reason,
@@ -117,6 +122,9 @@ def build_report(config: dict, runs: Sequence[RunResult], created: str) -> dict:
             "output_token_throughput": "output tokens / (last response - first request sent)",
             "output_tokens": "sum of the server's num_output_tokens",
             "ttft_breakdown": BREAKDOWN_HELP,
+            "multi_turn": "per turn index: the TTFT above, the server's num_input_tokens and the "
+            "prompt tokens it reused from its prefix cache (timing.cached_tokens); later_turns: "
+            f"every turn from {LATER_TURNS_FROM} on",
         },
         "runs": [run_json(r) for r in runs],
     }
@@ -131,6 +139,20 @@ def _check_stats(s: object, where: str) -> None:
     _require(isinstance(s, dict) and isinstance(s.get("count"), int), f"{where}.count")
     for key in STAT_COLS:
         _require(key in s and (s[key] is None or isinstance(s[key], int | float)), f"{where}.{key}")
+
+
+def _check_turns(mt: object, where: str) -> None:
+    """The multi_turn block of a summary: per-turn figures and the later turns'."""
+    _require(isinstance(mt, dict) and isinstance(mt.get("per_turn"), list), f"{where}.per_turn")
+    later = mt.get("later_turns")
+    _require(isinstance(later, dict) and isinstance(later.get("from_turn"), int), f"{where}.later")
+    for i, figures in enumerate([*mt["per_turn"], later]):
+        at = f"{where}.per_turn[{i}]" if i < len(mt["per_turn"]) else f"{where}.later_turns"
+        _require(isinstance(figures, dict), at)
+        for key in ("requests", "completed"):
+            _require(isinstance(figures.get(key), int), f"{at}.{key}")
+        for key in TURN_STATS:
+            _check_stats(figures.get(key), f"{at}.{key}")
 
 
 def validate_report(doc: dict) -> None:
@@ -150,6 +172,8 @@ def validate_report(doc: dict) -> None:
             _check_stats(s.get(key), f"{where}.summary.{key}")
         for part in BREAKDOWN_PARTS:
             _check_stats(s["ttft_breakdown_ms"].get(part), f"{where}.summary.ttft_breakdown_ms")
+        if s.get("multi_turn") is not None:
+            _check_turns(s["multi_turn"], f"{where}.summary.multi_turn")
         _require(isinstance(run.get("requests"), list), f"{where}.requests")
         _require(len(run["requests"]) == s["requests"], f"{where}.requests length")
         for j, r in enumerate(run["requests"]):
@@ -203,7 +227,34 @@ def format_run(run: dict) -> str:
         f"duration {fmt(s['duration_s'])} s"
     )
     lines.append(f"clock: {run['clock_note']}")
+    if s.get("multi_turn"):
+        lines += format_turns(s["multi_turn"])
     return "\n".join(lines)
+
+
+def turn_rows(mt: dict) -> list[tuple[str, dict]]:
+    """(label, figures) per turn index, then the later turns' when the run reached them."""
+    rows = [(str(t["turn"]), t) for t in mt["per_turn"]]
+    later = mt["later_turns"]
+    if later["requests"]:
+        rows.append((f"{later['from_turn']}-{later['to_turn']}", later))
+    return rows
+
+
+def format_turns(mt: dict) -> list[str]:
+    """A multi-turn run's TTFT per turn index, with its prompt and cached prompt tokens."""
+    lines = [
+        "TTFT per turn (ms); prompt: average prompt tokens, cached: of them, the average reused",
+        "from the prefix cache",
+        f"{'turn':<8}{'ok/sent':>9}{'p50':>10}{'p90':>10}{'avg':>10}{'prompt':>10}{'cached':>10}",
+    ]
+    for label, f in turn_rows(mt):
+        t, counts = f["ttft_ms"], f"{f['completed']}/{f['requests']}"
+        lines.append(
+            f"{label:<8}{counts:>9}{fmt(t['p50']):>10}{fmt(t['p90']):>10}{fmt(t['avg']):>10}"
+            f"{fmt(f['input_tokens']['avg'], 1):>10}{fmt(f['cached_tokens']['avg'], 1):>10}"
+        )
+    return lines
 
 
 OVERVIEW_COLS = (
@@ -228,6 +279,13 @@ def format_overview(doc: dict) -> str:
         lines.append(f"{run['transport']:<10}{level_label(run):<12}{counts:>12}{cells}")
     lines.append("latencies in ms; breakdown columns are averages that add up to the average TTFT:")
     lines += [f"  {p:<10} {BREAKDOWN_HELP[p]}" for p in BREAKDOWN_PARTS]
+    for run in doc["runs"]:
+        later = (run["summary"].get("multi_turn") or {}).get("later_turns")
+        if later and later["requests"]:
+            lines.append(
+                f"TTFT p50 of turns {later['from_turn']}-{later['to_turn']}: {run['transport']} "
+                f"{level_label(run)} {fmt(later['ttft_ms']['p50'])} ms"
+            )
     return "\n".join(lines)
 
 
@@ -280,7 +338,33 @@ def format_compare(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str
         for label, get in COMPARE_ROWS:
             va, vb = get(ra["summary"]), get(rb["summary"])
             lines.append(f"{label:<26}{fmt(va):>12}{fmt(vb):>12}{ratio(va, vb):>9}")
+        lines += compare_turns(ra["summary"].get("multi_turn"), rb["summary"].get("multi_turn"))
     for rb in b["runs"]:
         if run_key(rb) not in a_keys:
             lines.append(f"\n== {rb['transport']} {level_label(rb)}\n   only in B")
     return "\n".join(lines)
+
+
+def compare_turns(mta: dict | None, mtb: dict | None) -> list[str]:
+    """Two multi-turn runs' TTFT per turn index side by side, with B/A ratios; [] unless both
+    ran conversations."""
+    if not mta or not mtb:
+        return []
+    a_rows, b_rows = dict(turn_rows(mta)), dict(turn_rows(mtb))
+    labels = [*a_rows, *(label for label in b_rows if label not in a_rows)]
+    lines = [
+        "TTFT per turn (ms); B/A = B's figure / A's, below 1 when B's first tokens come sooner;",
+        "cached: average prompt tokens reused from the prefix cache",
+        f"{'turn':<8}{'A p50':>10}{'B p50':>10}{'B/A':>8}{'A p90':>10}{'B p90':>10}{'B/A':>8}"
+        f"{'A cached':>10}{'B cached':>10}",
+    ]
+    empty = {"ttft_ms": {"p50": None, "p90": None}, "cached_tokens": {"avg": None}}
+    for label in labels:
+        fa, fb = a_rows.get(label, empty), b_rows.get(label, empty)
+        cells = ""
+        for p in ("p50", "p90"):
+            va, vb = fa["ttft_ms"][p], fb["ttft_ms"][p]
+            cells += f"{fmt(va):>10}{fmt(vb):>10}{ratio(va, vb):>8}"
+        ca, cb = fa["cached_tokens"]["avg"], fb["cached_tokens"]["avg"]
+        lines.append(f"{label:<8}{cells}{fmt(ca, 1):>10}{fmt(cb, 1):>10}")
+    return lines

@@ -1,4 +1,5 @@
-"""Scheduling: closed-loop concurrency levels or open-loop request rates over one transport."""
+"""Scheduling: closed-loop concurrency levels or open-loop request rates over one transport, and
+closed-loop multi-turn conversations."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from clients.bench.conversation import first_turn, follow_up, next_turn
 from clients.bench.prompts import Sampling
-from clients.bench.summary import RequestRecord
-from clients.bench.transports import Prompt, Transport
+from clients.bench.summary import OK, RequestRecord
+from clients.bench.transports import CHAT_TRANSPORTS, Prompt, Transport
 
 
 @dataclass(frozen=True)
@@ -40,14 +42,15 @@ class Workload:
 
     prompts: Sequence[Prompt]
     sampling: Sampling
-    requests: int | None = 100  # per level; None with a duration
+    requests: int | None = 100  # per level (conversations when multi-turn); None with a duration
     duration_s: float | None = None
     request_timeout_s: float = 300.0
     distribution: str = "constant"  # request-rate arrivals: constant or poisson
     seed: int = 0
+    turns: int | None = None  # multi-turn: each unit of work is a conversation of this many turns
 
     def wants(self, i: int, deadline: float | None) -> bool:
-        """Whether request i should still be sent."""
+        """Whether request (or conversation) i should still be started."""
         if self.requests is not None and i >= self.requests:
             return False
         return deadline is None or time.monotonic() < deadline
@@ -75,10 +78,15 @@ async def send_one(
     """Send request i and keep its record, whatever happens to it."""
     rec = RequestRecord(index=i)
     records.append(rec)
-    prompt = wl.prompts[i % len(wl.prompts)]
+    await send(transport, wl, rec, wl.prompts[i % len(wl.prompts)])
+    return rec
+
+
+async def send(transport: Transport, wl: Workload, rec: RequestRecord, prompt: Prompt) -> None:
+    """Send `prompt` as request rec.index; a failure or a timeout becomes rec.error."""
     try:
         await asyncio.wait_for(
-            transport.generate(rec, prompt, wl.sampling.params(i)), wl.request_timeout_s
+            transport.generate(rec, prompt, wl.sampling.params(rec.index)), wl.request_timeout_s
         )
     except asyncio.TimeoutError:
         rec.error = f"no final response within {wl.request_timeout_s:g} s"
@@ -87,11 +95,48 @@ async def send_one(
         raise
     except Exception as exc:  # one broken request is a figure, not the end of the run
         rec.error = f"{type(exc).__name__}: {exc}"
-    return rec
+
+
+async def converse(
+    transport: Transport,
+    wl: Workload,
+    c: int,
+    records: list[RequestRecord],
+    on_turn: Callable[[], object] = lambda: None,
+) -> None:
+    """Conversation c: its turns one after another, each sending the whole history so far.
+
+    Turn t is request c * turns + t - 1 (its sampling seed too). A turn that fails ends the
+    conversation: without an answer there is no history to go on with.
+    """
+    history = first_turn(wl.prompts[c % len(wl.prompts)])
+    for turn in range(1, wl.turns + 1):
+        rec = RequestRecord(index=c * wl.turns + turn - 1, conversation=c, turn=turn)
+        records.append(rec)
+        await send(transport, wl, rec, Prompt(messages=history))
+        on_turn()
+        if rec.status != OK:
+            return
+        if turn < wl.turns:
+            history = next_turn(history, rec.text, follow_up(c, turn + 1))
+
+
+def multi_turn_problem(transports: Sequence[str], levels: Sequence[Level]) -> str | None:
+    """Why conversations cannot run over these transports and levels; None when they can."""
+    cannot = [t for t in transports if t not in CHAT_TRANSPORTS]
+    if cannot:
+        return (
+            f"{', '.join(cannot)} cannot carry a conversation (chat messages); "
+            f"multi-turn runs over {', '.join(CHAT_TRANSPORTS)}"
+        )
+    if any(level.concurrency is None for level in levels):
+        return "multi-turn conversations run closed-loop: give --concurrency, not --request-rate"
+    return None
 
 
 async def closed_loop(issue: Callable[[int], Awaitable], wl: Workload, level: Level) -> None:
-    """`concurrency` workers, each sending its next request when the last one ends."""
+    """`concurrency` workers, each sending its next request (or conversation) when the last one
+    ends."""
     deadline = None if wl.duration_s is None else time.monotonic() + wl.duration_s
     counter = itertools.count()
 
@@ -129,7 +174,7 @@ async def run_level(
     await transport.open(level.slots)
     records: list[RequestRecord] = []
     bar = tqdm(
-        total=wl.requests,
+        total=wl.requests if wl.requests is None or wl.turns is None else wl.requests * wl.turns,
         desc=f"{transport.name} {level.label}",
         unit="req",
         disable=not progress,
@@ -137,6 +182,9 @@ async def run_level(
     )
 
     async def issue(i: int) -> None:
+        if wl.turns is not None:
+            await converse(transport, wl, i, records, bar.update)
+            return
         await send_one(transport, wl, i, records)
         bar.update()
 

@@ -1,5 +1,6 @@
 """A benchmark level's records and their summary: each request's send time and Chunks, the TTFT
-breakdown from the server's stamps, and every figure of one level (definitions: clients/metrics.py).
+breakdown from the server's stamps, and every figure of one level (definitions: clients/metrics.py),
+per turn index too when the level ran multi-turn conversations.
 
 Every request that got a response and no error counts (as genai-perf); errors and cancellations
 are counted on their own. All client timestamps are CLOCK_MONOTONIC nanoseconds.
@@ -38,6 +39,8 @@ class RequestRecord:
     error: str | None = None
     cancelled: bool = False
     extra: dict | None = None  # transport-specific figures (e.g. the bridge's own timing)
+    conversation: int | None = None  # multi-turn: which conversation, from 0
+    turn: int | None = None  # multi-turn: which turn of it, from 1
 
     @property
     def server_timing(self) -> ServerTiming | None:
@@ -52,6 +55,17 @@ class RequestRecord:
         """The server's count of prompt tokens, from the first response that has it."""
         counts = (c.num_input_tokens for c in self.chunks if c.num_input_tokens is not None)
         return next(counts, None)
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens the server reused from its prefix cache; None without server timing."""
+        t = self.server_timing
+        return None if t is None else t.cached_tokens
+
+    @property
+    def text(self) -> str:
+        """The answer: every response's text in order."""
+        return "".join(c.text for c in self.chunks)
 
     @property
     def finish_reason(self) -> str | None:
@@ -157,4 +171,34 @@ def summarize(records: Sequence[RequestRecord], clock: ClockMap) -> dict:
         "duration_s": None if span is None else span / m.NS_PER_S,
         "output_token_throughput": m.throughput(total_out, span),
         "request_throughput": m.throughput(len(ok), span),
+        "multi_turn": turn_summary(records),
     }
+
+
+# Turns from this one on are the "later turns" of a multi-turn run: by then most of a prompt is
+# history (earlier turns and answers), which a prefix cache can reuse (issue 12: turns 5-10).
+LATER_TURNS_FROM = 5
+
+
+def turn_figures(records: Sequence[RequestRecord]) -> dict:
+    """Counts, TTFT (ms), prompt tokens and cached prompt tokens of some turns' requests."""
+    ok = [r for r in records if r.status == OK]
+    return {
+        "requests": len(records),
+        "completed": len(ok),
+        "ttft_ms": m.stats((r.ttft_ns() for r in ok), m.NS_PER_MS).as_dict(),
+        "input_tokens": m.stats(r.prompt_tokens for r in ok).as_dict(),
+        "cached_tokens": m.stats(r.cached_tokens for r in ok).as_dict(),
+    }
+
+
+def turn_summary(records: Sequence[RequestRecord]) -> dict | None:
+    """A multi-turn level's figures per turn index, and over its later turns; None for a level
+    without turns."""
+    turns = sorted({r.turn for r in records if r.turn is not None})
+    if not turns:
+        return None
+    later = [r for r in records if r.turn is not None and r.turn >= LATER_TURNS_FROM]
+    per_turn = [{"turn": t} | turn_figures([r for r in records if r.turn == t]) for t in turns]
+    span = {"from_turn": LATER_TURNS_FROM, "to_turn": turns[-1]}
+    return {"turns": turns[-1], "per_turn": per_turn, "later_turns": span | turn_figures(later)}

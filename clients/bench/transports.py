@@ -22,6 +22,9 @@ from clients.request import GenerateRequest
 from streaming_backend.wire import CANCELLED, CHAT_MODEL
 
 TRANSPORTS = ("grpc", "sse", "ws", "openai")
+# Those that carry chat messages (GenerateRequest.messages), so a multi-turn conversation: each of
+# them today (a transport of plain text or token ids alone would be left out here).
+CHAT_TRANSPORTS = ("grpc", "sse", "ws", "openai")
 
 
 @dataclass(frozen=True)

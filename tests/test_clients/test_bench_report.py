@@ -270,3 +270,114 @@ def test_genai_perf_export_ignores_outputs_the_request_did_not_ask_for(tmp_path)
     (record,) = run.records
     assert record.prompt_tokens is None and record.output_tokens() == 3
     assert record.server_timing is not None
+
+
+def multi_turn_doc(later_ttft_ms: int = 100, cached: int = 0, turns: int = 10) -> dict:
+    """One grpc run of 2 conversations of `turns` turns: TTFT 100 ms at turns 1-4 and
+    later_ttft_ms from turn 5 on, with `cached` prompt tokens reused from turn 2 on."""
+    records = []
+    for c in range(2):
+        for t in range(1, turns + 1):
+            r = fake_record(c * turns + t - 1, ttft_ms=100 if t < 5 else later_ttft_ms)
+            timing = replace(r.chunks[0].timing, cached_tokens=cached if t > 1 else 0)
+            r.chunks[0] = replace(r.chunks[0], timing=timing, num_input_tokens=30 * t)
+            r.conversation, r.turn = c, t
+            records.append(r)
+    run = RunResult("grpc", "127.0.0.1:8001", 2, None, ClockMap(True), records)
+    return build_report({"multi_turn": turns}, [run], "2025-01-01T00:00:00+00:00")
+
+
+def test_multi_turn_report_has_turn_figures_tables_and_schema():
+    """The document carries per-turn figures and each request's turn; the run table shows TTFT
+    per turn and over turns 5-10, the overview the later turns' p50."""
+    doc = multi_turn_doc(later_ttft_ms=40, cached=25)
+    validate_report(doc)
+    (run,) = doc["runs"]
+    assert (run["requests"][11]["conversation"], run["requests"][11]["turn"]) == (1, 2)
+    mt = run["summary"]["multi_turn"]
+    assert mt["per_turn"][2]["input_tokens"]["avg"] == 90
+    assert mt["later_turns"]["ttft_ms"]["p50"] == pytest.approx(40)
+    table = format_run(run)
+    assert "TTFT per turn" in table
+    row = next(line for line in table.splitlines() if line.startswith("5-10 "))
+    assert row.split() == ["5-10", "12/12", "40.00", "40.00", "40.00", "225.0", "25.0"]
+    assert "TTFT p50 of turns 5-10: grpc c=2 40.00 ms" in format_overview(doc)
+    validate_report(json.loads(json.dumps(doc)))
+    bad = copy.deepcopy(doc)
+    bad["runs"][0]["summary"]["multi_turn"]["per_turn"][3]["ttft_ms"].pop("p50")
+    with pytest.raises(ValueError, match=r"multi_turn.per_turn\[3\].ttft_ms.p50"):
+        validate_report(bad)
+
+
+def test_compare_shows_ttft_per_turn_with_ratios(tmp_path, capsys):
+    """--compare without.json with.json: per-turn TTFT of both runs, B/A per turn and over turns
+    5-10 (the prefix cache's target: at most x0.30), and the cached tokens of each."""
+    without, with_cache = multi_turn_doc(100, cached=0), multi_turn_doc(25, cached=60)
+    for name, doc in (("without", without), ("with", with_cache)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    paths = [str(tmp_path / "without.json"), str(tmp_path / "with.json")]
+    assert cli.main(["bench", "--compare", *paths]) == 0
+    text = capsys.readouterr().out
+    assert "B/A = B's figure / A's" in text and f"B = {paths[1]}" in text
+    rows = {line.split()[0]: line.split() for line in text.split("TTFT per turn")[1].splitlines()}
+    assert rows["1"] == ["1", *["100.00", "100.00", "x1.00"] * 2, "0.0", "0.0"]
+    assert rows["5-10"] == ["5-10", *["100.00", "25.00", "x0.25"] * 2, "0.0", "60.0"]
+    single = format_compare(fake_doc(), fake_doc())
+    assert "TTFT per turn" not in single
+
+
+def chat_event(delta: dict, finish_reason: str | None = None, **extra) -> str:
+    """One server-sent event of a chat completion stream, as perf_analyzer keeps it."""
+    choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+    event = {"id": "c1", "object": "chat.completion.chunk", "choices": [choice]} | extra
+    return f"data: {json.dumps(event)}\n\n"
+
+
+def genai_perf_chat_export(usage: bool) -> dict:
+    """A profile_export.json of `genai-perf --endpoint-type chat --streaming`: raw events per
+    response, a role event first, two text events arriving as one response, then the end."""
+    wall = 1_700_000_000_000 * MS
+    events = [
+        chat_event({"role": "assistant"}),
+        chat_event({"content": "Hello"}),
+        chat_event({"content": " wor"}) + chat_event({"content": "ld"}),
+        chat_event({}, "length"),
+    ]
+    if usage:
+        last = {"id": "c1", "object": "chat.completion.chunk", "choices": []}
+        last["usage"] = {"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14}
+        events.append(f"data: {json.dumps(last)}\n\n")
+    events.append("data: [DONE]\n\n")
+    request = {
+        "timestamp": wall,
+        "request_inputs": {"payload": json.dumps({"messages": [], "stream": True})},
+        "response_timestamps": [wall + (40 + 10 * k) * MS for k in range(len(events))],
+        "response_outputs": [{"response": e} for e in events],
+    }
+    return {
+        "service_kind": "openai",
+        "endpoint": "v1/chat/completions",
+        "experiments": [{"experiment": {"mode": "concurrency", "value": 1}, "requests": [request]}],
+    }
+
+
+@pytest.mark.parametrize("usage", [False, True])
+def test_genai_perf_chat_export_counts_tokens_from_the_deltas(tmp_path, usage):
+    """A chat endpoint's export counts delta.content events as tokens (two arriving together
+    are two), the usage event adds the model's count of the rest; TTFT ends at the first text,
+    as over our openai transport (the role event is no response of the model)."""
+    from clients.bench.genai_perf import genai_perf_runs, missing_outputs
+
+    path = tmp_path / "profile_export.json"
+    path.write_text(json.dumps(genai_perf_chat_export(usage)))
+    runs = genai_perf_runs(path)
+    (record,) = runs[0].records
+    assert runs[0].transport == "openai" and record.status == "ok"
+    assert record.text == "Hello world" and record.finish_reason == "length"
+    assert record.output_tokens() == (5 if usage else 3)
+    assert record.prompt_tokens == (9 if usage else None)
+    s = build_report({}, runs, "now")["runs"][0]["summary"]
+    assert s["ttft_ms"]["avg"] == pytest.approx(50) and s["total_output_tokens"] > 0
+    notes = missing_outputs(runs)
+    assert any("usage" in n for n in notes) != usage
+    assert not any("return_timing" in n for n in notes)

@@ -142,3 +142,48 @@ def test_breakdown_across_clocks_goes_through_wall_time():
 def test_breakdown_missing_without_server_timing():
     """Requests without the timing output have no breakdown."""
     assert ttft_breakdown_ns(rec(0, [(1, 1, "a")]), SAME) is None
+
+
+def turn_record(conversation: int, turn: int, ttft_ms: float, prompt: int, cached: int, **kw):
+    """Turn `turn` of a conversation: one token after ttft_ms, the server's prompt and cached
+    token counts."""
+    t = ServerTiming(1, 2, 3, 4, cached_tokens=cached)
+    r = rec(0, [(ttft_ms, 1, "a")], timing=t, conversation=conversation, turn=turn, **kw)
+    r.chunks[0] = replace(r.chunks[0], num_input_tokens=prompt)
+    return r
+
+
+def test_turn_summary_per_turn_index_and_over_the_later_turns():
+    """TTFT (the project's percentile), prompt and cached tokens per turn; turns 5 on together;
+    a failed turn is sent but not completed."""
+    from clients.bench.summary import LATER_TURNS_FROM
+    from clients.metrics import percentile
+
+    assert LATER_TURNS_FROM == 5
+    records = [
+        turn_record(c, t, ttft_ms=10 * t + c, prompt=20 * t, cached=20 * (t - 1) - 2)
+        for c in range(3)
+        for t in range(1, 7)
+    ]
+    records.append(turn_record(3, 1, 999, 20, 0, error="overloaded: queue full"))
+    mt = summarize(records, SAME)["multi_turn"]
+    assert mt["turns"] == 6 and [t["turn"] for t in mt["per_turn"]] == [1, 2, 3, 4, 5, 6]
+    first, second = mt["per_turn"][:2]
+    assert (first["requests"], first["completed"], second["requests"]) == (4, 3, 3)
+    assert first["ttft_ms"]["p50"] == pytest.approx(11) and second["ttft_ms"]["avg"] == 21
+    assert second["input_tokens"]["avg"] == 40 and second["cached_tokens"]["avg"] == 18
+    later = mt["later_turns"]
+    assert (later["from_turn"], later["to_turn"], later["completed"]) == (5, 6, 6)
+    ttfts = sorted(10 * t + c for c in range(3) for t in (5, 6))
+    assert later["ttft_ms"]["p50"] == pytest.approx(percentile(ttfts, 50))
+    assert later["ttft_ms"]["p90"] == pytest.approx(percentile(ttfts, 90))
+
+
+def test_no_turn_figures_without_turns_nor_cached_tokens_without_timing():
+    """A single-request level has no multi_turn block; a turn without server timing (openai)
+    has no cached-token figure."""
+    assert summarize([rec(0, [(10, 1, "a")])], SAME)["multi_turn"] is None
+    r = rec(0, [(10, 1, "a")], turn=1, conversation=0)
+    (t,) = summarize([r], SAME)["multi_turn"]["per_turn"]
+    assert t["ttft_ms"]["count"] == 1 and t["cached_tokens"]["count"] == 0
+    assert r.cached_tokens is None and r.text == "a"
