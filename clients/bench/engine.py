@@ -3,7 +3,8 @@
     tokenstream engine-bench --concurrency 1,4,16 --output-tokens 64 --dtype bf16,fp32
 
 For each dtype it runs the baseline (`model.generate` + `TextIteratorStreamer`, one request at a
-time) and then our engine at each concurrency, every stream producing exactly --output-tokens
+time) and then our engine on each forward (`--forward compact,hf`: ours, and the Hugging Face
+forward under our engine, labelled eng-compact and eng-hf) at each concurrency, every stream producing exactly --output-tokens
 tokens (ignore_eos). Each token becomes a Chunk stamped when it existed, so TTFT, ITL, throughput
 and percentiles are those of clients/metrics.py, as in `tokenstream bench`. It prints a table and
 writes every figure to a JSON file. A client of the core: it runs the engine in this process.
@@ -36,6 +37,7 @@ class BenchConfig:
 
     model: str | None
     dtypes: tuple[str, ...]
+    forwards: tuple[str, ...]
     concurrency: tuple[int, ...]
     output_tokens: int
     baseline_requests: int
@@ -158,13 +160,23 @@ def run_baseline(loaded: LoadedModel, prompts: list[list[int]], cfg: BenchConfig
     return summarize("hf-generate", str(loaded.dtype).removeprefix("torch."), 1, streams)
 
 
-def run_engine(loaded: LoadedModel, prompts: list[list[int]], concurrency: int, cfg: BenchConfig):
-    """Our engine: `concurrency` streams submitted together, `rounds` times."""
+def run_engine(
+    loaded: LoadedModel,
+    prompts: list[list[int]],
+    concurrency: int,
+    cfg: BenchConfig,
+    forward: str = "compact",
+):
+    """Our engine on `forward`: `concurrency` streams submitted together, `rounds` times.
+
+    The prefix cache is off: the rounds resend the same prompts, which would measure reuse.
+    """
     settings = SamplingSettings(
         temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.output_tokens, ignore_eos=True
     )
     streams = []
-    with Engine(loaded, EngineConfig(max_streams=max(concurrency, 1))) as engine:
+    config = EngineConfig(max_streams=max(concurrency, 1), forward=forward, prefix_cache=False)
+    with Engine(loaded, config) as engine:
         list(engine.submit(prompts[0], replace(settings, max_tokens=4)))  # warm-up
         # At least 6 requests per level, so single-stream percentiles rest on a few samples.
         for _ in range(max(cfg.rounds, math.ceil(6 / concurrency))):
@@ -175,7 +187,8 @@ def run_engine(loaded: LoadedModel, prompts: list[list[int]], concurrency: int, 
                 events = [e for e in handle if e.token_ids]
                 chunks = tuple(token_chunk(e) for e in events)
                 streams.append(Timeline(events[0].submitted_ns, chunks))
-    return summarize("engine", str(loaded.dtype).removeprefix("torch."), concurrency, streams)
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    return summarize(f"{ENGINE}-{forward}", dtype, concurrency, streams)
 
 
 def run(cfg: BenchConfig) -> list[LevelResult]:
@@ -191,8 +204,9 @@ def run(cfg: BenchConfig) -> list[LevelResult]:
         results.append(run_baseline(loaded, prompts, cfg))
         print_row(results[-1])
         for concurrency in cfg.concurrency:
-            results.append(run_engine(loaded, prompts, concurrency, cfg))
-            print_row(results[-1])
+            for forward in cfg.forwards:
+                results.append(run_engine(loaded, prompts, concurrency, cfg, forward))
+                print_row(results[-1])
         del loaded
     return results
 
@@ -216,23 +230,33 @@ def _cell(value: float | None, width: int, digits: int) -> str:
     return f"{'-' if value is None else f'{value:.{digits}f}':>{width}}"
 
 
+ENGINE = "eng"  # system label prefix of our engine's rows: eng-compact, eng-hf
+
+
 def ratios(results: list[LevelResult]) -> dict[str, dict[str, float]]:
-    """The issue's targets per dtype: throughput vs baseline, TTFT growth with concurrency."""
+    """Per dtype: each forward's throughput vs the baseline, TTFT growth with concurrency, and
+    the compact forward's throughput over the Hugging Face forward's at each concurrency."""
     out = {}
     for dtype in {r.dtype for r in results}:
         rows = {(r.system, r.concurrency): r for r in results if r.dtype == dtype}
         base = rows[("hf-generate", 1)]
         cells = {}
-        top = max(c for s, c in rows if s == "engine")
-        if ("engine", top) in rows:
-            cells[f"throughput_{top}_vs_baseline"] = (
-                rows[("engine", top)].tokens_per_s / base.tokens_per_s
-            )
-        if ("engine", 1) in rows:
-            cells["throughput_1_vs_baseline"] = rows[("engine", 1)].tokens_per_s / base.tokens_per_s
-            cells[f"ttft_p50_{top}_vs_1"] = (
-                rows[("engine", top)].ttft_ms["p50"] / rows[("engine", 1)].ttft_ms["p50"]
-            )
+        for system in sorted({s for s, _ in rows if s.startswith(ENGINE)}):
+            name = system.removeprefix(f"{ENGINE}-")
+            levels = sorted(c for s, c in rows if s == system)
+            top = levels[-1]
+            for c in {1, top} & set(levels):
+                cells[f"{name}_throughput_{c}_vs_baseline"] = (
+                    rows[(system, c)].tokens_per_s / base.tokens_per_s
+                )
+            if 1 in levels:
+                cells[f"{name}_ttft_p50_{top}_vs_1"] = (
+                    rows[(system, top)].ttft_ms["p50"] / rows[(system, 1)].ttft_ms["p50"]
+                )
+        for (system, c), row in sorted(rows.items()):
+            hf = rows.get((f"{ENGINE}-hf", c))
+            if system == f"{ENGINE}-compact" and hf is not None:
+                cells[f"compact_vs_hf_throughput_{c}"] = row.tokens_per_s / hf.tokens_per_s
         out[dtype] = cells
     return out
 
@@ -241,6 +265,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of the engine benchmark."""
     parser.add_argument("--model", default=None, help="model dir/GGUF/hub id (default SmolLM2)")
     parser.add_argument("--dtype", default="bfloat16,float32", help="comma-separated dtypes")
+    parser.add_argument(
+        "--forward", default="compact,hf", help="our engine's forwards to run (compact, hf)"
+    )
     parser.add_argument("--concurrency", default="1,4,16", help="comma-separated stream counts")
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--baseline-requests", type=int, default=6)
@@ -258,6 +285,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = BenchConfig(
         model=args.model,
         dtypes=tuple(d.strip() for d in args.dtype.split(",") if d.strip()),
+        forwards=tuple(f.strip() for f in args.forward.split(",") if f.strip()),
         concurrency=tuple(int(c) for c in args.concurrency.split(",")),
         output_tokens=args.output_tokens,
         baseline_requests=args.baseline_requests,

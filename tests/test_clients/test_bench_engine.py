@@ -70,14 +70,16 @@ def test_tiny_run_writes_json(tiny_model_dir, tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert [(r["system"], r["concurrency"]) for r in doc["results"]] == [
         ("hf-generate", 1),
-        ("engine", 1),
-        ("engine", 2),
+        ("eng-compact", 1),
+        ("eng-hf", 1),
+        ("eng-compact", 2),
+        ("eng-hf", 2),
     ]
-    assert [r["requests"] for r in doc["results"]] == [1, 6, 6]
+    assert [r["requests"] for r in doc["results"]] == [1, 6, 6, 6, 6]
     assert all(r["output_tokens"] == 4 * r["requests"] for r in doc["results"])
     assert set(doc["ratios"]["float32"]) == {
-        "throughput_2_vs_baseline",
-        "throughput_1_vs_baseline",
-        "ttft_p50_2_vs_1",
-    }
+        f"{forward}_{figure}"
+        for forward in ("compact", "hf")
+        for figure in ("throughput_1_vs_baseline", "throughput_2_vs_baseline", "ttft_p50_2_vs_1")
+    } | {"compact_vs_hf_throughput_1", "compact_vs_hf_throughput_2"}
     assert "hf-generate" in capsys.readouterr().out
