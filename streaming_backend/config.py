@@ -26,7 +26,10 @@ class EngineConfig:
     # auto: the compact forward for the Llama family (llama, mistral, qwen2), else Hugging Face's;
     # compact: that forward or an error; hf: always Hugging Face's (the baseline, any model).
     forward: str = "auto"
-    prefix_cache: bool = True  # reuse the KV of earlier prompts and answers (compact forward)
+    # Reuse KV across requests (compact forward). on: of earlier prompts and answers; prompts: of
+    # prompts only, whose KV prefill computed, so greedy outputs equal a run without the cache
+    # (an answer's KV comes from decode steps, whose bf16 rounding differs a little); off.
+    prefix_cache: str = "on"
     # Prompt tokens prefilled per engine step while other streams decode (compact forward): a new
     # prompt delays running streams by about one chunk per step. Measured in docs/performance.md.
     prefill_chunk_tokens: int = 256
@@ -48,9 +51,13 @@ class EngineConfig:
         if self.prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, not {self.prefill_chunk_tokens}")
         parse_memory(self.kv_cache_memory)
+        if self.prefix_cache not in PREFIX_CACHE_MODES:
+            modes = ", ".join(PREFIX_CACHE_MODES)
+            raise ValueError(f"prefix_cache must be one of {modes}, not {self.prefix_cache!r}")
 
 
 FORWARDS = ("auto", "compact", "hf")
+PREFIX_CACHE_MODES = ("on", "prompts", "off")
 MEMORY_UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
@@ -86,7 +93,7 @@ PARAMETER_HELP = {
     "default_max_tokens": "output length cap of a request that sets no max_tokens",
     "cancel_check_ms": "how often the model asks Triton whether clients cancelled",
     "forward": "auto (compact for Llama-family models, else hf), compact, or hf (Hugging Face)",
-    "prefix_cache": "on: reuse the KV of earlier prompts and answers (compact forward); off",
+    "prefix_cache": "reuse KV across requests: on (prompts and answers), prompts, off",
     "prefill_chunk_tokens": "prompt tokens prefilled per step while other streams decode",
     "kv_cache_memory": "KV cache size: a fraction of free memory (0.5) or a size (4GiB)",
     "compile": "on: torch.compile the compact decode step (warmed up at load); off",
@@ -122,7 +129,7 @@ class ModelSettings:
                 queue_limit=int(text["queue_limit"]),
                 default_max_tokens=int(text["default_max_tokens"]),
                 forward=text["forward"],
-                prefix_cache=_switch("prefix_cache", text["prefix_cache"]),
+                prefix_cache=text["prefix_cache"],
                 prefill_chunk_tokens=int(text["prefill_chunk_tokens"]),
                 kv_cache_memory=text["kv_cache_memory"],
                 compile=_switch("compile", text["compile"]),
@@ -142,7 +149,7 @@ class ModelSettings:
             "queue_limit": str(engine.queue_limit),
             "default_max_tokens": str(engine.default_max_tokens),
             "forward": engine.forward,
-            "prefix_cache": "on" if engine.prefix_cache else "off",
+            "prefix_cache": engine.prefix_cache,
             "prefill_chunk_tokens": str(engine.prefill_chunk_tokens),
             "kv_cache_memory": engine.kv_cache_memory,
             "compile": "on" if engine.compile else "off",

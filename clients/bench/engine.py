@@ -175,7 +175,7 @@ def run_engine(
         temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.output_tokens, ignore_eos=True
     )
     streams = []
-    config = EngineConfig(max_streams=max(concurrency, 1), forward=forward, prefix_cache=False)
+    config = EngineConfig(max_streams=max(concurrency, 1), forward=forward, prefix_cache="off")
     with Engine(loaded, config) as engine:
         list(engine.submit(prompts[0], replace(settings, max_tokens=4)))  # warm-up
         # At least 6 requests per level, so single-stream percentiles rest on a few samples.

@@ -46,7 +46,7 @@ def build_steps(loaded: LoadedModel, config: EngineConfig, on_failure: OnFailure
         cache.slots,
         cache.max_len,
         2 * cache.k.numel() * cache.k.element_size() / 2**20,
-        "on" if config.prefix_cache else "off",
+        config.prefix_cache,
         config.prefill_chunk_tokens,
         f", decode step compiled in {forward.compile_seconds:.1f} s"
         if forward.compile_seconds is not None

@@ -38,7 +38,8 @@ class SlotSteps:
         self.forward = forward
         self.cache = forward.cache
         self.config = config
-        self.prefix = PrefixCache() if config.prefix_cache else None
+        self.prefix = PrefixCache() if config.prefix_cache != "off" else None
+        self._answers = config.prefix_cache == "on"  # else only prompt KV (prefill's) is reused
         self._on_failure = on_failure
         self._slot: dict[int, int] = {}  # id(stream) -> its slot
         self._prefilling: list = []  # admitted, prompt not wholly in the cache; oldest first
@@ -68,7 +69,7 @@ class SlotSteps:
         """(slot, prompt tokens already in it) for a new prompt."""
         match = None
         if self.prefix is not None:
-            live = [(self._slot[id(s)], self._written(s)) for s in self.live()]
+            live = [(self._slot[id(s)], self._reusable(s)) for s in self.live()]
             match = self.prefix.best(prompt, live)
         # at least the last prompt token is run again: its logits give the first new token
         reused = min(match.length, len(prompt) - 1) if match else 0
@@ -91,6 +92,11 @@ class SlotSteps:
         slot = self.prefix.evict()
         self.cache.truncate(slot, 0)
         return slot
+
+    def _reusable(self, stream) -> Sequence[int]:
+        """The tokens of the stream's slot that other prompts may reuse."""
+        written = self._written(stream)
+        return written if self._answers else written[: len(stream.prompt_ids)]
 
     def _written(self, stream) -> Sequence[int]:
         """The tokens whose keys and values are in the stream's slot."""
@@ -181,8 +187,10 @@ class SlotSteps:
             slot = self._slot.get(id(stream))
             if slot is None:
                 continue
-            if keep and self.prefix is not None and self.cache.lengths[slot] > 0:
-                self.prefix.keep(slot, self._written(stream))
+            reusable = self._reusable(stream) if keep and self.prefix is not None else ()
+            if reusable:
+                self.cache.truncate(slot, len(reusable))
+                self.prefix.keep(slot, reusable)
             else:
                 self.cache.free(slot)
             del self._slot[id(stream)]

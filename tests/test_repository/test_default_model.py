@@ -50,3 +50,49 @@ def test_default_model_behind_triton(default_model_dir):  # fixture: converted o
         assert "\ufffd" not in text
     finally:
         server.stop()
+
+
+
+def test_greedy_answers_do_not_change_with_prefix_cache_and_chunked_prefill(default_loaded):
+    """The shared prompts' greedy answers, and a follow-up turn of each, are token for token the
+    same when prompts are prefilled in 8-token chunks beside running streams and follow-ups reuse
+    the cached prompts (prefix_cache=prompts), as when each prompt is prefilled whole and alone
+    with no cache."""
+    from streaming_backend.engine import Engine, EngineConfig
+    from streaming_backend.prompts import encode_prompt
+
+    tokenizer = default_loaded.tokenizer
+    greedy = SamplingSettings(temperature=0, max_tokens=16)
+
+    def follow_up(messages, answer_ids):
+        answer = tokenizer.decode(answer_ids, skip_special_tokens=True)
+        turn = [{"role": "assistant", "content": answer}, {"role": "user", "content": "Why?"}]
+        return encode_prompt(tokenizer, messages=messages + turn)
+
+    def answers(engine, prompts, together):
+        """Output ids of each prompt; cached prompt tokens of each."""
+        if together:
+            handles = [engine.submit(p, greedy) for p in prompts]
+            runs = [list(h) for h in handles]
+        else:
+            runs = [list(engine.submit(p, greedy)) for p in prompts]
+        return [[t for e in r for t in e.token_ids] for r in runs], [r[0].cached_tokens for r in runs]
+
+    def conversation(config, together):
+        chats = chat_prompts()
+        with Engine(default_loaded, config) as engine:
+            assert engine.forward == "compact"
+            firsts, _ = answers(
+                engine, [encode_prompt(tokenizer, messages=m) for m in chats], together
+            )
+            turns = [follow_up(m, ids) for m, ids in zip(chats, firsts)]
+            seconds, cached = answers(engine, turns, together)
+        return firsts, seconds, cached
+
+    plain = EngineConfig(forward="compact", prefix_cache="off", max_streams=1)
+    reference = conversation(plain, together=False)
+    busy = EngineConfig(forward="compact", prefix_cache="prompts", prefill_chunk_tokens=8)
+    firsts, seconds, cached = conversation(busy, together=True)
+    assert firsts == reference[0]
+    assert seconds == reference[1]
+    assert reference[2] == [0] * len(cached) and min(cached) > 20  # every follow-up hit

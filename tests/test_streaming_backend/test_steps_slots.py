@@ -28,7 +28,7 @@ def _engine(loaded, **config):
 
 def _reference(loaded, prompt, settings=GREEDY):
     """Output ids and logprobs of the prompt alone, with no prefix cache and no chunking."""
-    with _engine(loaded, prefix_cache=False) as engine:
+    with _engine(loaded, prefix_cache="off") as engine:
         ids, cached, events = _run(engine, prompt, settings)
     assert cached == 0
     return ids, [lp for e in events for lp in e.logprobs]
@@ -50,6 +50,16 @@ def test_a_follow_up_turn_reuses_the_conversation_so_far(tiny_loaded):
         _, cached, events = _run(engine, follow_up)
     assert engine.forward == "compact"
     assert cached == len(PROMPT) + len(first) - 1
+    _same(events, _reference(tiny_loaded, follow_up))
+
+
+def test_prompts_mode_reuses_only_what_prefill_computed(tiny_loaded):
+    """prefix_cache=prompts keeps an ended stream's prompt KV, not its answer's."""
+    with _engine(tiny_loaded, prefix_cache="prompts") as engine:
+        first, _, _ = _run(engine, PROMPT)
+        follow_up = PROMPT + first + [1100]
+        _, cached, events = _run(engine, follow_up)
+    assert cached == len(PROMPT)
     _same(events, _reference(tiny_loaded, follow_up))
 
 
