@@ -346,6 +346,31 @@ def test_metrics_show_our_histograms(triton_server):
     assert _metric(triton_server, "tokenstream_generation_tokens_total") >= 12
 
 
+def test_a_follow_up_turn_reuses_the_cached_conversation(triton_server):
+    """A chat's second turn (messages: the first turn, its answer, a new question) prefills only
+    what is new: its timing reports the reused tokens, and the prefix-cache counters count them."""
+    hits = _metric(triton_server, "tokenstream_prefix_cache_hits_total")
+    reused = _metric(triton_server, "tokenstream_prefix_cache_reused_tokens_total")
+    first = [
+        {"role": "system", "content": "You are a careful assistant who answers in full sentences."},
+        {"role": "user", "content": "Tell me about the prefix cache of this server, please."},
+    ]
+    sampling = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+    answer = _chunks(triton_server, messages=first, sampling=sampling, return_timing=True)
+    assert answer[0].timing.cached_tokens == 0
+    second = first + [
+        {"role": "assistant", "content": "".join(c.text for c in answer)},
+        {"role": "user", "content": "And why?"},
+    ]
+    chunks = _chunks(triton_server, messages=second, sampling=sampling, return_timing=True)
+    cached = chunks[0].timing.cached_tokens
+    assert cached >= chunks[0].num_input_tokens // 2, (cached, chunks[0].num_input_tokens)
+    assert all(c.timing.cached_tokens == cached for c in chunks)
+    wait_for(lambda: _metric(triton_server, "tokenstream_prefix_cache_hits_total") == hits + 1)
+    total = _metric(triton_server, "tokenstream_prefix_cache_reused_tokens_total")
+    assert total == reused + cached
+
+
 def test_sixteen_streams_round_after_round_keep_the_server_alive(triton_server):
     """Rounds of 16 concurrent streams (beyond max_streams: some wait) all complete and the
     server survives."""
