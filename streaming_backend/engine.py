@@ -22,7 +22,13 @@ import torch
 from streaming_backend import sampling
 from streaming_backend.config import EngineConfig
 from streaming_backend.detokenize import IncrementalDetokenizer
-from streaming_backend.errors import EngineStopped, InvalidRequest, Overloaded, StreamingError
+from streaming_backend.errors import (
+    EngineStopped,
+    InvalidRequest,
+    NonFiniteLogits,
+    Overloaded,
+    StreamingError,
+)
 from streaming_backend.events import FinishReason, TokenEvent
 from streaming_backend.loading import LoadedModel
 from streaming_backend.settings import SamplingSettings
@@ -322,17 +328,26 @@ class Engine:
     ) -> None:
         """Sample one token per row of logits [N, V]; hand out events; retire finished rows."""
         raw_logits = logits
-        logits = self._process_logits(streams, logits.clone())
+        # NaN or inf (fp16 overflow, a broken device) would be sampled as some token: such a row
+        # is sampled from zeros instead and its stream fails below
+        finite = torch.isfinite(logits).all(-1)  # [N]
+        logits = torch.where(finite[:, None], logits, 0.0)
+        logits = self._process_logits(streams, logits)
         uniforms = sampling.draw_uniforms([s.generator for s in streams])
-        ids = sampling.sample(logits, params, uniforms).tolist()
+        chosen = sampling.sample(logits, params, uniforms)  # [N] on the device
+        ids, ok = torch.stack([chosen, finite.to(chosen.dtype)]).tolist()  # one host transfer
         logprobs = None
         if any(s.logprobs for s in streams):
-            chosen = torch.tensor(ids, device=raw_logits.device)
             logprobs = sampling.token_logprobs(raw_logits, chosen).tolist()
         emitted_ns = self._last_emit_ns = time.monotonic_ns()
         done = []
         for row, stream in enumerate(streams):
             try:
+                if not ok[row]:
+                    raise NonFiniteLogits(
+                        "the model produced NaN or infinite logits (float16 overflow? try "
+                        "bfloat16)"
+                    )
                 lp = (logprobs[row],) if logprobs is not None and stream.logprobs else None
                 if self._advance(stream, ids[row], lp, emitted_ns):
                     done.append(stream)

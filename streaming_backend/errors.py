@@ -44,3 +44,7 @@ class Cancelled(StreamingError):
 
     def __str__(self) -> str:
         return self.kind.prefix if not self.args else super().__str__()
+
+
+class NonFiniteLogits(StreamingError):
+    """A stream's logits held NaN or inf (float16 overflow, a broken device): no token to pick."""

@@ -537,3 +537,27 @@ def test_a_failing_decode_step_fails_the_batch_and_the_engine_serves_on(tiny_loa
         for handle in after:
             events = _events(handle)
             assert len(events) == 12 and events[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_nan_logits_fail_the_stream_with_a_clear_error(tiny_loaded):
+    """Rows whose logits hold NaN end with an error naming it; the engine then serves on."""
+    model = copy.deepcopy(tiny_loaded.model)
+    poisoned = threading.Event()
+
+    def nan_logits(module, args, logits):
+        if poisoned.is_set():
+            logits[..., 0] = float("nan")  # logits: [B, L, V]
+        return logits
+
+    model.lm_head.register_forward_hook(nan_logits)
+    loaded = replace(tiny_loaded, model=model)
+    with Engine(loaded) as engine:  # the hook keeps it on the Hugging Face forward
+        assert engine.forward == "hf"
+        poisoned.set()
+        events = list(engine.submit(_prompt(loaded, "hi"), GREEDY))
+        assert events[-1].finish_reason is FinishReason.ERROR
+        assert "NaN or infinite logits" in str(events[-1].error)
+        poisoned.clear()
+        assert list(engine.submit(_prompt(loaded, "hi"), GREEDY))[-1].finish_reason is (
+            FinishReason.LENGTH
+        )
