@@ -52,8 +52,21 @@ def default_model_path() -> Path:
 def resolve_device(device: str = "auto") -> torch.device:
     """CUDA when available (or asked for), else the CPU."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def instance_device(kind: str, device_id: int | str) -> str:
+    """The device of a Triton model instance (args model_instance_kind and _device_id).
+
+    KIND_GPU instances run on their own GPU; KIND_CPU on the CPU; KIND_MODEL (ours) lets the
+    model pick: the first GPU when there is one, else the CPU.
+    """
+    if kind == "GPU":
+        return f"cuda:{int(device_id)}"
+    if kind == "CPU":
+        return "cpu"
+    return "auto"
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -79,7 +92,9 @@ def load_model(source: str | None = None, dtype: str = "auto", device: str = "au
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     tokenizer = AutoTokenizer.from_pretrained(target)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype)
+    # straight onto the device: no full copy in host memory first on a GPU
+    placement = {"device_map": str(torch_device)} if torch_device.type == "cuda" else {}
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype, **placement)
     model.to(torch_device).eval()
     return LoadedModel(
         model=model,

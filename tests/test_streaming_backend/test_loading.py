@@ -101,3 +101,14 @@ def test_the_default_model_is_converted_once(default_model_dir):
     assert default_model_dir.name.startswith(gguf.stem + "-")
     assert (default_model_dir / "tokenizer.json").is_file()
     assert list(default_model_dir.glob("*.safetensors"))
+
+
+@pytest.mark.parametrize(
+    "kind, device_id, device",
+    [("GPU", "1", "cuda:1"), ("GPU", 0, "cuda:0"), ("CPU", "0", "cpu"), ("MODEL", "0", "auto")],
+)
+def test_instance_device_follows_the_triton_instance(kind, device_id, device):
+    """A KIND_GPU instance runs on its own GPU, not always the first; KIND_MODEL picks."""
+    from streaming_backend.loading import instance_device
+
+    assert instance_device(kind, device_id) == device

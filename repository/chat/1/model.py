@@ -30,7 +30,7 @@ from streaming_backend.config import ModelSettings
 from streaming_backend.engine import Engine, StreamHandle
 from streaming_backend.errors import Cancelled, EngineStopped, InvalidRequest, StreamingError
 from streaming_backend.events import FinishReason, TokenEvent
-from streaming_backend.loading import load_model
+from streaming_backend.loading import instance_device, load_model
 from streaming_backend.prompts import encode_prompt
 from streaming_backend.wire import (
     ADMIN_KEY_VARIABLE,
@@ -138,7 +138,8 @@ class TritonPythonModel:
         """Load the model, start the engine and the outbox thread."""
         config = json.loads(args["model_config"])
         self.settings = ModelSettings.from_config(config)
-        loaded = load_model(self.settings.model, self.settings.dtype)
+        device = instance_device(args["model_instance_kind"], args["model_instance_device_id"])
+        loaded = load_model(self.settings.model, self.settings.dtype, device)
         log.info("loaded %s on %s as %s", loaded.name, loaded.device, loaded.dtype)
         self.tokenizer = loaded.tokenizer
         self.engine = Engine(loaded, self.settings.engine).start()

@@ -22,7 +22,7 @@ from streaming_backend.adapter.dialogue import (
 )
 from streaming_backend.batch_generation import generate_batch
 from streaming_backend.errors import StreamingError
-from streaming_backend.loading import load_model
+from streaming_backend.loading import instance_device, load_model
 from streaming_backend.wire import DIALOGUE_INPUT_NAMES
 
 log = logging.getLogger("tokenstream.dialogue_model")
@@ -63,7 +63,8 @@ class TritonPythonModel:
     def initialize(self, args):
         """Load the model and create the batch-size histogram."""
         self.settings = DialogueSettings.from_config(json.loads(args["model_config"]))
-        self.loaded = load_model(self.settings.model, self.settings.dtype)
+        device = instance_device(args["model_instance_kind"], args["model_instance_device_id"])
+        self.loaded = load_model(self.settings.model, self.settings.dtype, device)
         if self.loaded.device.type == "cpu":
             torch.set_num_threads(self.settings.cpu_threads)
         log.info("loaded %s on %s as %s", self.loaded.name, self.loaded.device, self.loaded.dtype)
