@@ -7,6 +7,7 @@ fall back to the eager step with a log line when they fail.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -21,6 +22,7 @@ from streaming_backend.forward.buckets import (
 )
 from streaming_backend.forward.llama import CompactLlama, Rows, decoder_layer
 from streaming_backend.forward.slots import SlotCache
+from streaming_backend.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,8 @@ def compile_decode(
     compiles once (a whole-model graph took minutes longer on a 2-core CPU), and inductor's
     on-disk cache (TORCHINDUCTOR_CACHE_DIR) makes later starts faster.
     """
+    # inductor's cache under ours (one folder to mount in a container), unless the user set one
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     started = time.monotonic()
     try:
         step = CompiledStep(model, torch.compile(decoder_layer, dynamic=True, backend=backend))
