@@ -345,8 +345,7 @@ class Engine:
             try:
                 if not ok[row]:
                     raise NonFiniteLogits(
-                        "the model produced NaN or infinite logits (float16 overflow? try "
-                        "bfloat16)"
+                        "the model produced NaN or infinite logits (float16 overflow? try bfloat16)"
                     )
                 lp = (logprobs[row],) if logprobs is not None and stream.logprobs else None
                 if self._advance(stream, ids[row], lp, emitted_ns):

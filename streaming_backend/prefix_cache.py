@@ -56,7 +56,9 @@ class PrefixCache:
         slot, _ = self._idle.popitem(last=False)
         return slot
 
-    def best(self, prompt: Sequence[int], live: Iterable[tuple[int, Sequence[int]]]) -> Match | None:
+    def best(
+        self, prompt: Sequence[int], live: Iterable[tuple[int, Sequence[int]]]
+    ) -> Match | None:
         """The slot sharing the longest prefix with `prompt` (at least min_reuse), else None.
 
         `live` gives (slot, tokens whose KV is written) of running streams. An idle entry wins a

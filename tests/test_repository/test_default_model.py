@@ -52,7 +52,6 @@ def test_default_model_behind_triton(default_model_dir):  # fixture: converted o
         server.stop()
 
 
-
 def test_greedy_answers_do_not_change_with_prefix_cache_and_chunked_prefill(default_loaded):
     """The shared prompts' greedy answers, and a follow-up turn of each, are token for token the
     same when prompts are prefilled in 8-token chunks beside running streams and follow-ups reuse
@@ -76,7 +75,9 @@ def test_greedy_answers_do_not_change_with_prefix_cache_and_chunked_prefill(defa
             runs = [list(h) for h in handles]
         else:
             runs = [list(engine.submit(p, greedy)) for p in prompts]
-        return [[t for e in r for t in e.token_ids] for r in runs], [r[0].cached_tokens for r in runs]
+        return [[t for e in r for t in e.token_ids] for r in runs], [
+            r[0].cached_tokens for r in runs
+        ]
 
     def conversation(config, together):
         chats = chat_prompts()

@@ -12,6 +12,7 @@ from streaming_backend.config import (
     EngineConfig,
     ModelSettings,
     default_parameters,
+    parse_memory,
 )
 from streaming_backend.launcher.repository import read_parameters
 
@@ -90,3 +91,40 @@ def test_bad_engine_limits_are_refused() -> None:
     """A parameter that makes no engine (no stream slot) fails at load time, clearly."""
     with pytest.raises(ValueError, match="invalid engine limits"):
         ModelSettings.from_parameters({"max_streams": "0"})
+
+
+@pytest.mark.parametrize(
+    "text, parsed",
+    [
+        ("0.5", (None, 0.5)),
+        ("1", (None, 1.0)),
+        ("4GiB", (4 * 2**30, None)),
+        ("512MiB", (512 * 2**20, None)),
+        ("1.5GiB", (3 * 2**29, None)),
+        ("2000000", (2_000_000, None)),
+    ],
+)
+def test_kv_cache_memory_is_a_fraction_or_a_size(text, parsed):
+    """A number in (0, 1] is a fraction of free memory; a size has a unit or is a byte count."""
+    assert parse_memory(text) == parsed
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "lots", "4GB", "1.5", "GiB", ""])
+def test_bad_kv_cache_memory_is_refused_clearly(text):
+    """Anything else is refused with a message that shows both accepted forms."""
+    with pytest.raises(ValueError, match="fraction in \\(0, 1\\] such as 0.5 or a size"):
+        parse_memory(text)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("forward", "fast", "forward must be one of auto, compact, hf"),
+        ("prefix_cache", "yes", "prefix_cache must be one of on, prompts, off"),
+        ("prefill_chunk_tokens", 0, "prefill_chunk_tokens must be >= 1"),
+    ],
+)
+def test_engine_settings_are_checked(field, value, message):
+    """A bad forward, prefix-cache mode or chunk size fails at load with a clear message."""
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**{field: value})

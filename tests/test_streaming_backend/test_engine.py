@@ -14,11 +14,11 @@ import torch
 from conftest import wait_for
 
 from streaming_backend.engine import Engine, EngineConfig
-from streaming_backend.steps.hf import length_groups
 from streaming_backend.errors import EngineStopped, InvalidRequest, Overloaded
 from streaming_backend.events import FinishReason
 from streaming_backend.prompts import encode_prompt
 from streaming_backend.settings import SamplingSettings
+from streaming_backend.steps.hf import length_groups
 
 GREEDY = SamplingSettings(temperature=0, max_tokens=12, ignore_eos=True)
 
