@@ -122,7 +122,7 @@ class SlotSteps:
             yield Prefilled(ready, torch.cat(logits))
 
     def _chunks(self, budget: int) -> list[tuple[object, Chunk]]:
-        """This step's chunks: oldest prompts first, `budget` tokens at most (one chunk at least)."""
+        """This step's chunks, oldest prompts first: `budget` tokens at most, one chunk at least."""
         chunks = []
         for stream in self._prefilling:
             if budget <= 0:
