@@ -48,3 +48,5 @@ class Cancelled(StreamingError):
 
 class NonFiniteLogits(StreamingError):
     """A stream's logits held NaN or inf (float16 overflow, a broken device): no token to pick."""
+
+    kind = wire.INTERNAL  # the model's fault, not the request's

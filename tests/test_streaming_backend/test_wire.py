@@ -12,6 +12,7 @@ from streaming_backend.errors import (
     Cancelled,
     EngineStopped,
     InvalidRequest,
+    NonFiniteLogits,
     Overloaded,
     StreamingError,
 )
@@ -78,6 +79,7 @@ def test_error_code_falls_back_to_the_rpc_status(message, status, code):
         (Overloaded("x"), "overloaded", "UNAVAILABLE"),
         (EngineStopped("x"), "unavailable", "UNAVAILABLE"),
         (Cancelled(), "cancelled", "CANCELLED"),
+        (NonFiniteLogits("x"), "internal", "INTERNAL"),
     ],
     ids=lambda v: type(v).__name__ if isinstance(v, Exception) else None,
 )
@@ -91,7 +93,8 @@ def test_every_error_carries_its_kind(error, code, triton_code):
 def test_every_error_class_is_covered():
     """No StreamingError subclass without a kind of its own (or an entry above)."""
     subclasses = {cls.__name__ for cls in StreamingError.__subclasses__()}
-    assert subclasses == {"InvalidRequest", "Overloaded", "EngineStopped", "Cancelled"}
+    expected = {"InvalidRequest", "Overloaded", "EngineStopped", "Cancelled", "NonFiniteLogits"}
+    assert subclasses == expected
     assert {cls.kind for cls in StreamingError.__subclasses__()} <= set(wire.ERROR_KINDS)
 
 
