@@ -116,7 +116,8 @@ def test_num_output_tokens_add_up(triton_server):
 
 
 def test_chinese_deltas_break_no_character(triton_server, tiny_loaded):
-    """Streamed deltas hold U+FFFD only where the full decode of the same tokens has one."""
+    """Streamed deltas hold U+FFFD only where the full decode of the same tokens has one, except
+    at the very end: a stream cut off inside a character drops that character's U+FFFD."""
     for seed in range(3):
         chunks = _chunks(
             triton_server,
@@ -127,8 +128,8 @@ def test_chinese_deltas_break_no_character(triton_server, tiny_loaded):
         ids = [i for c in chunks for i in c.output_ids]
         full = tiny_loaded.tokenizer.decode(ids, skip_special_tokens=True)
         streamed = "".join(c.text for c in chunks)
-        assert streamed == full
-        assert sum(c.text.count(REPLACEMENT) for c in chunks) == full.count(REPLACEMENT)
+        assert streamed == full.removesuffix(REPLACEMENT)
+        assert not streamed.endswith(REPLACEMENT)
 
 
 def test_eight_concurrent_streams_complete(triton_server):
