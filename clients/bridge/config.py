@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from clients.grpc_client import DEFAULT_IDLE_TIMEOUT_S
+from clients.chunk import DEFAULT_IDLE_TIMEOUT_S
 from streaming_backend.wire import CHAT_MODEL
 
 
