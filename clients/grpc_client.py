@@ -51,6 +51,8 @@ __all__ = [  # the request and chunk types are re-exported for the chat CLI and 
 ]
 
 MODEL_NAME = CHAT_MODEL
+# A readiness probe that ended in one of these got no answer from the server (vs a "not ready").
+_NO_ANSWER = (str(grpc.StatusCode.DEADLINE_EXCEEDED), str(grpc.StatusCode.UNAVAILABLE))
 # What gRPC says when the connection under a stream is gone (tritonserver died or restarted).
 _CONNECTION_LOST = ("Socket closed", "Stream removed", "GOAWAY", "Connection reset", "Broken pipe")
 
@@ -261,13 +263,20 @@ class AsyncChatClient:
 
     async def is_ready(self, timeout_s: float = 2.0) -> bool:
         """True when the server and the model answer ready."""
+        return await self.readiness(timeout_s) is True
+
+    async def readiness(self, timeout_s: float = 2.0) -> bool | None:
+        """True when the server and the model answer ready, False when the server answers that
+        they are not, None when no answer came (a timeout, or nothing listening)."""
         try:
             return bool(
                 await self._client.is_server_ready(client_timeout=timeout_s)
                 and await self._client.is_model_ready(self.model, client_timeout=timeout_s)
             )
-        except (InferenceServerException, grpc.RpcError):
-            return False
+        except InferenceServerException as exc:
+            return None if str(exc.status()) in _NO_ANSWER else False
+        except grpc.RpcError as exc:
+            return None if str(exc.code()) in _NO_ANSWER else False
 
     def generate(
         self, request: GenerateRequest, request_id: str | None = None
