@@ -27,8 +27,9 @@ class BridgeConfig:
     max_body_bytes: int = 1024 * 1024  # an HTTP request body (the OpenAI API)
     idle_timeout_s: float = 300.0  # no message and no generation running for this long
     auth_timeout_s: float = 10.0  # a client owing the token must send it within this
+    # a ping every this often; a client whose pong does not come within half of it is
+    # disconnected (aiohttp's heartbeat: it has no separate pong timeout); None: no pings
     ping_interval_s: float | None = 20.0
-    ping_timeout_s: float | None = 20.0
     close_timeout_s: float = 2.0
     # on stop, running generations get this long to end (under `serve` the drain has ended them
     # upstream already) and their last frames to go out, before sockets close with 1001
