@@ -196,6 +196,25 @@ def test_cancel_stops_the_stream_and_frees_its_slot(paced_server):
     assert 5 + 3 <= generated < 5 + 100, generated
 
 
+def test_waiting_gauge_counts_requests_waiting_for_a_slot(paced_server):
+    """tokenstream_waiting_requests (for autoscaling): 1 while a request waits behind the only
+    slot, 0 once it runs; the active gauge counts both."""
+    cancel = threading.Event()
+    long = GenerateRequest(prompt="long", sampling={"max_tokens": 200, "ignore_eos": True})
+    assert _metric(paced_server, "tokenstream_waiting_requests") == 0
+    _, running = _first_chunks(paced_server, long, 1, cancel)
+    waiting = ThreadPoolExecutor(1).submit(
+        _chunks, paced_server, prompt="next", sampling={"max_tokens": 5, "ignore_eos": True}
+    )
+    wait_for(lambda: _metric(paced_server, "tokenstream_waiting_requests") == 1)
+    assert _metric(paced_server, "tokenstream_active_streams") == 2
+    cancel.set()
+    running.result(timeout=60)
+    assert sum(c.num_output_tokens for c in waiting.result(timeout=60)) == 5
+    assert _metric(paced_server, "tokenstream_waiting_requests") == 0
+    wait_for(lambda: _metric(paced_server, "tokenstream_active_streams") == 0)
+
+
 def test_overloaded_server_refuses_with_unavailable(paced_server):
     """Beyond max_streams + queue_limit a request fails at once as overloaded (Triton code
     UNAVAILABLE: retry later), over gRPC and HTTP; the accepted ones complete."""
@@ -340,6 +359,7 @@ def test_metrics_show_our_histograms(triton_server):
         "tokenstream_request_queue_time_seconds_sum",
         "tokenstream_generation_tokens_total",
         "tokenstream_active_streams",
+        "tokenstream_waiting_requests",
         "tokenstream_rejected_requests_total",
         "nv_inference_request_success",
     ):
