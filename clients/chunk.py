@@ -4,6 +4,7 @@ frames) yields Chunks, and the terminal chat, the bridge and the benchmark consu
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from streaming_backend.wire import INTERNAL, UNAVAILABLE, ServerTiming
@@ -58,3 +59,12 @@ def idle_error(seconds: float) -> GenerationError:
     """The error of a generation that received nothing for `seconds`."""
     text = f"{UNAVAILABLE.prefix}: no response from the server for {seconds:g} s; gave up"
     return GenerationError(text, UNAVAILABLE.code, retryable=False)
+
+
+async def within_idle_timeout(awaitable, idle_timeout_s: float | None):
+    """Await one step of a stream (its headers, its next line) for at most `idle_timeout_s`
+    (None: no limit); idle_error when nothing came in time."""
+    try:
+        return await asyncio.wait_for(awaitable, idle_timeout_s)
+    except asyncio.TimeoutError:
+        raise idle_error(idle_timeout_s) from None

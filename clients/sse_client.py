@@ -13,12 +13,17 @@ A stream that receives nothing (no headers, no line) for `idle_timeout_s` fails 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Mapping
 
-from clients.chunk import DEFAULT_IDLE_TIMEOUT_S, Chunk, GenerationError, idle_error, parse_timing
+from clients.chunk import (
+    DEFAULT_IDLE_TIMEOUT_S,
+    Chunk,
+    GenerationError,
+    parse_timing,
+    within_idle_timeout,
+)
 from clients.request import GenerateRequest, request_inputs
 from streaming_backend.wire import (
     CHAT_MODEL,
@@ -95,7 +100,9 @@ async def generate(
 ) -> AsyncIterator[Chunk]:
     """POST one request on an aiohttp session and yield a Chunk per event as it arrives;
     GenerationError (`unavailable`) once nothing arrives for `idle_timeout_s` (None: no limit)."""
-    response = await _idle_bounded(session.post(url, json=request_body(request)), idle_timeout_s)
+    response = await within_idle_timeout(
+        session.post(url, json=request_body(request)), idle_timeout_s
+    )
     async with response as resp:
         if resp.status != 200:
             message = (await resp.text()).strip()
@@ -104,16 +111,8 @@ async def generate(
             except (ValueError, KeyError, TypeError):
                 message = f"HTTP {resp.status}: {message}"
             raise GenerationError(message, error_code(message))
-        while line := await _idle_bounded(resp.content.readline(), idle_timeout_s):
+        while line := await within_idle_timeout(resp.content.readline(), idle_timeout_s):
             received_ns = time.monotonic_ns()
             event = parse_sse_line(line)
             if event is not None:
                 yield event_chunk(event, received_ns, request_id)
-
-
-async def _idle_bounded(awaitable, idle_timeout_s: float | None):
-    """Await one step of a stream (its headers, its next line) for at most `idle_timeout_s`."""
-    try:
-        return await asyncio.wait_for(awaitable, idle_timeout_s)
-    except asyncio.TimeoutError:
-        raise idle_error(idle_timeout_s) from None
