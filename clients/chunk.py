@@ -4,9 +4,16 @@ frames) yields Chunks, and the terminal chat, the bridge and the benchmark consu
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
-from streaming_backend.wire import INTERNAL, ServerTiming
+from streaming_backend.wire import INTERNAL, UNAVAILABLE, ServerTiming
+
+# A generation that receives nothing for this long ends with an `unavailable` error instead of
+# waiting forever (a server that lost the stream without closing it). Long enough for a request
+# that queues behind a full engine on a CPU; callers with tighter needs pass their own. Every
+# transport's client uses it (grpc_client, sse_client) and the bridge's upstream.
+DEFAULT_IDLE_TIMEOUT_S = 120.0
 
 
 def parse_timing(value) -> ServerTiming | None:
@@ -46,3 +53,18 @@ class GenerationError(Exception):
         self.message = message
         self.code = code
         self.retryable = retryable
+
+
+def idle_error(seconds: float) -> GenerationError:
+    """The error of a generation that received nothing for `seconds`."""
+    text = f"{UNAVAILABLE.prefix}: no response from the server for {seconds:g} s; gave up"
+    return GenerationError(text, UNAVAILABLE.code, retryable=False)
+
+
+async def within_idle_timeout(awaitable, idle_timeout_s: float | None):
+    """Await one step of a stream (its headers, its next line) for at most `idle_timeout_s`
+    (None: no limit); idle_error when nothing came in time."""
+    try:
+        return await asyncio.wait_for(awaitable, idle_timeout_s)
+    except asyncio.TimeoutError:
+        raise idle_error(idle_timeout_s) from None

@@ -11,6 +11,7 @@ client already showed tokens, and the failure is reported as it is.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -30,11 +31,22 @@ def retryable(error: GenerationError, responses: int) -> bool:
     return responses == 0 and error.code == UNAVAILABLE.code and error.retryable
 
 
+def next_delay(
+    error: GenerationError, responses: int, tries: int, delays: tuple[float, ...]
+) -> float | None:
+    """After attempt number `tries` failed with `error` having received `responses`: the pause
+    before the next attempt, or None to give up and raise. The one decision of both loops."""
+    if tries > len(delays) or not retryable(error, responses):
+        return None
+    log.info("attempt %d failed before its first response (%s); retrying", tries, error)
+    return delays[tries - 1]
+
+
 async def failover(
     attempt: Callable[[], AsyncIterator[Chunk]], delays: tuple[float, ...] = RETRY_DELAYS_S
 ) -> AsyncIterator[Chunk]:
     """The chunks of the first attempt that gets a response; closing this closes the attempt."""
-    for tries, delay in enumerate((*delays, None), start=1):
+    for tries in itertools.count(1):
         received = 0
         chunks = attempt()
         try:
@@ -43,9 +55,9 @@ async def failover(
                 yield chunk
             return
         except GenerationError as exc:
-            if delay is None or not retryable(exc, received):
+            delay = next_delay(exc, received, tries, delays)
+            if delay is None:
                 raise
-            log.info("attempt %d failed before its first response (%s); retrying", tries, exc)
         finally:
             await chunks.aclose()  # leaving early cancels the stream upstream
         await asyncio.sleep(delay)
@@ -55,7 +67,7 @@ def failover_sync(
     attempt: Callable[[], Iterator[Chunk]], delays: tuple[float, ...] = RETRY_DELAYS_S
 ) -> Iterator[Chunk]:
     """The synchronous twin of failover()."""
-    for tries, delay in enumerate((*delays, None), start=1):
+    for tries in itertools.count(1):
         received = 0
         chunks = attempt()
         try:
@@ -64,9 +76,9 @@ def failover_sync(
                 yield chunk
             return
         except GenerationError as exc:
-            if delay is None or not retryable(exc, received):
+            delay = next_delay(exc, received, tries, delays)
+            if delay is None:
                 raise
-            log.info("attempt %d failed before its first response (%s); retrying", tries, exc)
         finally:
             chunks.close()
         time.sleep(delay)

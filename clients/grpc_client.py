@@ -21,7 +21,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
-from clients.chunk import Chunk, GenerationError, parse_timing
+from clients.chunk import DEFAULT_IDLE_TIMEOUT_S, Chunk, GenerationError, idle_error, parse_timing
 from clients.failover import failover, failover_sync
 from clients.request import GenerateRequest, request_inputs
 from clients.targets import channel_args
@@ -51,10 +51,8 @@ __all__ = [  # the request and chunk types are re-exported for the chat CLI and 
 ]
 
 MODEL_NAME = CHAT_MODEL
-# A generation that receives nothing for this long ends with an `unavailable` error instead of
-# waiting forever (a server that lost the stream without closing it). Long enough for a request
-# that queues behind a full engine on a CPU; callers with tighter needs pass their own.
-DEFAULT_IDLE_TIMEOUT_S = 120.0
+# A readiness probe that ended in one of these got no answer from the server (vs a "not ready").
+_NO_ANSWER = (str(grpc.StatusCode.DEADLINE_EXCEEDED), str(grpc.StatusCode.UNAVAILABLE))
 # What gRPC says when the connection under a stream is gone (tritonserver died or restarted).
 _CONNECTION_LOST = ("Socket closed", "Stream removed", "GOAWAY", "Connection reset", "Broken pipe")
 
@@ -121,12 +119,6 @@ def to_generation_error(error: InferenceServerException | grpc.RpcError) -> Gene
     if any(sign in message for sign in _CONNECTION_LOST):
         return GenerationError(f"{UNAVAILABLE.prefix}: {SERVER_LOST} ({message})", UNAVAILABLE.code)
     return GenerationError(message, error_code(message, status))
-
-
-def idle_error(seconds: float) -> GenerationError:
-    """The error of a generation that received nothing for `seconds`."""
-    text = f"{UNAVAILABLE.prefix}: no response from the server for {seconds:g} s; gave up"
-    return GenerationError(text, UNAVAILABLE.code, retryable=False)
 
 
 def parse_result(result: grpcclient.InferResult, received_ns: int | None = None) -> Chunk:
@@ -271,13 +263,20 @@ class AsyncChatClient:
 
     async def is_ready(self, timeout_s: float = 2.0) -> bool:
         """True when the server and the model answer ready."""
+        return await self.readiness(timeout_s) is True
+
+    async def readiness(self, timeout_s: float = 2.0) -> bool | None:
+        """True when the server and the model answer ready, False when the server answers that
+        they are not, None when no answer came (a timeout, or nothing listening)."""
         try:
             return bool(
                 await self._client.is_server_ready(client_timeout=timeout_s)
                 and await self._client.is_model_ready(self.model, client_timeout=timeout_s)
             )
-        except (InferenceServerException, grpc.RpcError):
-            return False
+        except InferenceServerException as exc:
+            return None if str(exc.status()) in _NO_ANSWER else False
+        except grpc.RpcError as exc:
+            return None if str(exc.code()) in _NO_ANSWER else False
 
     def generate(
         self, request: GenerateRequest, request_id: str | None = None

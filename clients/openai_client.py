@@ -4,7 +4,8 @@ A chat (messages) goes to /v1/chat/completions, plain text to /v1/completions, b
 `stream: true` and `stream_options.include_usage`. Each event with text becomes a Chunk of one
 token (the API sends one event per model response); the closing usage event becomes the final
 Chunk, carrying the prompt's token count and whatever the model counted beyond the events, so a
-request's output tokens are the model's own count, as on the other transports.
+request's output tokens are the model's own count, as on the other transports. A stream that
+receives nothing for `idle_timeout_s` fails with `unavailable`, as on the other transports.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Mapping
 
-from clients.chunk import Chunk, GenerationError
+from clients.chunk import DEFAULT_IDLE_TIMEOUT_S, Chunk, GenerationError, within_idle_timeout
 from clients.request import GenerateRequest
 from streaming_backend.wire import CHAT_MODEL, ERROR_CODES, error_code
 
@@ -74,12 +75,19 @@ def _error(error: object, status: int | None) -> GenerationError:
 
 
 async def generate(
-    session, base_url: str, request: GenerateRequest, model: str = CHAT_MODEL, api_key=None
+    session,
+    base_url: str,
+    request: GenerateRequest,
+    model: str = CHAT_MODEL,
+    api_key=None,
+    idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S,
 ) -> AsyncIterator[Chunk]:
-    """POST one streamed request on an aiohttp session; yield a Chunk per event as it arrives."""
+    """POST one streamed request on an aiohttp session; yield a Chunk per event as it arrives;
+    GenerationError (`unavailable`) once nothing arrives for `idle_timeout_s` (None: no limit)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     url, body = endpoint_url(base_url, request), request_body(request, model)
-    async with session.post(url, json=body, headers=headers) as resp:
+    posted = session.post(url, json=body, headers=headers)
+    async with await within_idle_timeout(posted, idle_timeout_s) as resp:
         if resp.status != 200:
             text = await resp.text()
             try:
@@ -88,7 +96,7 @@ async def generate(
                 error = f"HTTP {resp.status}: {text.strip()}"
             raise _error(error, resp.status)
         tokens = 0
-        async for line in resp.content:
+        while line := await within_idle_timeout(resp.content.readline(), idle_timeout_s):
             received_ns = time.monotonic_ns()
             if not line.startswith(b"data:"):
                 continue

@@ -6,6 +6,9 @@ response's outputs (tensor name -> value; one-element outputs come as scalars), 
 `data: {"error": "..."}`. The events carry no FINAL flag: the stream ending marks the end, and
 the response holding a finish reason is the last one. genai-perf's profile export holds each
 response's outputs in the same form, so `event_chunk` reads those too.
+
+A stream that receives nothing (no headers, no line) for `idle_timeout_s` fails with the same
+`unavailable` error as the gRPC client's (clients/chunk.py `idle_error`), not retried by failover.
 """
 
 from __future__ import annotations
@@ -14,7 +17,13 @@ import json
 import time
 from collections.abc import AsyncIterator, Mapping
 
-from clients.chunk import Chunk, GenerationError, parse_timing
+from clients.chunk import (
+    DEFAULT_IDLE_TIMEOUT_S,
+    Chunk,
+    GenerationError,
+    parse_timing,
+    within_idle_timeout,
+)
 from clients.request import GenerateRequest, request_inputs
 from streaming_backend.wire import (
     CHAT_MODEL,
@@ -83,10 +92,18 @@ def event_chunk(event: Mapping, received_ns: int, request_id: str = "") -> Chunk
 
 
 async def generate(
-    session, url: str, request: GenerateRequest, request_id: str = ""
+    session,
+    url: str,
+    request: GenerateRequest,
+    request_id: str = "",
+    idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S,
 ) -> AsyncIterator[Chunk]:
-    """POST one request on an aiohttp session and yield a Chunk per event as it arrives."""
-    async with session.post(url, json=request_body(request)) as resp:
+    """POST one request on an aiohttp session and yield a Chunk per event as it arrives;
+    GenerationError (`unavailable`) once nothing arrives for `idle_timeout_s` (None: no limit)."""
+    response = await within_idle_timeout(
+        session.post(url, json=request_body(request)), idle_timeout_s
+    )
+    async with response as resp:
         if resp.status != 200:
             message = (await resp.text()).strip()
             try:  # Triton answers {"error": "..."} for a refused request
@@ -94,7 +111,7 @@ async def generate(
             except (ValueError, KeyError, TypeError):
                 message = f"HTTP {resp.status}: {message}"
             raise GenerationError(message, error_code(message))
-        async for line in resp.content:
+        while line := await within_idle_timeout(resp.content.readline(), idle_timeout_s):
             received_ns = time.monotonic_ns()
             event = parse_sse_line(line)
             if event is not None:

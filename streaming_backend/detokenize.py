@@ -40,11 +40,18 @@ class IncrementalDetokenizer:
         return delta
 
     def flush(self) -> str:
-        """At the end of a stream: whatever text is still held back (may end in U+FFFD)."""
+        """At the end of a stream: the text still held back, less a character it ends inside of.
+
+        A stream stopped (by length, say) after the first bytes of a multi-byte character decodes
+        to text ending in one U+FFFD for those bytes: that U+FFFD is dropped, so a stream's text
+        never ends in half a character. U+FFFD for invalid bytes before it stay, as in the full
+        decode. (From text alone an invalid byte at the very end looks the same and is dropped too.)
+        """
         full = self._decode(self.ids)
         emitted = "".join(self._emitted)
         # The windows' texts concatenate to a prefix of the full decode; hand out the rest.
         rest = full[len(emitted) :] if full.startswith(emitted) else ""
+        rest = rest.removesuffix(REPLACEMENT)  # the incomplete character (one U+FFFD at most)
         self._emitted.append(rest)
         self._prefix_offset = self._read_offset = len(self.ids)
         return rest

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from clients.grpc_client import DEFAULT_IDLE_TIMEOUT_S
+from clients.chunk import DEFAULT_IDLE_TIMEOUT_S
+from clients.replica_health import FAILURES_TO_NOT_READY
 from streaming_backend.wire import CHAT_MODEL
 
 
@@ -26,13 +27,17 @@ class BridgeConfig:
     max_body_bytes: int = 1024 * 1024  # an HTTP request body (the OpenAI API)
     idle_timeout_s: float = 300.0  # no message and no generation running for this long
     auth_timeout_s: float = 10.0  # a client owing the token must send it within this
+    # a ping every this often; a client whose pong does not come within half of it is
+    # disconnected (aiohttp's heartbeat: it has no separate pong timeout); None: no pings
     ping_interval_s: float | None = 20.0
-    ping_timeout_s: float | None = 20.0
     close_timeout_s: float = 2.0
     # on stop, running generations get this long to end (under `serve` the drain has ended them
     # upstream already) and their last frames to go out, before sockets close with 1001
     stop_grace_s: float = 2.0
     health_interval_s: float = 1.0
+    # probes in a row without an answer before a ready replica counts as not ready
+    # (clients/replica_health.py); a "not ready" answer counts at once
+    health_failures: int = FAILURES_TO_NOT_READY
     socket_send_buffer: int | None = None  # SO_SNDBUF per client socket; None = kernel default
     model: str = CHAT_MODEL
     # a generation that gets nothing from Triton for this long ends with an `unavailable` error

@@ -64,7 +64,9 @@ class Bridge:
         self.client = AsyncChatClient(
             self.cfg.triton_url, self.cfg.model, idle_timeout_s=self.cfg.upstream_idle_timeout_s
         )
-        self.replicas = ReplicaHealth(parse_target(self.cfg.triton_url), self.cfg.model)
+        self.replicas = ReplicaHealth(
+            parse_target(self.cfg.triton_url), self.cfg.model, self.cfg.health_failures
+        )
         await self.client.is_ready()  # connects the channel to every replica before streams come
         self.triton_ready = await self._probe_replicas()
         self._health_task = asyncio.create_task(self._watch_triton())

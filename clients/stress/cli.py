@@ -82,7 +82,7 @@ def stress(cfg: StressConfig) -> dict:
     send, workload = sender(cfg)
     before = server_stats.model_stats(cfg.http_url, cfg.model)
     metrics_before = server_stats.scrape(cfg.metrics_url)
-    with server_stats.ResourceSampler(cfg.model, cfg.metrics_url) as sampler:
+    with server_stats.ResourceSampler(cfg.model, cfg.http_url, cfg.metrics_url) as sampler:
         outcomes = load.run(send, cfg.requests, cfg.concurrency, cfg.progress)
     after = server_stats.model_stats(cfg.http_url, cfg.model)
     metrics_after = server_stats.scrape(cfg.metrics_url)

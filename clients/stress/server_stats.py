@@ -1,12 +1,17 @@
 """What the server saw during a run: deltas of Triton's model statistics (the batches it formed,
 queue time), its metrics port (queue time, GPU), and memory sampled while the load runs (RSS of
-the model's python-backend stub processes when they run on this machine)."""
+the python-backend stub processes of the server under test, when it runs on this machine)."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import os
 import re
+import socket
+import sys
 import threading
+import urllib.parse
 import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -115,21 +120,96 @@ def metrics_queue_ms(before, after, model: str) -> float | None:
 # ---- memory and accelerator, sampled during the run ------------------------------------------
 
 
-def stub_pids(model: str, proc: Path = Path("/proc")) -> list[int]:
-    """Python-backend stub processes of `model` on this machine (their argv names its model.py)."""
+def stub_pids(model: str, server_url: str, proc: Path = Path("/proc")) -> list[int]:
+    """Python-backend stub processes of `model` started by the tritonserver that listens at
+    `server_url` (its HTTP or gRPC address): children of that server only, so another server of
+    the same model on this machine is not counted. Empty when that server is not local."""
+    servers = listening_pids(_endpoint(server_url), proc)
     pattern = re.compile(rf"/{re.escape(model)}/\d+/model\.py$")
     pids = []
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
+    for entry in _pid_dirs(proc):
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if argv and argv[0].endswith(b"triton_python_backend_stub"):
-            if any(pattern.search(arg.decode(errors="replace")) for arg in argv[1:]):
+        if not (argv and argv[0].endswith(b"triton_python_backend_stub")):
+            continue
+        if any(pattern.search(arg.decode(errors="replace")) for arg in argv[1:]):
+            if _parent(entry) in servers:
                 pids.append(int(entry.name))
     return sorted(pids)
+
+
+def _endpoint(url: str) -> tuple[str, int]:
+    """(IP address, port) of an http://host:port URL or a host:port gRPC address."""
+    parsed = urllib.parse.urlsplit(url if "//" in url else f"//{url}")
+    if parsed.hostname is None or parsed.port is None:
+        raise ValueError(f"not an address with a port: {url!r}")
+    return socket.gethostbyname(parsed.hostname), parsed.port
+
+
+def listening_pids(endpoint: tuple[str, int], proc: Path = Path("/proc")) -> set[int]:
+    """Processes holding a TCP socket that listens at `endpoint` (IP, port): on that address or
+    on every address. Only processes whose open files we may read are seen."""
+    ip, port = endpoint
+    wanted = {
+        inode
+        for address, listen_port, inode in listening_sockets(proc)
+        if listen_port == port and address in (ip, "0.0.0.0", "::")
+    }
+    links = {f"socket:[{inode}]" for inode in wanted}
+    found = set()
+    for entry in _pid_dirs(proc) if links else ():
+        try:
+            if any(os.readlink(fd) in links for fd in (entry / "fd").iterdir()):
+                found.add(int(entry.name))
+        except OSError:
+            continue  # gone, or not ours to read
+    return found
+
+
+_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's `st` column
+
+
+def listening_sockets(proc: Path = Path("/proc")) -> list[tuple[str, int, int]]:
+    """(address, port, inode) of every listening TCP socket in /proc/net/tcp and tcp6."""
+    found = []
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = (proc / "net" / name).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == _LISTEN:
+                address, port = fields[1].split(":")
+                found.append((_address(address), int(port, 16), int(fields[9])))
+    return found
+
+
+def _address(hex_address: str) -> str:
+    """An address as /proc/net/tcp writes it (32-bit words in host byte order) -> text."""
+    raw = bytes.fromhex(hex_address)
+    words = b"".join(
+        int.from_bytes(raw[i : i + 4], sys.byteorder).to_bytes(4, "big")
+        for i in range(0, len(raw), 4)
+    )
+    ip = ipaddress.ip_address(words)
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:a.b.c.d: an IPv4 client of a v6 socket
+    return str(mapped or ip)
+
+
+def _pid_dirs(proc: Path) -> list[Path]:
+    return [entry for entry in proc.iterdir() if entry.name.isdigit()]
+
+
+def _parent(entry: Path) -> int | None:
+    """The parent pid of a /proc/<pid> entry (None once it is gone)."""
+    try:
+        text = (entry / "stat").read_text()
+    except OSError:
+        return None
+    return int(text[text.rfind(")") + 2 :].split()[1])  # the command name may hold ")"
 
 
 def rss_bytes(pid: int) -> int:
@@ -169,15 +249,16 @@ class Resources:
 class ResourceSampler:
     """Samples memory and GPU figures every `interval_s` in a thread while the load runs."""
 
-    def __init__(self, model: str, metrics_url: str, interval_s: float = 0.5):
-        self.model, self.metrics_url, self.interval_s = model, metrics_url, interval_s
+    def __init__(self, model: str, server_url: str, metrics_url: str, interval_s: float = 0.5):
+        self.model, self.server_url = model, server_url
+        self.metrics_url, self.interval_s = metrics_url, interval_s
         self.resources = Resources()
         self._utilization: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="stress-sampler", daemon=True)
 
     def __enter__(self) -> ResourceSampler:
-        self.resources.stub_pids = stub_pids(self.model)
+        self.resources.stub_pids = stub_pids(self.model, self.server_url)
         self._thread.start()
         return self
 

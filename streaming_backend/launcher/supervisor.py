@@ -313,8 +313,9 @@ class Supervisor:
             f"get up to {self.config.drain_timeout_s:g} s to finish"
         )
         left = self._wait_drained(server, models, deadline, force)
-        if left:
-            self._say(f"tokenstream: drain deadline: ending {left} open streams")
+        if left != 0:  # None: a model did not answer in time, so streams may still be open
+            count = "the" if left is None else str(left)
+            self._say(f"tokenstream: drain deadline: ending {count} open streams")
             self._tell(server, models, CONTROL_END)
             self._wait_drained(server, models, time.monotonic() + END_WAIT_S, force)
         took = time.monotonic() - started
@@ -334,24 +335,30 @@ class Supervisor:
 
     def _wait_drained(
         self, server: TritonServer, models: list[str], deadline: float, force: threading.Event
-    ) -> int:
-        """Poll until no model has open streams, the deadline or `force`; streams still open."""
+    ) -> int | None:
+        """Poll until no model has open streams, the deadline or `force`; streams still open
+        (None: unknown, a model did not answer the last poll in time)."""
         while True:
             self.heartbeat = time.monotonic()
-            left = self._tell_quiet(server, models)
+            left = self._open_streams(server, models)
             if left == 0 or time.monotonic() >= deadline or force.wait(DRAIN_POLL_S):
                 return left
 
-    def _tell_quiet(self, server: TritonServer, models: list[str]) -> int:
+    def _open_streams(self, server: TritonServer, models: list[str]) -> int | None:
+        """Open streams over every controlled model. None when one gave no answer in time
+        while tritonserver runs (a busy machine: its streams may still be open, so the drain
+        goes on); 0 when one answered with an error or the server is gone (nothing can finish)."""
         total = 0
         for model in models:
             try:
                 health = control(
                     server.http_url, model, self.admin_key, CONTROL_HEALTH, CONTROL_TIMEOUT_S
                 )
-                total += health.active
-            except ControlError:
+            except ControlError as error:
+                if error.unreachable and server.returncode is None:
+                    return None
                 return 0  # the model cannot answer: nothing more to wait for
+            total += health.active
         return total
 
 

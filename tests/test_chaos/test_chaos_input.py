@@ -3,6 +3,7 @@ gets one clear error and nothing else; afterwards the server serves a normal req
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -190,15 +191,12 @@ def test_bad_websocket_frames_each_get_an_error(triton_server) -> None:
 
 def crowd(port: int, count: int) -> int:
     """Open `count` websockets at once and hold them; how many the bridge refused with 503."""
-    opened, refused = [], 0
-    try:
+    refused = 0
+    with contextlib.ExitStack() as opened:  # every socket held until all are tried, then closed
         for _ in range(count):
             try:
-                opened.append(connect(f"ws://127.0.0.1:{port}/ws", open_timeout=30))
+                opened.enter_context(connect(f"ws://127.0.0.1:{port}/ws", open_timeout=30))
             except InvalidStatus as error:
                 assert error.response.status_code == 503
                 refused += 1
-    finally:
-        for ws in opened:
-            ws.close()
     return refused

@@ -3,7 +3,8 @@ process and a killed tritonserver, without any action from a person.
 
 The tests share one supervised server, in this order (each leaves it serving): reload under 16
 streams, cancel storm, kill -9 of the stub, kill -9 of tritonserver, a frozen stub (SIGSTOP: alive
-but silent, found by the canary). Each prints what it measured.
+but silent, found by the canary). A poisoned device (a CUDA error in a decode step: the engine and
+then the model say unhealthy) has a server of its own. Each prints what it measured.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import (
+    REPO_ROOT,
     GrpcStream,
     bridge_thread,
     stub_pids,
@@ -331,3 +334,89 @@ def test_a_frozen_model_process_is_found_by_the_canary_and_replaced(chaos_server
     )
     assert all(s.error is not None for s in streams)
     assert sum(causes.values()) == before + 1
+
+
+# A chat model whose engine's next decode step fails as a poisoned CUDA device does, once the
+# test creates a trigger file (one-shot: the step removes it). Everything else is the real model.
+POISONABLE_MODEL = """\
+import importlib.util
+import os
+import sys
+
+_spec = importlib.util.spec_from_file_location("tokenstream_real_chat_model", {real!r})
+_real = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)  # for its dataclasses
+_spec.loader.exec_module(_real)
+TRIGGER = {trigger!r}
+
+
+class TritonPythonModel(_real.TritonPythonModel):
+    def initialize(self, args):
+        super().initialize(args)
+        step = self.engine._decode_step
+
+        def poisoned_step():
+            if os.path.exists(TRIGGER):
+                os.remove(TRIGGER)
+                raise RuntimeError("CUDA error: device-side assert triggered (injected)")
+            return step()
+
+        self.engine._decode_step = poisoned_step
+"""
+
+
+def poisonable_repository(root: Path, trigger: Path) -> Path:
+    """A model repository with the chat model's config and the poisonable model.py."""
+    source = REPO_ROOT / "repository" / wire.CHAT_MODEL
+    model_dir = root / wire.CHAT_MODEL
+    (model_dir / "1").mkdir(parents=True)
+    (model_dir / "config.pbtxt").write_text((source / "config.pbtxt").read_text())
+    real = str(source / "1" / "model.py")
+    code = POISONABLE_MODEL.format(real=real, trigger=str(trigger))
+    (model_dir / "1" / "model.py").write_text(code)
+    return root
+
+
+def test_a_poisoned_device_makes_the_model_unhealthy_and_the_supervisor_restarts(
+    tiny_model_dir, tmp_path
+) -> None:
+    """End to end: a decode step fails with a CUDA device-side assert. The step's streams end
+    with that error, the engine turns unhealthy, the model says so to the canary, the supervisor
+    restarts tritonserver (cause `unhealthy`) and the new one serves, with no action."""
+    trigger = tmp_path / "poison-now"
+    repository = poisonable_repository(tmp_path / "repository", trigger)
+    with supervised_server(
+        tiny_model_dir,
+        repository=repository,
+        models=(wire.CHAT_MODEL,),
+        model_parameters={"test_token_delay_ms": str(TOKEN_DELAY_MS)},
+    ) as (supervisor, health_url, events):
+        grpc_url = supervisor.server.grpc_url
+        streams = [GrpcStream(grpc_url, max_tokens=LONG).start() for _ in range(4)]
+        try:
+            wait_for(lambda: all(s.tokens > 0 for s in streams), timeout=60)
+            poisoned_at = time.monotonic()
+            trigger.touch()
+            for stream in streams:
+                assert stream.ended.wait(ERROR_WITHIN_S + 5)
+            ended = max(s.ended_at for s in streams) - poisoned_at
+            wait_for(lambda: restarts(health_url).get("unhealthy") == 1, timeout=60)
+            wait_for(lambda: status(f"{health_url}/ready") == 200, timeout=300)
+            ready_at = time.monotonic() - poisoned_at
+            text = greedy_text(supervisor.server.grpc_url)
+            served_at = time.monotonic() - poisoned_at
+        finally:
+            for stream in streams:
+                stream.close()
+        causes = restarts(health_url)
+    reasons = [line for line in events if "unhealthy" in line]
+    print(
+        f"\npoisoned device: streams ended after {ended:.2f} s with {streams[0].error}; "
+        f"restart cause {causes}; ready again after {ready_at:.1f} s, first new answer after "
+        f"{served_at:.1f} s; {reasons[:1]}"
+    )
+    assert all(not s.final and "CUDA error" in str(s.error) for s in streams)
+    assert ended < ERROR_WITHIN_S
+    assert causes == {"unhealthy": 1}
+    assert any("device failed" in line for line in reasons)
+    assert text
+    assert not trigger.exists()

@@ -106,6 +106,54 @@ async def test_idle_connection_closed():
         assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (1001, "idle timeout")
 
 
+def _silent_websocket(port: int) -> socket.socket:
+    """A websocket handshake on a raw socket, after which this client never answers a ping."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(
+        b"GET /ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+        b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        b"Sec-WebSocket-Version: 13\r\n\r\n"
+    )
+    assert sock.recv(4096).startswith(b"HTTP/1.1 101")
+    return sock
+
+
+def _until_closed(sock: socket.socket) -> int:
+    """Read (pings, a close frame) until the server closes the TCP connection; ping count."""
+    pings = 0
+    while data := sock.recv(4096):
+        pings += data.count(b"\x89\x00")  # an unmasked ping frame with an empty payload
+    return pings
+
+
+async def test_a_client_that_does_not_answer_pings_is_disconnected():
+    """Pings every ping_interval_s; a client whose pong does not come within half of it is
+    disconnected (a half-open TCP connection is noticed), and only then."""
+    async with running_bridge(ping_interval_s=0.6) as bridge:
+        sock = await asyncio.to_thread(_silent_websocket, bridge.port)
+        started = time.monotonic()
+        with sock:
+            pings = await asyncio.to_thread(_until_closed, sock)
+        took = time.monotonic() - started
+        assert pings == 1
+        assert 0.85 <= took < 5.0  # the ping after 0.6 s, then 0.3 s for its pong
+        await asyncio.wait_for(_no_connections(bridge), 5)
+
+
+async def test_a_client_that_answers_pings_stays_connected():
+    """A client whose library answers each ping keeps its connection over many intervals."""
+    async with running_bridge(ping_interval_s=0.2) as bridge:
+        async with connect(ws_url(bridge), ping_interval=None) as ws:
+            await asyncio.sleep(1.5)  # about seven pings, each answered by the client library
+            await ws.send(frame(type="generate", id="g", prompt="hi"))  # no Triton: an error
+            assert json.loads(await asyncio.wait_for(ws.recv(), 5))["code"] == "unavailable"
+
+
+async def _no_connections(bridge) -> None:
+    while bridge.connections:
+        await asyncio.sleep(0.02)
+
+
 # ---------------------------------------------------------------- against the real tritonserver
 
 

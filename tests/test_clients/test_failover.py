@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from clients.chunk import Chunk, GenerationError
-from clients.failover import failover, failover_sync
+from clients.failover import failover, failover_sync, next_delay
 
 NO_DELAYS = (0.0, 0.0, 0.0)
 
@@ -105,3 +105,21 @@ async def test_closing_early_closes_the_attempt():
     assert (await anext(chunks)).text == "t0"
     await chunks.aclose()
     assert attempts.closed == 1
+
+
+@pytest.mark.parametrize(
+    ("code", "retryable_flag", "responses", "tries", "delay"),
+    [
+        ("unavailable", True, 0, 1, 0.5),  # the first failure: the first pause
+        ("unavailable", True, 0, 3, 2.5),  # the third: the third pause
+        ("unavailable", True, 0, 4, None),  # as many failures as pauses: give up
+        ("unavailable", True, 1, 1, None),  # after a response: never retried
+        ("unavailable", False, 0, 1, None),  # an idle timeout: not retried
+        ("overloaded", True, 0, 1, None),  # anything but unavailable: raised as is
+        ("invalid_request", True, 0, 1, None),
+    ],
+)
+def test_next_delay_is_the_one_retry_decision(code, retryable_flag, responses, tries, delay):
+    """Both loops ask next_delay: the pause before the next attempt, or None to raise."""
+    error = GenerationError("x", code, retryable=retryable_flag)
+    assert next_delay(error, responses, tries, (0.5, 1.5, 2.5)) == delay

@@ -1,11 +1,18 @@
-"""Tests of clients/openai_client.py: OpenAI events -> Chunks, request bodies (no server)."""
+"""Tests of clients/openai_client.py: OpenAI events -> Chunks, request bodies, the idle timeout
+(no Triton)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
+
+import aiohttp
 import pytest
+from aiohttp import web
 
 from clients.chunk import GenerationError
-from clients.openai_client import endpoint_url, event_chunk, request_body
+from clients.openai_client import endpoint_url, event_chunk, generate, request_body
 from clients.request import GenerateRequest
 
 
@@ -44,3 +51,41 @@ def test_request_bodies_and_endpoints():
     assert body["messages"] == [{"role": "user", "content": "hi"}] and body["seed"] == 1
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert request_body(text)["prompt"] == "Once" and request_body(text)["max_tokens"] == 4
+
+
+async def test_a_stream_that_goes_silent_fails_after_the_idle_timeout():
+    """A real local server sends one completion event, then nothing while the connection stays
+    open: the generation raises `unavailable` after idle_timeout_s instead of hanging."""
+    release = asyncio.Event()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        event = {"choices": [{"text": "Hi", "finish_reason": None}]}
+        await response.write(f"data: {json.dumps(event)}\n\n".encode())
+        await release.wait()  # the stall
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    base_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    got = []
+    try:
+        async with aiohttp.ClientSession() as session:
+            started = time.monotonic()
+            with pytest.raises(GenerationError) as failed:
+                request = GenerateRequest(prompt="hi")
+                async for chunk in generate(session, base_url, request, idle_timeout_s=0.5):
+                    got.append(chunk.text)
+            took = time.monotonic() - started
+    finally:
+        release.set()
+        await runner.cleanup()
+    assert got == ["Hi"]
+    assert failed.value.code == "unavailable" and not failed.value.retryable
+    assert "no response from the server for 0.5 s" in failed.value.message
+    assert 0.5 <= took < 5.0

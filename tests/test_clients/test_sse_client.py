@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import time
 
+import aiohttp
 import pytest
+from aiohttp import web
 
 from clients.chunk import GenerationError
 from clients.request import GenerateRequest
-from clients.sse_client import event_chunk, generate_stream_url, parse_sse_line, request_body
+from clients.sse_client import (
+    event_chunk,
+    generate,
+    generate_stream_url,
+    parse_sse_line,
+    request_body,
+)
 from streaming_backend import wire
 from streaming_backend.wire import ServerTiming
 
@@ -81,3 +92,56 @@ def test_endpoint():
         generate_stream_url("http://h:8000/", "chat")
         == "http://h:8000/v2/models/chat/generate_stream"
     )
+
+
+# ---- a server that stops sending -------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def stalling_server(events_before_stall: int, headers: bool = True):
+    """A real local HTTP server whose generate_stream sends `events_before_stall` events (and
+    its headers, unless `headers` is False), then nothing more, keeping the connection open."""
+    release = asyncio.Event()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if not headers:
+            await release.wait()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(events_before_stall):
+            event = {wire.TEXT_OUTPUT: f"t{i}", wire.NUM_OUTPUT_TOKENS: 1}
+            await response.write(f"data: {json.dumps(event)}\n\n".encode())
+        await release.wait()  # the stall: the connection stays open, silent
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v2/models/chat/generate_stream", handler)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        yield generate_stream_url(f"http://127.0.0.1:{port}")
+    finally:
+        release.set()
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize(("events", "headers"), [(2, True), (0, True), (0, False)])
+async def test_a_stream_that_goes_silent_fails_after_the_idle_timeout(events, headers):
+    """Mid-stream (after 2 events), after the headers only, or before any headers: once nothing
+    arrives for idle_timeout_s the generation raises `unavailable` with a clear message, not
+    retryable by failover, instead of waiting forever."""
+    got = []
+    async with stalling_server(events, headers) as url, aiohttp.ClientSession() as session:
+        started = time.monotonic()
+        with pytest.raises(GenerationError) as failed:
+            async for chunk in generate(session, url, GenerateRequest(prompt="hi"), "r", 0.5):
+                got.append(chunk.text)
+        took = time.monotonic() - started
+    assert got == [f"t{i}" for i in range(events)]
+    assert failed.value.code == wire.UNAVAILABLE.code
+    assert "no response from the server for 0.5 s" in failed.value.message
+    assert not failed.value.retryable
+    assert 0.5 <= took < 5.0

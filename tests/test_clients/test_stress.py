@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -137,3 +142,97 @@ def test_stress_the_chat_model(triton_server):
     assert result["requests"]["ok"] == 8
     assert result["latency_ms"]["count"] == 8
     assert result["batching"]["inferences"] == 8
+
+
+# ---- whose stubs are counted ------------------------------------------------------------------
+
+STUB = "/opt/tritonserver/backends/python/triton_python_backend_stub"
+
+
+def fake_process(proc, pid, parent, argv, sockets=()):
+    """A /proc/<pid> entry: cmdline, stat (with its parent) and fd links to socket inodes."""
+    entry = proc / str(pid)
+    (entry / "fd").mkdir(parents=True)
+    (entry / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+    (entry / "stat").write_text(f"{pid} ({Path(argv[0]).name[:15]}) S {parent} 1 1 0\n")
+    for fd, inode in enumerate(sockets, start=3):
+        (entry / "fd" / str(fd)).symlink_to(f"socket:[{inode}]")
+
+
+def fake_listener(address: str, port: int, inode: int) -> str:
+    """A /proc/net/tcp row of a listening socket (address as 32-bit words in host byte order)."""
+    word = int.from_bytes(ipaddress.ip_address(address).packed, "big")
+    hex_address = f"{int.from_bytes(word.to_bytes(4, 'big'), sys.byteorder):08X}"
+    return (
+        f"   0: {hex_address}:{port:04X} 00000000:0000 0A 00000000:00000000 00:00000000 "
+        f"00000000     0        0 {inode} 1 0000000000000000 100 0 0 10 0\n"
+    )
+
+
+def test_only_the_target_servers_stubs_are_counted(tmp_path):
+    """Two tritonservers serve dialogue_model on this machine (another user's on 127.0.0.2, ours
+    on 127.0.0.1, both port 8000): only the stubs whose parent listens at the target address
+    count, not every stub whose command line names the model."""
+    proc = tmp_path / "proc"
+    (proc / "net").mkdir(parents=True)
+    header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt\n"
+    (proc / "net" / "tcp").write_text(
+        header + fake_listener("127.0.0.1", 8000, 1111) + fake_listener("127.0.0.2", 8000, 2222)
+    )
+    model = "/tmp/run/repository/dialogue_model/1/model.py"
+    fake_process(proc, 100, 1, ["/opt/tritonserver/bin/tritonserver"], sockets=[1111])
+    fake_process(proc, 200, 1, ["/opt/tritonserver/bin/tritonserver"], sockets=[2222])
+    fake_process(proc, 101, 100, [STUB, model, "shm_a", "1048576"])
+    fake_process(proc, 102, 100, [STUB, model, "shm_b", "1048576"])
+    fake_process(proc, 103, 100, [STUB, "/tmp/run/repository/chat/1/model.py", "shm_c"])
+    fake_process(proc, 201, 200, [STUB, model, "shm_d", "1048576"])
+    assert server_stats.stub_pids(DIALOGUE_MODEL, "http://127.0.0.1:8000", proc) == [101, 102]
+    assert server_stats.stub_pids(DIALOGUE_MODEL, "127.0.0.2:8000", proc) == [201]
+    assert server_stats.stub_pids(DIALOGUE_MODEL, "http://127.0.0.1:9999", proc) == []
+
+
+def _fake_stub(model_dir: Path) -> subprocess.Popen:
+    """A process whose command line looks like a stub of the model in `model_dir`."""
+    return subprocess.Popen(
+        [STUB, "-c", "import time; time.sleep(60)", str(model_dir / "1" / "model.py")],
+        executable=sys.executable,
+    )
+
+
+SERVER = """\
+import socket, subprocess, sys, time
+listener = socket.create_server(("127.0.0.1", 0))
+stub = subprocess.Popen({argv!r}, executable=sys.executable)
+print(listener.getsockname()[1], stub.pid, flush=True)
+try:
+    sys.stdin.read()
+finally:
+    stub.kill()
+"""
+
+
+def test_stubs_of_another_server_on_this_machine_are_not_counted(tmp_path):
+    """Real processes: this test listens as the target server with two stubs of dialogue_model;
+    another server process with a stub of the same model runs beside it. Its stub is left out."""
+    model_dir = tmp_path / DIALOGUE_MODEL
+    ours = [_fake_stub(model_dir), _fake_stub(model_dir)]
+    argv = [STUB, "-c", "import time; time.sleep(60)", str(model_dir / "1" / "model.py")]
+    other = subprocess.Popen(
+        [sys.executable, "-c", SERVER.format(argv=argv)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            port = listener.getsockname()[1]
+            other_port, other_stub = map(int, other.stdout.readline().split())
+            url = f"http://127.0.0.1:{port}"
+            assert server_stats.stub_pids(DIALOGUE_MODEL, url) == sorted(p.pid for p in ours)
+            assert server_stats.stub_pids(DIALOGUE_MODEL, f"127.0.0.1:{other_port}") == [other_stub]
+    finally:
+        other.stdin.close()
+        other.wait(timeout=10)
+        for stub in ours:
+            stub.kill()
+            stub.wait()

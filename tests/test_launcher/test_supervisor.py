@@ -25,6 +25,8 @@ from streaming_backend.wire import (
     ADMIN_HEADER,
     CHAT_MODEL,
     CONTROL,
+    CONTROL_DRAIN,
+    CONTROL_END,
     CONTROL_HEALTH,
     SAMPLING_PARAMETERS,
     STREAM,
@@ -37,6 +39,68 @@ def test_restart_budget_waits_longer_each_time_then_gives_up() -> None:
     """The first restart in the window is immediate, the next ones double, then none."""
     budget = RestartBudget(max_restarts=4, first_backoff_s=1.0, max_backoff_s=3.0)
     assert [budget.backoff(n) for n in range(1, 6)] == [0.0, 1.0, 2.0, 3.0, None]
+
+
+class ScriptedServer:
+    """What the drain reads of a running tritonserver."""
+
+    http_url = "http://127.0.0.1:9"
+    returncode = None
+
+
+def scripted_drain(monkeypatch, answers: list, drain_timeout_s: float = 2.0):
+    """Drain a Supervisor whose model answers control requests from a script (a number: its
+    open streams; an exception: raised); returns (actions sent, events said)."""
+    from streaming_backend.launcher import supervisor as module
+    from streaming_backend.launcher.control import ModelHealth
+    from streaming_backend.launcher.server import ServerConfig
+
+    sent: list[str] = []
+
+    def scripted_control(http_url, model, key, action, timeout):
+        sent.append(action)
+        answer = answers.pop(0) if answers else 0
+        if isinstance(answer, Exception):
+            raise answer
+        return ModelHealth(True, "", action != CONTROL_HEALTH, answer, 0)
+
+    monkeypatch.setattr(module, "control", scripted_control)
+    monkeypatch.setattr(module, "DRAIN_POLL_S", 0.01)
+    monkeypatch.setattr(module, "END_WAIT_S", 0.2)
+    events: list[str] = []
+    config = module.SupervisorConfig(
+        ServerConfig(models=(CHAT_MODEL,)), drain_timeout_s=drain_timeout_s
+    )
+    supervisor = module.Supervisor(config, events.append, None)
+    supervisor.server = ScriptedServer()
+    supervisor.state = module.READY
+    supervisor.drain(threading.Event())
+    return sent, events
+
+
+TIMED_OUT = ControlError("no answer: timed out", unreachable=True)
+
+
+def test_a_health_poll_that_times_out_does_not_end_the_drain(monkeypatch) -> None:
+    """A busy machine: one health poll gets no answer in time. The drain goes on waiting for
+    the open streams (it used to take that for "no open streams" and stop Triton under them)."""
+    sent, events = scripted_drain(monkeypatch, [2, 2, TIMED_OUT, 1, 0])
+    assert sent == [CONTROL_DRAIN] + [CONTROL_HEALTH] * 4
+    assert not any("deadline" in line for line in events)
+
+
+def test_a_model_silent_until_the_deadline_is_told_to_end_its_streams(monkeypatch) -> None:
+    """No answer at all until the deadline: streams may be open, so END is sent."""
+    sent, events = scripted_drain(monkeypatch, [2] + [TIMED_OUT] * 1000, drain_timeout_s=0.3)
+    assert CONTROL_END in sent
+    assert any("drain deadline: ending the open streams" in line for line in events)
+
+
+def test_a_model_that_answers_with_an_error_ends_the_drain(monkeypatch) -> None:
+    """An error answer (a dead stub: "not healthy"): nothing can finish, no waiting."""
+    dead = ControlError("Stub process 'chat_0_0' is not healthy.")
+    sent, _ = scripted_drain(monkeypatch, [2, dead])
+    assert sent == [CONTROL_DRAIN, CONTROL_HEALTH]
 
 
 def get(url: str, timeout: float = 10) -> tuple[int, dict | str]:

@@ -112,6 +112,11 @@ class Metrics:
             "Started requests that reused a cached prefix",
             family.COUNTER,
         )
+        self.waiting = make(
+            "tokenstream_waiting_requests",
+            "Requests accepted and waiting for a slot in the running batch",
+            family.GAUGE,
+        )
         self.rejected = make(
             "tokenstream_rejected_requests_total",
             "Requests refused (invalid or overloaded)",
@@ -152,6 +157,7 @@ class TritonPythonModel:
         self.lock = threading.Lock()  # guards `live` and `counter` between execute and outbox
         self.counter = 0
         self.reported_active = 0  # the active-streams gauge's value (set by the outbox only)
+        self.reported_waiting = 0  # the waiting-requests gauge's value (likewise)
         self.admin_key = os.environ.get(ADMIN_KEY_VARIABLE) or None  # None: no control requests
         self.draining = False  # set by a drain control request: new requests are refused
         self.outbox_thread = threading.Thread(target=self._outbox_loop, name="outbox", daemon=True)
@@ -240,6 +246,7 @@ class TritonPythonModel:
             # nothing may end this thread: without it no request would ever be answered again
             try:
                 self._handle(item)
+                self._report_waiting()  # after every item and tick: within cancel_check_s
                 if time.monotonic() >= next_check:
                     next_check = time.monotonic() + interval
                     self._poll_cancelled()
@@ -322,6 +329,13 @@ class TritonPythonModel:
         if active != self.reported_active:
             self._quietly(self.metrics.active.set, active)
             self.reported_active = active
+
+    def _report_waiting(self) -> None:
+        """Set the waiting-requests gauge when the engine's queue length changed."""
+        waiting = self.engine.waiting_streams
+        if waiting != self.reported_waiting:
+            self._quietly(self.metrics.waiting.set, waiting)
+            self.reported_waiting = waiting
 
     def _poll_cancelled(self) -> None:
         """Ask Triton (a round trip each) whether live requests were cancelled by their client."""
