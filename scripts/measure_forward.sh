@@ -6,7 +6,7 @@
 #      gRPC, with --forward compact and with --forward hf (and, with CHUNKS="64 128 ...", the
 #      compact forward at each prefill chunk size);
 #   3. 10-turn conversations with the prefix cache on and off, and their per-turn comparison.
-# Writes everything under bench-results/forward/. About 30 minutes on a 2-core CPU.
+# Writes everything under bench-results/forward/. About 40 minutes on a 2-core CPU.
 # Usage: scripts/measure_forward.sh [engine] [single] [multi]   (default: all three)
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -42,15 +42,15 @@ for part in $PARTS; do
     single)
         for forward in compact hf; do
             serve $forward --forward $forward --models chat
-            $TS bench $TARGET $WORKLOAD --concurrency 1 --requests 16 --out $OUT/$forward-c1 \
+            $TS bench $TARGET $WORKLOAD --concurrency 1 --requests 8 --out $OUT/$forward-c1 \
                 > $OUT/$forward-c1.txt 2>&1
-            $TS bench $TARGET $WORKLOAD --concurrency 16 --requests 96 --out $OUT/$forward-c16 \
+            $TS bench $TARGET $WORKLOAD --concurrency 16 --requests 48 --out $OUT/$forward-c16 \
                 > $OUT/$forward-c16.txt 2>&1
             stop
         done
         for chunk in $CHUNKS; do
             serve chunk$chunk --forward compact --models chat --prefill-chunk-tokens $chunk
-            $TS bench $TARGET $WORKLOAD --concurrency 16 --requests 96 --out $OUT/chunk$chunk-c16 \
+            $TS bench $TARGET $WORKLOAD --concurrency 16 --requests 48 --out $OUT/chunk$chunk-c16 \
                 > $OUT/chunk$chunk-c16.txt 2>&1
             stop
         done
@@ -58,7 +58,7 @@ for part in $PARTS; do
     multi)
         for cache in off on; do
             serve cache-$cache --models chat --prefix-cache $cache
-            $TS bench $TARGET --multi-turn 10 --conversations 8 --concurrency 4 \
+            $TS bench $TARGET --multi-turn 10 --conversations 4 --concurrency 4 \
                 --max-tokens 64 --temperature 0 --warmup 0 --out $OUT/multi-$cache \
                 > $OUT/multi-$cache.txt 2>&1
             stop

@@ -32,7 +32,7 @@ class EngineConfig:
     prefix_cache: str = "on"
     # Prompt tokens prefilled per engine step while other streams decode (compact forward): a new
     # prompt delays running streams by about one chunk per step. Measured in docs/performance.md.
-    prefill_chunk_tokens: int = 256
+    prefill_chunk_tokens: int = 64
     # The compact forward's KV cache: a fraction of the device's free memory at start (the CPU's
     # MemAvailable) such as "0.5", or a size such as "4GiB" or "512MiB". Its slots hold the live
     # streams and the prefix cache; admission waits for a slot, so a step never runs out of it.
