@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import threading
 import time
 from pathlib import Path
@@ -12,6 +13,34 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_CONTEXT = 256
+
+
+def _sigint_state() -> tuple[bool, bool]:
+    """(ignored, blocked) of SIGINT for this process's main thread, as the kernel sees them.
+
+    Read from /proc, not signal.getsignal(): a C extension can change the disposition without
+    Python knowing, and every child started afterwards inherits it.
+    """
+    fields = dict(
+        line.split(":\t", 1) for line in Path("/proc/self/status").read_text().splitlines()
+    )
+    bit = 1 << (signal.SIGINT - 1)
+    return bool(int(fields["SigIgn"], 16) & bit), bool(int(fields["SigBlk"], 16) & bit)
+
+
+@pytest.fixture(autouse=True)
+def _sigint_left_deliverable():
+    """A test must leave SIGINT deliverable: the Ctrl-C tests and every child process started
+    later (the chat CLI, the prompt in a terminal) inherit an ignored or blocked SIGINT. One full
+    run saw those tests fail together, as if SIGINT were lost; this names the test that did it,
+    and puts SIGINT back so that the tests after it test their own code."""
+    before = _sigint_state()
+    yield
+    after = _sigint_state()
+    if after != before:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        pytest.fail(f"this test left SIGINT (ignored, blocked) = {after}, was {before}")
 
 
 def wait_for(condition, timeout: float = 20.0) -> None:
