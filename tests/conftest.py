@@ -28,12 +28,18 @@ def _sigint_state() -> tuple[bool, bool]:
     return bool(int(fields["SigIgn"], 16) & bit), bool(int(fields["SigBlk"], 16) & bit)
 
 
+def pytest_configure(config):
+    """Make SIGINT deliverable when the suite was started as a background job: a non-interactive
+    shell starts `cmd &` with SIGINT and SIGQUIT ignored, every child inherits that, and the
+    Ctrl-C tests (the chat CLI, the prompt in a terminal) then fail as if Ctrl-C were lost."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @pytest.fixture(autouse=True)
 def _sigint_left_deliverable():
-    """A test must leave SIGINT deliverable: the Ctrl-C tests and every child process started
-    later (the chat CLI, the prompt in a terminal) inherit an ignored or blocked SIGINT. One full
-    run saw those tests fail together, as if SIGINT were lost; this names the test that did it,
-    and puts SIGINT back so that the tests after it test their own code."""
+    """A test must leave SIGINT as it found it (not ignored, not blocked): the Ctrl-C tests and
+    every child process started later inherit it. The offender fails; SIGINT is put back."""
     before = _sigint_state()
     yield
     after = _sigint_state()
