@@ -177,7 +177,7 @@ def _start(request: GenerationRequest, model_end_ids: frozenset[int]):
 def _generate(loaded: LoadedModel, requests: Sequence[GenerationRequest]):
     """Prefill all prompts together, then step every live row together until all are done."""
     groups = [_start(r, loaded.eos_ids) for r in requests]
-    batch, logits, positions = _prefill(loaded, [r.prompt_ids for r in requests])
+    batch, logits, positions = prefill_prompts(loaded, [r.prompt_ids for r in requests])
     expand = [i for i, g in enumerate(groups) for _ in range(g.rows)]  # beam rows share a prompt
     if len(expand) != len(groups):
         batch, logits, positions = kvcache.select(batch, expand), logits[expand], positions[expand]
@@ -261,12 +261,12 @@ def _seen(request: GenerationRequest, tokens: list[int], logits: torch.Tensor) -
 # ---- forward passes -------------------------------------------------------------------------
 
 
-def _cache_kwarg(model) -> str:
+def cache_kwarg(model) -> str:
     """The name under which this model's forward() takes a KV cache."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _prefill(loaded: LoadedModel, prompts: Sequence[Sequence[int]]):
+def prefill_prompts(loaded: LoadedModel, prompts: Sequence[Sequence[int]]):
     """One forward pass over left-padded prompts -> (cache, last logits [N, V], positions [N])."""
     device = loaded.device
     length = max(len(p) for p in prompts)
@@ -284,7 +284,7 @@ def _prefill(loaded: LoadedModel, prompts: Sequence[Sequence[int]]):
         position_ids=positions.to(device),
         use_cache=True,
         logits_to_keep=1,
-        **{_cache_kwarg(loaded.model): cache},
+        **{cache_kwarg(loaded.model): cache},
     )
     logits = out.logits[:, -1, :].float()  # [N, V]
     return kvcache.BatchCache(cache, mask.to(device)), logits, mask.sum(-1)
@@ -299,7 +299,7 @@ def _decode(loaded: LoadedModel, batch: kvcache.BatchCache, tokens: list[int], p
         attention_mask=batch.mask,
         position_ids=positions[:, None].to(device),
         use_cache=True,
-        **{_cache_kwarg(loaded.model): batch.cache},
+        **{cache_kwarg(loaded.model): batch.cache},
     )
     return out.logits[:, -1, :].float()
 

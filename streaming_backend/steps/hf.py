@@ -8,15 +8,12 @@ fallback for architectures the compact forward does not know, and `forward=hf` f
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from collections.abc import Collection, Iterator
 
-import torch
-
-from streaming_backend import kvcache
 from streaming_backend.batch import RunningBatch
+from streaming_backend.batch_generation import cache_kwarg, prefill_prompts
 from streaming_backend.config import EngineConfig
 from streaming_backend.loading import LoadedModel
 from streaming_backend.steps import Decoded, OnFailure, Prefilled, S
@@ -36,9 +33,7 @@ class HfSteps:
         self._on_failure = on_failure
         self._batch: RunningBatch = RunningBatch()
         self._pending: list = []  # admitted, not yet prefilled
-        forward_params = inspect.signature(loaded.model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
-        self._pad_id = next(iter(sorted(loaded.eos_ids)), 0)
+        self._cache_kwarg = cache_kwarg(loaded.model)
 
     def capacity(self) -> int:
         return self.config.max_streams - len(self._batch) - len(self._pending)
@@ -78,26 +73,7 @@ class HfSteps:
         now = time.monotonic_ns()
         for stream in streams:
             stream.scheduled_ns = now
-        device = self.loaded.device
-        length = max(len(s.prompt_ids) for s in streams)
-        ids = torch.full((len(streams), length), self._pad_id, dtype=torch.long)
-        mask = torch.zeros((len(streams), length), dtype=torch.long)
-        for row, stream in enumerate(streams):
-            n = len(stream.prompt_ids)
-            ids[row, length - n :] = torch.tensor(stream.prompt_ids)
-            mask[row, length - n :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [N, L]; padding gets position 0
-        cache = kvcache.DynamicCache()
-        out = self.loaded.model(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            position_ids=positions.to(device),
-            use_cache=True,
-            logits_to_keep=1,
-            **{self._cache_kwarg: cache},
-        )
-        logits = out.logits[:, -1, :].float()  # [N, V]
-        return kvcache.BatchCache(cache, mask.to(device)), logits, mask.sum(-1)
+        return prefill_prompts(self.loaded, [s.prompt_ids for s in streams])
 
     def decode(self) -> Decoded:
         """One forward pass for every row of the batch, one new token each."""
