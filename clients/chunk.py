@@ -4,9 +4,9 @@ frames) yields Chunks, and the terminal chat, the bridge and the benchmark consu
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
+from clients.aio import within
 from streaming_backend.wire import INTERNAL, UNAVAILABLE, ServerTiming
 
 # A generation that receives nothing for this long ends with an `unavailable` error instead of
@@ -65,6 +65,6 @@ async def within_idle_timeout(awaitable, idle_timeout_s: float | None):
     """Await one step of a stream (its headers, its next line) for at most `idle_timeout_s`
     (None: no limit); idle_error when nothing came in time."""
     try:
-        return await asyncio.wait_for(awaitable, idle_timeout_s)
-    except asyncio.TimeoutError:
+        return await within(awaitable, idle_timeout_s)
+    except TimeoutError:
         raise idle_error(idle_timeout_s) from None

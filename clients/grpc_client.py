@@ -21,6 +21,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
+from clients.aio import within
 from clients.chunk import DEFAULT_IDLE_TIMEOUT_S, Chunk, GenerationError, idle_error, parse_timing
 from clients.failover import failover, failover_sync
 from clients.request import GenerateRequest, request_inputs
@@ -324,8 +325,8 @@ class AsyncChatClient:
 async def _next_chunk(responses, idle_timeout_s: float | None) -> Chunk:
     """The next Chunk of an aio response stream; errors (and silence) become GenerationError."""
     try:
-        result, error = await asyncio.wait_for(responses.__anext__(), idle_timeout_s)
-    except asyncio.TimeoutError:
+        result, error = await within(responses.__anext__(), idle_timeout_s)
+    except TimeoutError:
         raise idle_error(idle_timeout_s) from None
     except StopAsyncIteration:
         raise GenerationError("stream ended before the final response", UNAVAILABLE.code) from None

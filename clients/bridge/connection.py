@@ -17,6 +17,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from clients.aio import within
 from clients.bridge.frames import Trace, done_frame, error_frame, token_frame
 from clients.bridge.http import token_matches
 from clients.bridge.messages import Auth, Cancel, Generate, ProtocolError, parse_message
@@ -78,7 +79,7 @@ class Connection:
         with contextlib.suppress(SocketClosed, TimeoutError):
             while not self.outbox.empty():
                 frame = self.outbox.get_nowait()
-                await asyncio.wait_for(self.ws.send(frame), self.cfg.close_timeout_s)
+                await within(self.ws.send(frame), self.cfg.close_timeout_s)
 
     async def receive(self) -> Close | None:
         """Handle client frames until the socket closes; a reason to close, if any."""
@@ -187,7 +188,7 @@ class Connection:
         while True:
             frame = await self.outbox.get()
             try:
-                await asyncio.wait_for(self.ws.send(frame), self.cfg.send_timeout_s)
+                await within(self.ws.send(frame), self.cfg.send_timeout_s)
             except TimeoutError:
                 return (1008, "client too slow: a frame waited too long")
             except SocketClosed:

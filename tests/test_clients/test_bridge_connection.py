@@ -7,7 +7,9 @@ import asyncio
 import json
 import logging
 import socket
+import sys
 import time
+import types
 
 import pytest
 from bridge_support import (
@@ -27,6 +29,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from clients.bridge import HEALTH_PATH
+from clients.bridge.config import BridgeConfig
 from clients.bridge.connection import Connection
 from clients.bridge.frames import error_frame
 
@@ -104,6 +107,36 @@ async def test_idle_connection_closed():
         with pytest.raises(ConnectionClosed) as closed:
             await asyncio.wait_for(ws.recv(), 10)
         assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (1001, "idle timeout")
+
+
+class _RecordingSocket:
+    """A websocket whose client takes every frame at once (send never waits)."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+        self.transport = types.SimpleNamespace(get_extra_info=lambda name: None)
+
+    async def send(self, text: str) -> None:
+        self.sent.append(text)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="3.10 bounds each send with wait_for")
+async def test_a_burst_of_queued_frames_goes_out_in_one_pass():
+    """Frames queued together (24 streams' tokens arriving at once) are all sent in one pass of
+    the send loop, not one per trip through the event loop; otherwise 24 producers outrun the one
+    sender and a client reading at full speed is dropped as "too slow" (seen in CI)."""
+    ws = _RecordingSocket()
+    connection = Connection(types.SimpleNamespace(cfg=BridgeConfig()), ws, 1, authed=True)
+    for i in range(200):
+        connection.post({"type": "token", "id": f"g{i % 24}", "text": "x"})
+    sender = asyncio.create_task(connection.send_loop())
+    try:
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert len(ws.sent) == 200
+        assert not connection.overflow.is_set()
+    finally:
+        sender.cancel()
 
 
 def _silent_websocket(port: int) -> socket.socket:
