@@ -111,13 +111,20 @@ def _first_int(result: grpcclient.InferResult, name: str) -> int | None:
     return None if value is None or value.size == 0 else int(value.reshape(-1)[0])
 
 
+def _cancelled_by_server(message: str, status: str) -> bool:
+    """A CANCELLED status this client did not cause: the server's gRPC endpoint shut down under
+    the stream (seen on streams opened as tritonserver stops). A cancel of our own never reaches
+    here as an error (the async stream raises CancelledError) or says "Locally cancelled"."""
+    return status == str(grpc.StatusCode.CANCELLED) and "locally cancelled" not in message.lower()
+
+
 def to_generation_error(error: InferenceServerException | grpc.RpcError) -> GenerationError:
     """A GenerationError carrying the server's message from a tritonclient or gRPC error."""
     if isinstance(error, InferenceServerException):
         message, status = error.message(), error.status()
     else:
         message, status = str(error.details()), str(error.code())
-    if any(sign in message for sign in _CONNECTION_LOST):
+    if any(sign in message for sign in _CONNECTION_LOST) or _cancelled_by_server(message, status):
         return GenerationError(f"{UNAVAILABLE.prefix}: {SERVER_LOST} ({message})", UNAVAILABLE.code)
     return GenerationError(message, error_code(message, status))
 

@@ -12,6 +12,7 @@ from bridge_support import bridge_to, frame, http_get, next_frame, ws_url
 from conftest import start_server, wait_for
 from websockets.asyncio.client import connect
 
+from clients.failover import retryable
 from clients.grpc_client import (
     AsyncChatClient,
     GenerateRequest,
@@ -22,6 +23,7 @@ from clients.grpc_client import (
 from streaming_backend.launcher import ServerConfig, TritonServer, free_port
 from streaming_backend.wire import (
     BOOL_INPUTS,
+    CANCELLED,
     CHAT_MODEL,
     INPUT_IDS,
     SERVER_LOST,
@@ -89,6 +91,27 @@ def test_a_lost_connection_reads_as_the_server_gone_away() -> None:
     error = to_generation_error(Lost())
     assert error.code == UNAVAILABLE.code
     assert SERVER_LOST in error.message and "Socket closed" in error.message
+
+
+def test_a_stream_cancelled_by_the_server_is_retried_elsewhere() -> None:
+    """A stream opened as tritonserver stops can end CANCELLED with nothing received (its gRPC
+    endpoint shut down under it; seen about once in 400 streams): that is the server gone, an
+    `unavailable` error that failover retries on another replica, not a cancel the client made."""
+    import grpc
+    from tritonclient.utils import InferenceServerException
+
+    class ShutDown(grpc.RpcError):
+        def details(self):
+            return "CANCELLED"
+
+        def code(self):
+            return grpc.StatusCode.CANCELLED
+
+    error = to_generation_error(ShutDown())
+    assert (error.code, error.retryable) == (UNAVAILABLE.code, True)
+    assert SERVER_LOST in error.message and retryable(error, responses=0)
+    ours = InferenceServerException("Locally cancelled by application!", "StatusCode.CANCELLED")
+    assert to_generation_error(ours).code == CANCELLED.code
 
 
 @pytest.mark.server
