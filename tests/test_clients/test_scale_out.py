@@ -356,6 +356,9 @@ async def test_new_replica_found_through_a_name(pair, ports, tiny_model_dir, tmp
                 with hosts_file.open("a") as hosts:  # in place: the bind mount keeps the inode
                     hosts.write(f"{HOSTS[2]} {NAME}\n")
                 pickup = await wait_until(lambda: tokens_generated(third) > 0, 60)
+                # /healthz resolves the name on its own probe (every second): it may list the
+                # new address a little after the channel's resolver has already used it.
+                await wait_until(lambda: len(health(port)["replicas"]) == 3, 10)
             finally:
                 load.stop.set()
                 await running
