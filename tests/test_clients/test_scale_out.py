@@ -33,6 +33,7 @@ from clients.bench.cli import add_arguments, config_from_args, run_bench
 from clients.bridge import HEALTH_PATH
 from clients.targets import parse_target
 from streaming_backend.launcher import ServerConfig, TritonServer, free_port
+from streaming_backend.wire import CHAT_MODEL
 
 pytestmark = pytest.mark.server
 
@@ -70,6 +71,7 @@ def replica(model_dir, host: str, ports: dict[str, int]) -> TritonServer:
     """A started (not yet ready) tritonserver on `host` with the shared ports."""
     config = ServerConfig(
         model=str(model_dir),
+        models=(CHAT_MODEL,),  # not the dialogue_model: its two instances slow every start
         dtype="float32",
         max_streams=16,
         queue_limit=64,

@@ -133,7 +133,9 @@ def post(url: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
 @pytest.fixture(scope="module")
 def supervised(tiny_model_dir):
     """A Supervisor watching a tiny-model server (canary every 0.5 s), and its HTTP port."""
-    with supervised_server(tiny_model_dir, max_streams=8, queue_limit=16) as running:
+    with supervised_server(
+        tiny_model_dir, max_streams=8, queue_limit=16, models=(CHAT_MODEL,)
+    ) as running:
         yield running
 
 
