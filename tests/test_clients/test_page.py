@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
+from conftest import start_server
 
 from clients import bridge as br
 
@@ -38,6 +39,17 @@ SAMPLE_RENDERS = """() => {
   };
   requestAnimationFrame(sample);
 }"""
+
+
+@pytest.fixture(scope="module")
+def paced_server(tiny_model_dir):
+    """The tiny model with tokens at least 20 ms apart: its 200-token answer lasts about 4 s, so
+    Stop lands mid-answer however slowly the page renders (unpaced, the answer could end first)."""
+    server = start_server(tiny_model_dir, model_parameters={"test_token_delay_ms": "20"})
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def free_port() -> int:
@@ -75,9 +87,9 @@ async def ask(page, text: str, max_tokens: int, top_p: str = "0.95") -> None:
     await page.press("#prompt", "Enter")
 
 
-async def test_answer_grows_then_stop_ends_it(triton_server, tmp_path):
+async def test_answer_grows_then_stop_ends_it(paced_server, tmp_path):
     """The answer grows over several renders; Stop ends it as cancelled with TTFT and tok/s."""
-    async with chat_page(triton_server) as page:
+    async with chat_page(paced_server) as page:
         await page.evaluate(SAMPLE_RENDERS)
         # 200: with the 41-token templated prompt it fits the tiny model's 256 positions
         await ask(page, "你好！Tell me a story 🙂", max_tokens=200)
