@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from clients.chunk import Chunk, GenerationError
-from clients.failover import failover, failover_sync, next_delay
+from clients.failover import RETRY_DELAYS_S, failover, failover_sync, next_delay
 
 NO_DELAYS = (0.0, 0.0, 0.0)
 
@@ -123,3 +123,12 @@ def test_next_delay_is_the_one_retry_decision(code, retryable_flag, responses, t
     """Both loops ask next_delay: the pause before the next attempt, or None to raise."""
     error = GenerationError("x", code, retryable=retryable_flag)
     assert next_delay(error, responses, tries, (0.5, 1.5, 2.5)) == delay
+
+
+def test_default_retries_outlast_a_refusing_replica_of_two():
+    """With two replicas, one refusing (stopping, draining), an attempt lands on it about half
+    the time: the default retries leave a stream failing at most once in 10,000, and give up on
+    a service that is down within a few seconds."""
+    attempts = len(RETRY_DELAYS_S) + 1
+    assert 0.5**attempts <= 1e-4
+    assert sum(RETRY_DELAYS_S) <= 4.0
