@@ -25,8 +25,8 @@ log = logging.getLogger("tokenstream.client")
 # ones leave a moment for gRPC to notice broken connections. A stopping or draining replica
 # refuses for as long as it takes to close (seconds), and while other streams' picks interleave
 # with this one's, each attempt lands on it with a chance of about 1/N of N replicas: all k
-# attempts do with (1/N)^k. 6 attempts lost about one stream in 64 with two replicas (and one in
-# 730 with three: seen in a test); 16 lose about 1 in 65,000 with two, in about 3 s at most.
+# attempts do with (1/N)^k. With 6 attempts that is about one stream in 64 with two replicas
+# (one in 730 with three; a test saw it); with 16, one in 65,000 with two, in about 3 s at most.
 RETRY_DELAYS_S = (0.0, 0.05, 0.1, 0.2) + (0.25,) * 11
 
 
