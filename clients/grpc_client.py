@@ -21,8 +21,14 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
-from clients.aio import within
-from clients.chunk import DEFAULT_IDLE_TIMEOUT_S, Chunk, GenerationError, idle_error, parse_timing
+from clients.chunk import (
+    DEFAULT_IDLE_TIMEOUT_S,
+    Chunk,
+    GenerationError,
+    idle_error,
+    parse_timing,
+    within_idle_timeout,
+)
 from clients.failover import failover, failover_sync
 from clients.request import GenerateRequest, request_inputs
 from clients.targets import channel_args
@@ -332,9 +338,7 @@ class AsyncChatClient:
 async def _next_chunk(responses, idle_timeout_s: float | None) -> Chunk:
     """The next Chunk of an aio response stream; errors (and silence) become GenerationError."""
     try:
-        result, error = await within(responses.__anext__(), idle_timeout_s)
-    except TimeoutError:
-        raise idle_error(idle_timeout_s) from None
+        result, error = await within_idle_timeout(responses.__anext__(), idle_timeout_s)
     except StopAsyncIteration:
         raise GenerationError("stream ended before the final response", UNAVAILABLE.code) from None
     except grpc.RpcError as exc:
