@@ -79,7 +79,9 @@ async def chat_page(triton_server, viewport=None):
 
 
 async def ask(page, text: str, max_tokens: int, top_p: str = "0.95") -> None:
+    """Send `text` greedily: a sampled answer of the random model could end early at EOS."""
     await page.click("#settings summary")
+    await page.fill("#temperature", "0")
     await page.fill("#max-tokens", str(max_tokens))
     await page.fill("#top-p", top_p)
     await page.click("#settings summary")

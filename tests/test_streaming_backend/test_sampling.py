@@ -96,7 +96,8 @@ def test_temperature_scales_the_distribution():
     """Draw frequencies follow softmax(logits / T): sharper for low T, flatter for high T."""
     logits = torch.tensor([[2.0, 1.0, 0.0]]).repeat(4000, 1)
     for temperature in (0.5, 2.0):
-        ids = _sample(logits, SamplingSettings(temperature=temperature))
+        uniforms = torch.rand(len(logits), generator=torch.Generator().manual_seed(1))
+        ids = _sample(logits, SamplingSettings(temperature=temperature), uniforms)
         freq = torch.bincount(ids, minlength=3).float() / len(ids)
         expected = torch.softmax(logits[0] / temperature, -1)
         assert torch.allclose(freq, expected, atol=0.03), (temperature, freq, expected)
