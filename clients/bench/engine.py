@@ -4,8 +4,8 @@
 
 For each dtype it runs the baseline (`model.generate` + `TextIteratorStreamer`, one request at a
 time) and then our engine on each forward (`--forward compact,hf`: ours, and the Hugging Face
-forward under our engine, labelled eng-compact and eng-hf) at each concurrency, every stream
-producing exactly --output-tokens tokens (ignore_eos). Each token becomes a Chunk stamped when it
+forward under our engine, labelled eng-compact and eng-hf, their rounds interleaved) at each
+concurrency, every stream producing exactly --output-tokens tokens (ignore_eos). Each token becomes a Chunk stamped when it
 existed, so TTFT, ITL, throughput and percentiles are those of clients/metrics.py, as in
 `tokenstream bench`. It prints a table and
 writes every figure to a JSON file. A client of the core: it runs the engine in this process.
@@ -18,6 +18,7 @@ import json
 import math
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -86,10 +87,20 @@ def token_chunk(event: TokenEvent) -> Chunk:
     )
 
 
-def summarize(system: str, dtype: str, concurrency: int, timelines: list[Timeline]):
-    """Aggregate tokens/s, TTFT and inter-token latency (clients/metrics.py) of requests."""
-    start = min(t.sent_ns for t in timelines)
-    end = max(t.chunks[-1].received_ns for t in timelines)
+def summarize(
+    system: str,
+    dtype: str,
+    concurrency: int,
+    timelines: list[Timeline],
+    busy_ns: int | None = None,
+):
+    """Aggregate tokens/s, TTFT and inter-token latency (clients/metrics.py) of requests.
+
+    Throughput is over `busy_ns` when given (the system's own rounds, when other systems' rounds
+    ran between them), else over the span from the first request sent to the last token.
+    """
+    if busy_ns is None:
+        busy_ns = span_ns(timelines)
     tokens = sum(metrics.output_tokens(t.chunks) for t in timelines)
     ttft = (metrics.ttft_ns(t.sent_ns, t.chunks) for t in timelines)
     itl = (metrics.itl_ns(t.sent_ns, t.chunks) for t in timelines)
@@ -99,10 +110,15 @@ def summarize(system: str, dtype: str, concurrency: int, timelines: list[Timelin
         concurrency,
         len(timelines),
         tokens,
-        metrics.throughput(tokens, end - start),
+        metrics.throughput(tokens, busy_ns),
         metrics.stats(ttft, metrics.NS_PER_MS).as_dict(),
         metrics.stats(itl, metrics.NS_PER_MS).as_dict(),
     )
+
+
+def span_ns(timelines: list[Timeline]) -> int:
+    """From the first request sent to the last token received."""
+    return max(t.chunks[-1].received_ns for t in timelines) - min(t.sent_ns for t in timelines)
 
 
 def load_prompts() -> list[list[dict[str, str]]]:
@@ -161,35 +177,53 @@ def run_baseline(loaded: LoadedModel, prompts: list[list[int]], cfg: BenchConfig
     return summarize("hf-generate", str(loaded.dtype).removeprefix("torch."), 1, streams)
 
 
-def run_engine(
-    loaded: LoadedModel,
-    prompts: list[list[int]],
-    concurrency: int,
-    cfg: BenchConfig,
-    forward: str = "compact",
-):
-    """Our engine on `forward`: `concurrency` streams submitted together, `rounds` times.
+def run_engines(
+    loaded: LoadedModel, prompts: list[list[int]], concurrency: int, cfg: BenchConfig
+) -> list[LevelResult]:
+    """Our engine on each of cfg.forwards at one concurrency: `concurrency` streams submitted
+    together, `rounds` times, the forwards' rounds interleaved (A, B, A, B, ...).
 
-    The prefix cache is off: the rounds resend the same prompts, which would measure reuse.
+    Interleaving puts the machine's drift over minutes on every forward alike: run one after
+    the other, the same forward measured 9.9 and 14.6 tok/s minutes apart on a shared machine. The
+    engines share the loaded weights and only one runs at a time. The prefix cache is off:
+    the rounds resend the same prompts, which would measure reuse.
     """
     settings = SamplingSettings(
         temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.output_tokens, ignore_eos=True
     )
-    streams = []
-    config = EngineConfig(max_streams=max(concurrency, 1), forward=forward, prefix_cache="off")
-    with Engine(loaded, config) as engine:
-        list(engine.submit(prompts[0], replace(settings, max_tokens=4)))  # warm-up
+    timelines: dict[str, list[Timeline]] = {forward: [] for forward in cfg.forwards}
+    busy_ns = dict.fromkeys(cfg.forwards, 0)  # the sum of each forward's rounds' spans
+    with ExitStack() as stack:
+        engines = {}
+        for forward in cfg.forwards:
+            config = EngineConfig(
+                max_streams=max(concurrency, 1), forward=forward, prefix_cache="off"
+            )
+            engines[forward] = stack.enter_context(Engine(loaded, config))
+            list(engines[forward].submit(prompts[0], replace(settings, max_tokens=4)))  # warm-up
         # At least 6 requests per level, so single-stream percentiles rest on a few samples.
         for _ in range(max(cfg.rounds, math.ceil(6 / concurrency))):
-            handles = [
-                engine.submit(prompts[i % len(prompts)], settings) for i in range(concurrency)
-            ]
-            for handle in handles:
-                events = [e for e in handle if e.token_ids]
-                chunks = tuple(token_chunk(e) for e in events)
-                streams.append(Timeline(events[0].submitted_ns, chunks))
+            for forward, engine in engines.items():
+                round_timelines = run_round(engine, prompts, concurrency, settings)
+                timelines[forward].extend(round_timelines)
+                busy_ns[forward] += span_ns(round_timelines)
     dtype = str(loaded.dtype).removeprefix("torch.")
-    return summarize(f"{ENGINE}-{forward}", dtype, concurrency, streams)
+    return [
+        summarize(f"{ENGINE}-{f}", dtype, concurrency, timelines[f], busy_ns[f])
+        for f in cfg.forwards
+    ]
+
+
+def run_round(
+    engine: Engine, prompts: list[list[int]], concurrency: int, settings: SamplingSettings
+) -> list[Timeline]:
+    """`concurrency` streams submitted together, read to their end."""
+    handles = [engine.submit(prompts[i % len(prompts)], settings) for i in range(concurrency)]
+    timelines = []
+    for handle in handles:
+        events = [e for e in handle if e.token_ids]
+        timelines.append(Timeline(events[0].submitted_ns, tuple(token_chunk(e) for e in events)))
+    return timelines
 
 
 def run(cfg: BenchConfig) -> list[LevelResult]:
@@ -205,9 +239,9 @@ def run(cfg: BenchConfig) -> list[LevelResult]:
         results.append(run_baseline(loaded, prompts, cfg))
         print_row(results[-1])
         for concurrency in cfg.concurrency:
-            for forward in cfg.forwards:
-                results.append(run_engine(loaded, prompts, concurrency, cfg, forward))
-                print_row(results[-1])
+            for result in run_engines(loaded, prompts, concurrency, cfg):
+                results.append(result)
+                print_row(result)
         del loaded
     return results
 

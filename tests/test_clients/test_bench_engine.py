@@ -28,6 +28,16 @@ def test_summarize_uses_the_one_metrics_module():
     assert sorted((r.itl_ms["min"], r.itl_ms["max"])) == [50, 100]
 
 
+def test_throughput_of_interleaved_rounds_counts_only_their_own_time():
+    """Given the time a system's own rounds took, throughput ignores the gaps between them."""
+    rounds = [timeline(0, [100, 200]), timeline(1000, [1100, 1200])]  # another system between
+    assert bench.summarize("engine", "float32", 1, rounds).tokens_per_s == pytest.approx(4 / 1.2)
+    busy = sum(bench.span_ns([t]) for t in rounds)
+    assert busy == 400 * MS
+    r = bench.summarize("engine", "float32", 1, rounds, busy)
+    assert r.tokens_per_s == pytest.approx(4 / 0.4)
+
+
 def test_engine_events_become_chunks():
     """An engine event is the Chunk a client would get when its token existed."""
     from streaming_backend.events import FinishReason, TokenEvent
