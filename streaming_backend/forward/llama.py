@@ -212,6 +212,33 @@ class CompactLlama(nn.Module):
         x = rms_norm(x, self.final_norm, self.shape.eps)
         return F.linear(x, self.head).float()  # [N, V]
 
+    def decode_one(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        token: torch.Tensor,
+        slot: int,
+        position: int,
+    ) -> torch.Tensor:
+        """One new token of one slot at `position` -> its logits [1, V] (fp32).
+
+        The arithmetic of `forward` for a single row of one token, in fewer operations: with
+        the slot and position known on the host, each layer's keys and values are a view of the
+        slot (no gather), every viewed position is attended (no mask), and RoPE turns q and k
+        at once. token: [1] long on the model's device.
+        """
+        x = F.embedding(token, self.embed)  # [1, hidden]
+        cos, sin = self.cos[position], self.sin[position]  # [head_dim]
+        dims = self.shape.dims
+        for index, block in enumerate(self.blocks):
+            start = max(0, position + 1 - self.shape.windows[index])  # the sliding window
+            kv = (k_cache[index, slot], v_cache[index, slot])  # [kv_heads, max_len, head_dim]
+            h = rms_norm(x, block.norm1, dims.eps)
+            x = x + one_row_attention(h, block, kv, cos, sin, (position, start), dims)
+            x = mlp(x, block, dims)
+        x = rms_norm(x, self.final_norm, self.shape.eps)
+        return F.linear(x, self.head).float()
+
     def _grouped(self, mask: torch.Tensor) -> torch.Tensor:
         """[N, T, W] -> [N, 1, groups * T, W]: one mask row per (query head of a group, token)."""
         n, t, w = mask.shape
@@ -264,6 +291,11 @@ def decoder_layer(
     h = rms_norm(x, block.norm1, dims.eps)
     where = (write_slots, positions, read_slots, window)
     x = x + attention(h, block, kv, cos, sin, mask, where, dims)
+    return mlp(x, block, dims)
+
+
+def mlp(x: torch.Tensor, block: Block, dims: Dims) -> torch.Tensor:
+    """The second half of a decoder layer: x plus the MLP of its normalised self."""
     h = rms_norm(x, block.norm2, dims.eps)
     gate, up = F.linear(h, block.gate_up, block.gate_up_bias).chunk(2, dim=-1)
     return x + F.linear(F.silu(gate) * up, block.down, block.down_bias)
@@ -294,6 +326,29 @@ def attention(h, block: Block, kv, cos, sin, mask, where, dims: Dims) -> torch.T
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     out = out.reshape(n, dims.heads, t, dims.head_dim).transpose(1, 2).reshape(n, t, q_size)
     return F.linear(out, block.o, block.o_bias)
+
+
+def one_row_attention(h, block: Block, kv, cos, sin, span: tuple[int, int], dims: Dims):
+    """`attention` for one row of one token (h [1, hidden]) at a host-known position.
+
+    kv: this layer's K, V of the row's slot [kv_heads, max_len, head_dim]; span: (position,
+    first attended position). Writes the token's K/V at `position`, attends over
+    [first, position] and returns [1, hidden].
+    """
+    position, first = span
+    k_slot, v_slot = kv
+    q_size, kv_size = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
+    qkv = F.linear(h, block.qkv, block.qkv_bias)[0]  # [(H + 2 Hkv) D]
+    qk = qkv[: q_size + kv_size].view(dims.heads + dims.kv_heads, dims.head_dim)
+    qk = qk * cos + _rotate_half(qk) * sin  # q's heads, then k's
+    k_slot[:, position] = qk[dims.heads :]
+    v_slot[:, position] = qkv[q_size + kv_size :].view(dims.kv_heads, dims.head_dim)
+    keys = k_slot[None, :, first : position + 1]  # [1, Hkv, L, D]: a view, every position valid
+    values = v_slot[None, :, first : position + 1]
+    # the query heads sharing a key/value head stacked along the query axis, as in `attention`
+    q = qk[: dims.heads].view(1, dims.kv_heads, dims.heads // dims.kv_heads, dims.head_dim)
+    out = F.scaled_dot_product_attention(q, keys, values)  # [1, Hkv, groups, D]
+    return F.linear(out.reshape(1, q_size), block.o, block.o_bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

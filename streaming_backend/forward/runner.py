@@ -137,9 +137,14 @@ class SlotForward:
         lengths = [self.cache.lengths[s] for s in slots]
         for slot in slots:
             self.cache.check_room(slot, 1)
-        rows = self.decode_rows(slots, lengths, tokens)
-        window = window_for(max(lengths) + 1, self.cache.max_len)
-        logits = self._decode_fn(self.cache.k, self.cache.v, rows, window)
+        if len(slots) == 1 and self._decode_fn is self.model:  # eager, one stream
+            logits = self.model.decode_one(
+                self.cache.k, self.cache.v, tokens, slots[0], lengths[0]
+            )
+        else:
+            rows = self.decode_rows(slots, lengths, tokens)
+            window = window_for(max(lengths) + 1, self.cache.max_len)
+            logits = self._decode_fn(self.cache.k, self.cache.v, rows, window)
         for slot in slots:
             self.cache.lengths[slot] += 1
         return logits

@@ -172,6 +172,34 @@ def test_other_families_match_hf(kind, overrides):
             )
 
 
+@pytest.mark.parametrize(
+    "kind, overrides",
+    [
+        ("llama", None),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+        ("mistral", {"sliding_window": 8}),
+    ],
+)
+def test_one_stream_decodes_as_hf_and_as_a_batch_row(kind, overrides, tiny):
+    """A slot decoding alone (the single-row step: keys viewed in place, no mask) matches
+    Hugging Face, sliding windows included, and the same slot decoded beside another."""
+    loaded = tiny if overrides is None else tiny_config_model(kind, **overrides)
+    forward = SlotForward.create(loaded, CONFIG)
+    ids = prompts([20], seed=6)[0]
+    alone, partner = forward.cache.allocate(), forward.cache.allocate()
+    first = forward.prefill([Chunk(alone, ids)]).argmax(-1)
+    generated, alone_logits = greedy_run(forward, [alone], 12, first)
+    reference = hf_logits(loaded.model, ids + generated[0])
+    forward.cache.truncate(alone, len(ids))  # the same steps again, now as row 0 of two
+    forward.prefill([Chunk(partner, prompts([9], seed=7)[0])])
+    for step, logits in enumerate(alone_logits):
+        expected = reference[len(ids) + step]
+        torch.testing.assert_close(logits[0], expected, atol=FP32_ATOL, rtol=0)
+        token = torch.tensor([generated[0][step], 3])
+        together = forward.decode([alone, partner], token)[0]
+        torch.testing.assert_close(together, logits[0], atol=FP32_ATOL, rtol=0)
+
+
 def test_unsupported_family_is_refused_with_its_name():
     """A model outside the Llama family (Qwen3: q/k norms) is refused, naming what is supported."""
     with pytest.raises(UnsupportedModel, match="qwen3"):
