@@ -270,7 +270,8 @@ ENGINE = "eng"  # system label prefix of our engine's rows: eng-compact, eng-hf
 
 def ratios(results: list[LevelResult]) -> dict[str, dict[str, float]]:
     """Per dtype: each forward's throughput vs the baseline, TTFT growth with concurrency, and
-    the compact forward's throughput over the Hugging Face forward's at each concurrency."""
+    the compact forward against the Hugging Face forward at each concurrency: throughput
+    (prefill included) and decode speed (the inverse of the mean inter-token latency)."""
     out = {}
     for dtype in {r.dtype for r in results}:
         rows = {(r.system, r.concurrency): r for r in results if r.dtype == dtype}
@@ -292,6 +293,8 @@ def ratios(results: list[LevelResult]) -> dict[str, dict[str, float]]:
             hf = rows.get((f"{ENGINE}-hf", c))
             if system == f"{ENGINE}-compact" and hf is not None:
                 cells[f"compact_vs_hf_throughput_{c}"] = row.tokens_per_s / hf.tokens_per_s
+                if row.itl_ms["avg"] and hf.itl_ms["avg"]:
+                    cells[f"compact_vs_hf_decode_{c}"] = hf.itl_ms["avg"] / row.itl_ms["avg"]
         out[dtype] = cells
     return out
 

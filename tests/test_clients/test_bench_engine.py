@@ -38,6 +38,17 @@ def test_throughput_of_interleaved_rounds_counts_only_their_own_time():
     assert r.tokens_per_s == pytest.approx(4 / 0.4)
 
 
+def test_decode_ratio_is_the_inverse_of_mean_itl():
+    """compact_vs_hf_decode compares decode speed alone: the HF forward's mean ITL over ours,
+    whatever the prefill took (throughput counts it)."""
+    base = bench.summarize("hf-generate", "bfloat16", 1, [timeline(0, [500, 600])])
+    compact = bench.summarize("eng-compact", "bfloat16", 1, [timeline(0, [500, 550, 600])])
+    hf = bench.summarize("eng-hf", "bfloat16", 1, [timeline(0, [100, 200, 300])])
+    cells = bench.ratios([base, compact, hf])["bfloat16"]
+    assert cells["compact_vs_hf_decode_1"] == pytest.approx(2.0)
+    assert cells["compact_vs_hf_throughput_1"] == pytest.approx(0.5)
+
+
 def test_engine_events_become_chunks():
     """An engine event is the Chunk a client would get when its token existed."""
     from streaming_backend.events import FinishReason, TokenEvent
@@ -91,5 +102,5 @@ def test_tiny_run_writes_json(tiny_model_dir, tmp_path, capsys):
         f"{forward}_{figure}"
         for forward in ("compact", "hf")
         for figure in ("throughput_1_vs_baseline", "throughput_2_vs_baseline", "ttft_p50_2_vs_1")
-    } | {"compact_vs_hf_throughput_1", "compact_vs_hf_throughput_2"}
+    } | {f"compact_vs_hf_{figure}_{c}" for figure in ("throughput", "decode") for c in (1, 2)}
     assert "hf-generate" in capsys.readouterr().out
