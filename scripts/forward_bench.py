@@ -98,7 +98,7 @@ def run_slots(forward: SlotForward, prompts: list[list[int]], steps: int, warmup
         for step in range(warmup + steps):
             if step == warmup:
                 started = time.perf_counter()
-            token = forward.decode(slots, token).argmax(-1)
+            token = forward.decode(slots, token.tolist()).argmax(-1)
             chosen.append(token)
         elapsed = time.perf_counter() - started
     finally:

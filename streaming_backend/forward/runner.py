@@ -3,7 +3,7 @@
     fwd = SlotForward.create(loaded, ForwardConfig(budget=CacheBudget(fraction=0.5)))
     slot = fwd.cache.allocate()
     logits = fwd.prefill([Chunk(slot, prompt_ids)])        # [1, V] fp32, next-token logits
-    logits = fwd.decode([slot], next_ids)                   # next_ids: [1] long on the device
+    logits = fwd.decode([slot], [next_id])                  # host ids, one per slot
     fwd.cache.free(slot)
 
 A chunk is written at its slot's next free positions, so a long prompt can be prefilled in
@@ -129,38 +129,46 @@ class SlotForward:
         )
 
     @torch.inference_mode()
-    def decode(self, slots: Sequence[int], tokens: torch.Tensor) -> torch.Tensor:
-        """One new token per slot (tokens [B] long, on the device); return logits [B, V] fp32."""
-        if len(slots) != tokens.shape[0]:
-            raise ValueError(f"{len(slots)} slots but {tokens.shape[0]} tokens")
+    def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        """One new token per slot (host ids, one per slot); return logits [B, V] fp32."""
+        if len(slots) != len(tokens):
+            raise ValueError(f"{len(slots)} slots but {len(tokens)} tokens")
         _check_distinct(slots)
         lengths = [self.cache.lengths[s] for s in slots]
         for slot in slots:
             self.cache.check_room(slot, 1)
+        index = self.decode_index(tokens, slots, lengths)
         if len(slots) == 1 and self._decode_fn is self.model:  # eager, one stream
             logits = self.model.decode_one(
-                self.cache.k, self.cache.v, tokens, slots[0], lengths[0]
+                self.cache.k, self.cache.v, index[0], slots[0], lengths[0]
             )
         else:
-            rows = self.decode_rows(slots, lengths, tokens)
             window = window_for(max(lengths) + 1, self.cache.max_len)
-            logits = self._decode_fn(self.cache.k, self.cache.v, rows, window)
+            logits = self._decode_fn(self.cache.k, self.cache.v, self.decode_rows(index), window)
         for slot in slots:
             self.cache.lengths[slot] += 1
         return logits
 
-    def decode_rows(self, slots: Sequence[int], lengths: Sequence[int], tokens: torch.Tensor):
-        """The Rows of a decode step (also used to warm up: same strides, no recompilation)."""
-        # one host-to-device copy per step: the slots and their positions
-        index = torch.tensor([list(slots), list(lengths)], dtype=torch.long).to(self.device)
-        slot_ids, positions = index[0], index[1]
-        last = self._zeros[: len(slots)]
-        return Rows(tokens[:, None], positions[:, None], slot_ids[:, None], slot_ids, last)
+    def decode_index(
+        self, tokens: Sequence[int], slots: Sequence[int], lengths: Sequence[int]
+    ) -> torch.Tensor:
+        """[3, B] long on the device: tokens, slots, positions (the step's one host-to-device
+        copy)."""
+        return torch.tensor([list(tokens), list(slots), list(lengths)], dtype=torch.long).to(
+            self.device
+        )
+
+    def decode_rows(self, index: torch.Tensor) -> Rows:
+        """The Rows of a decode step from its index (also used to warm up: same strides, no
+        recompilation)."""
+        tokens, slots, positions = index
+        last = self._zeros[: index.shape[1]]
+        return Rows(tokens[:, None], positions[:, None], slots[:, None], slots, last)
 
     def scratch_rows(self, batch: int) -> Rows:
         """Decode rows of `batch` tokens that only touch the scratch slot (warm-up, padding)."""
         scratch = [self.cache.scratch] * batch
-        return self.decode_rows(scratch, [0] * batch, self._zeros[:batch])
+        return self.decode_rows(self.decode_index([0] * batch, scratch, [0] * batch))
 
 
 def _check_distinct(slots: Sequence[int]) -> None:

@@ -171,8 +171,7 @@ class SlotSteps:
         """One token for every decoding stream, at its slot's next position."""
         rows = list(self._decoding)
         slots = [self._slot[id(s)] for s in rows]
-        tokens = torch.tensor([s.output_ids[-1] for s in rows], device=self.forward.device)
-        logits = self.forward.decode(slots, tokens)  # [B, V] fp32
+        logits = self.forward.decode(slots, [s.output_ids[-1] for s in rows])  # [B, V] fp32
         if self._params is None:
             self._params = sampling.BatchSampling.from_settings(
                 [s.settings for s in rows], logits.device

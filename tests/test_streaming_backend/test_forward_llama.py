@@ -80,7 +80,7 @@ def greedy_run(forward: SlotForward, slots: list[int], steps: int, first: torch.
     token, tokens, logits_seen = first, [], []
     for _ in range(steps):
         tokens.append(token)
-        logits = forward.decode(slots, token)
+        logits = forward.decode(slots, token.tolist())
         logits_seen.append(logits)
         token = logits.argmax(-1)
     return torch.stack(tokens, dim=1).tolist(), logits_seen
@@ -105,7 +105,7 @@ def test_freed_slot_is_reused_without_its_old_keys(tiny):
     forward = SlotForward.create(tiny, CONFIG)
     slot = forward.cache.allocate()
     forward.prefill([Chunk(slot, prompts([60], seed=2)[0])])
-    forward.decode([slot], torch.tensor([5]))
+    forward.decode([slot], [5])
     forward.cache.free(slot)
     again = forward.cache.allocate()
     assert again == slot and forward.cache.lengths[again] == 0
@@ -127,7 +127,7 @@ def test_chunked_prefill_equals_whole_prefill(tiny):
     forward.prefill([Chunk(neighbour, other[5:]), Chunk(chunked, prompt[7:20])])
     logits = forward.prefill([Chunk(chunked, prompt[20:])])
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
-    step = forward.decode([whole, chunked, neighbour], torch.tensor([9, 9, 9]))
+    step = forward.decode([whole, chunked, neighbour], [9, 9, 9])
     torch.testing.assert_close(step[1], step[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(
         step[2], hf_logits(tiny.model, other + [9])[-1], atol=FP32_ATOL, rtol=0
@@ -195,8 +195,7 @@ def test_one_stream_decodes_as_hf_and_as_a_batch_row(kind, overrides, tiny):
     for step, logits in enumerate(alone_logits):
         expected = reference[len(ids) + step]
         torch.testing.assert_close(logits[0], expected, atol=FP32_ATOL, rtol=0)
-        token = torch.tensor([generated[0][step], 3])
-        together = forward.decode([alone, partner], token)[0]
+        together = forward.decode([alone, partner], [generated[0][step], 3])[0]
         torch.testing.assert_close(together, logits[0], atol=FP32_ATOL, rtol=0)
 
 
@@ -213,7 +212,7 @@ def test_bad_calls_are_refused(tiny):
     with pytest.raises(ValueError, match="empty"):
         forward.prefill([Chunk(slot, [])])
     with pytest.raises(ValueError, match="twice"):
-        forward.decode([slot, slot], torch.tensor([1, 2]))
+        forward.decode([slot, slot], [1, 2])
     with pytest.raises(ValueError, match="context of 128"):
         forward.prefill([Chunk(slot, [1] * 129)])
     assert forward.cache.lengths[slot] == 0
@@ -284,7 +283,7 @@ def test_default_model_in_bf16_matches_hf(default_model_dir):
     for step in range(8):
         # feed Hugging Face's greedy tokens so both sides see the same sequence
         token = torch.stack([ref[step].argmax() for ref in references])
-        ours.append(forward.decode(slots, token))
+        ours.append(forward.decode(slots, token.tolist()))
     for step, logits in enumerate(ours):
         for row, ref in enumerate(references):
             assert (logits[row] - ref[step]).abs().max() < BF16_ATOL, (step, row)
