@@ -5,10 +5,10 @@
 For each dtype it runs the baseline (`model.generate` + `TextIteratorStreamer`, one request at a
 time) and then our engine on each forward (`--forward compact,hf`: ours, and the Hugging Face
 forward under our engine, labelled eng-compact and eng-hf, their rounds interleaved) at each
-concurrency, every stream producing exactly --output-tokens tokens (ignore_eos). Each token becomes a Chunk stamped when it
-existed, so TTFT, ITL, throughput and percentiles are those of clients/metrics.py, as in
-`tokenstream bench`. It prints a table and
-writes every figure to a JSON file. A client of the core: it runs the engine in this process.
+concurrency, every stream producing exactly --output-tokens tokens (ignore_eos). Each token
+becomes a Chunk stamped when it existed, so TTFT, ITL, throughput and percentiles are those of
+clients/metrics.py, as in `tokenstream bench`. It prints a table and writes every figure to a
+JSON file. A client of the core: it runs the engine in this process.
 """
 
 from __future__ import annotations
