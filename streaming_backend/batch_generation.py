@@ -228,7 +228,7 @@ def _sample(groups: list[_Sampled], logits: torch.Tensor) -> tuple[list[int], li
     processed = sampling.apply_repetition_penalty(
         logits.clone(),
         [
-            (row, g.request.settings.repetition_penalty, _seen(g.request, g.tokens, logits))
+            (row, g.request.settings.repetition_penalty, _seen(g.request, g.tokens))
             for row, g in enumerate(groups)
             if g.request.settings.repetition_penalty != 1.0
         ],
@@ -247,15 +247,15 @@ def _beam_log_probs(groups: list[_Beams], logits: torch.Tensor) -> torch.Tensor:
         penalty = group.request.settings.repetition_penalty
         for tokens in group.search.tokens:
             if penalty != 1.0:
-                penalised.append((row, penalty, _seen(group.request, tokens, logits)))
+                penalised.append((row, penalty, _seen(group.request, tokens)))
             row += 1
     if penalised:
         logits = sampling.apply_repetition_penalty(logits.clone(), penalised)
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def _seen(request: GenerationRequest, tokens: list[int], logits: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(list(request.prompt_ids) + tokens, device=logits.device)
+def _seen(request: GenerationRequest, tokens: list[int]) -> list[int]:
+    return list(request.prompt_ids) + tokens
 
 
 # ---- forward passes -------------------------------------------------------------------------

@@ -358,11 +358,7 @@ class Engine:
     def _process_logits(self, streams: list[_Stream], logits: torch.Tensor) -> torch.Tensor:
         """Repetition penalty and EOS suppression (min_tokens) before sampling."""
         penalised = [
-            (
-                row,
-                s.settings.repetition_penalty,
-                torch.tensor(s.prompt_ids + s.output_ids, device=logits.device),
-            )
+            (row, s.settings.repetition_penalty, s.prompt_ids + s.output_ids)
             for row, s in enumerate(streams)
             if s.settings.repetition_penalty != 1.0
         ]

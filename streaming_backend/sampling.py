@@ -62,12 +62,25 @@ def draw_uniforms(generators: Sequence[torch.Generator]) -> torch.Tensor:
 
 
 def apply_repetition_penalty(
-    logits: torch.Tensor, rows: Sequence[tuple[int, float, torch.Tensor]]
+    logits: torch.Tensor, rows: Sequence[tuple[int, float, Sequence[int]]]
 ) -> torch.Tensor:
-    """Penalise tokens already seen (CTRL-style); rows: (row index, penalty, seen ids [N])."""
-    for row, penalty, seen in rows:
-        scores = logits[row, seen]  # [N]
-        logits[row, seen] = torch.where(scores > 0, scores / penalty, scores * penalty)
+    """Penalise tokens already seen (CTRL-style); rows: (row index, penalty, seen ids).
+
+    Every row's (row, id, penalty) goes to the device in one copy, and one gather and one
+    scatter penalise them all: no per-row transfer.
+    """
+    triples = [
+        (row, token, penalty) for row, penalty, seen in rows for token in dict.fromkeys(seen)
+    ]
+    if not triples:
+        return logits
+    # float64 holds every token id exactly; one host-to-device copy
+    packed = torch.tensor(triples, dtype=torch.float64).to(logits.device).T  # [3, M]
+    row_ids, token_ids = packed[0].long(), packed[1].long()
+    penalty = packed[2].float()  # in fp32 whatever the logits' dtype, as a Python scalar would be
+    scores = logits[row_ids, token_ids].float()  # [M]
+    penalised = torch.where(scores > 0, scores / penalty, scores * penalty)
+    logits[row_ids, token_ids] = penalised.to(logits.dtype)
     return logits
 
 
@@ -115,8 +128,18 @@ def _draw_truncated(sorted_probs, order, top_k, top_p, uniforms) -> torch.Tensor
     return order.gather(-1, draw(kept, uniforms)[:, None]).squeeze(-1)
 
 
-def sample(logits: torch.Tensor, params: BatchSampling, uniforms: torch.Tensor) -> torch.Tensor:
-    """Pick one token per row: temperature, top-k, top-p, then an inverse-CDF draw."""
+def sample(
+    logits: torch.Tensor,
+    params: BatchSampling,
+    uniforms: torch.Tensor,
+    sync_free: bool | None = None,
+) -> torch.Tensor:
+    """Pick one token per row: temperature, top-k, top-p, then an inverse-CDF draw.
+
+    sync_free (default: on any device but the CPU) draws every row with tensor operations only,
+    sorting whole rows instead of choosing rows by value, so the host never waits for the device
+    mid-step. Both ways pick the same ids for the same uniforms.
+    """
     greedy_ids = logits.argmax(-1)  # [B]
     if params.all_greedy:
         return greedy_ids
@@ -124,6 +147,10 @@ def sample(logits: torch.Tensor, params: BatchSampling, uniforms: torch.Tensor) 
     probs = torch.softmax(logits.float() / params.temperature[:, None], dim=-1)  # [B, V]
     if not (params.any_top_k or params.any_top_p):
         return torch.where(params.greedy, greedy_ids, draw(probs, uniforms))
+    if sync_free is None:
+        sync_free = logits.device.type != "cpu"
+    if sync_free:
+        return torch.where(params.greedy, greedy_ids, _draw_without_syncs(probs, params, uniforms))
     ids = greedy_ids.clone()
     plain = ~params.greedy & (params.top_k == 0) & (params.top_p >= 1.0)  # no truncation
     if plain.any():
@@ -147,6 +174,16 @@ def sample(logits: torch.Tensor, params: BatchSampling, uniforms: torch.Tensor) 
         if not len(rest):
             break
     return torch.where(params.greedy, greedy_ids, ids)
+
+
+def _draw_without_syncs(probs, params: BatchSampling, uniforms: torch.Tensor) -> torch.Tensor:
+    """Every row drawn as `sample` draws it, with no host-device synchronisation: rows without
+    top-k or top-p from their probabilities as they are, the others after a full sort (cheap on
+    a GPU, where the candidate tiers would need a sync per tier)."""
+    plain = (params.top_k == 0) & (params.top_p >= 1.0)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    truncated = _draw_truncated(sorted_probs, order, params.top_k, params.top_p, uniforms)
+    return torch.where(plain, draw(probs, uniforms), truncated)
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -92,6 +92,27 @@ def test_candidate_path_matches_full_sort():
         assert torch.equal(fast, full), seed
 
 
+def test_sync_free_sampling_picks_what_the_cpu_path_picks():
+    """The GPU's way (whole-row sorts, no row selection by value) gives the same ids as the
+    CPU's candidate tiers, for greedy, plain, top-k, top-p and mixed rows in one batch."""
+    peaked, flat = _logits(6, scale=8.0), _logits(6, scale=0.05, seed=1)
+    logits = torch.cat([peaked, flat])
+    kinds = [
+        SamplingSettings(temperature=0),
+        SamplingSettings(temperature=0.8),  # plain: no truncation
+        SamplingSettings(top_p=0.9),
+        SamplingSettings(top_k=40),
+        SamplingSettings(top_k=40, top_p=0.95, temperature=1.3),
+        SamplingSettings(top_p=0.5, top_k=2000),
+    ]
+    params = BatchSampling.from_settings(kinds * 2)
+    for seed in range(10):
+        uniforms = torch.rand(12, generator=torch.Generator().manual_seed(seed))
+        on_cpu = sampling.sample(logits, params, uniforms, sync_free=False)
+        without_syncs = sampling.sample(logits, params, uniforms, sync_free=True)
+        assert torch.equal(on_cpu, without_syncs), seed
+
+
 def test_temperature_scales_the_distribution():
     """Draw frequencies follow softmax(logits / T): sharper for low T, flatter for high T."""
     logits = torch.tensor([[2.0, 1.0, 0.0]]).repeat(4000, 1)
@@ -145,8 +166,29 @@ def test_unseeded_generators_differ():
 def test_repetition_penalty_lowers_seen_tokens():
     """Seen tokens: positive logits divided, negative multiplied by the penalty."""
     logits = torch.tensor([[2.0, -1.0, 3.0]])
-    out = sampling.apply_repetition_penalty(logits.clone(), [(0, 2.0, torch.tensor([0, 1]))])
+    out = sampling.apply_repetition_penalty(logits.clone(), [(0, 2.0, [0, 1])])
     assert out.tolist() == [[1.0, -2.0, 3.0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_repetition_penalty_of_many_rows_equals_row_by_row(dtype):
+    """Rows with their own penalties and repeated ids, penalised in one scatter, get what
+    penalising each row's distinct ids on its own gives; other rows are untouched."""
+    logits = _logits(4).to(dtype)
+    generator = torch.Generator().manual_seed(3)
+    rows = [
+        (0, 1.3, torch.randint(0, VOCAB, (300,), generator=generator).tolist()),
+        (2, 0.7, [5, 5, 9, 5, 17]),
+        (3, 2.0, list(range(40)) * 3),
+    ]
+    expected = logits.clone()
+    for row, penalty, seen in rows:
+        ids = torch.tensor(sorted(set(seen)))
+        scores = expected[row, ids]
+        expected[row, ids] = torch.where(scores > 0, scores / penalty, scores * penalty)
+    out = sampling.apply_repetition_penalty(logits.clone(), rows)
+    assert torch.equal(out, expected)
+    assert torch.equal(out[1], logits[1])
 
 
 def test_suppressed_tokens_are_never_drawn():
