@@ -335,10 +335,15 @@ class Engine:
         logits = self._process_logits(streams, logits)
         uniforms = sampling.draw_uniforms([s.generator for s in streams])
         chosen = sampling.sample(logits, params, uniforms)  # [N] on the device
-        ids, ok = torch.stack([chosen, finite.to(chosen.dtype)]).tolist()  # one host transfer
-        logprobs = None
-        if any(s.logprobs for s in streams):
-            logprobs = sampling.token_logprobs(raw_logits, chosen).tolist()
+        # one host transfer per step: the ids, the finite flags and the logprobs when asked
+        # (float64 holds every id exactly)
+        columns = [chosen.double(), finite.double()]
+        wants_logprobs = any(s.logprobs for s in streams)
+        if wants_logprobs:
+            columns.append(sampling.token_logprobs(raw_logits, chosen).double())
+        host = torch.stack(columns).tolist()
+        ids, ok = [int(i) for i in host[0]], host[1]
+        logprobs = host[2] if wants_logprobs else None
         emitted_ns = self._last_emit_ns = time.monotonic_ns()
         done = []
         for row, stream in enumerate(streams):

@@ -87,9 +87,9 @@ def apply_repetition_penalty(
 def suppress_tokens(logits: torch.Tensor, rows: Sequence[int], token_ids: Sequence[int]):
     """Make `token_ids` impossible in `rows` (EOS before min_tokens)."""
     if rows and token_ids:
-        row_index = torch.tensor(rows, device=logits.device)[:, None]
-        col_index = torch.tensor(token_ids, device=logits.device)[None, :]
-        logits[row_index, col_index] = float("-inf")
+        pairs = [(row, token) for row in rows for token in token_ids]
+        index = torch.tensor(pairs, dtype=torch.long).to(logits.device).T  # one copy: [2, R*E]
+        logits[index[0], index[1]] = float("-inf")
     return logits
 
 
