@@ -2,6 +2,8 @@
 
 The bridge sends `token` frames ({"text", "n": tokens so far}), then one `done` frame (finish
 reason, usage, and under timing.server the first token's server stamps) or one `error` frame.
+A generation that receives no frame for `idle_timeout_s` fails with `unavailable`, as on the
+other transports.
 """
 
 from __future__ import annotations
@@ -12,7 +14,13 @@ import json
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 
-from clients.chunk import Chunk, GenerationError, parse_timing
+from clients.chunk import (
+    DEFAULT_IDLE_TIMEOUT_S,
+    Chunk,
+    GenerationError,
+    parse_timing,
+    within_idle_timeout,
+)
 from streaming_backend.wire import CANCELLED, FinishReason
 
 
@@ -61,8 +69,9 @@ def frame_chunk(msg: Mapping, tokens_so_far: int, received_ns: int) -> Chunk | N
 class BridgeConnection:
     """One websocket to the bridge; a reader task routes frames to generations by id."""
 
-    def __init__(self, ws):
+    def __init__(self, ws, idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S):
         self.ws = ws
+        self.idle_timeout_s = idle_timeout_s  # per frame of a generation; None: no limit
         self.pending: dict[str, asyncio.Queue] = {}
         self.ids = itertools.count()
         self.reader = asyncio.create_task(self._read())
@@ -93,7 +102,10 @@ class BridgeConnection:
             q.put_nowait((now, {"type": "error", "code": "closed", "message": message}))
 
     async def frames(self, request: dict) -> AsyncIterator[tuple[int, dict]]:
-        """Send a generate message; yield (received_ns, frame) up to its done or error frame."""
+        """Send a generate message; yield (received_ns, frame) up to its done or error frame.
+
+        GenerationError (`unavailable`) when no frame of it arrives for `idle_timeout_s`; the
+        bridge is then asked to cancel it."""
         gen_id = request["id"]
         queue: asyncio.Queue = asyncio.Queue()
         self.pending[gen_id] = queue
@@ -101,7 +113,7 @@ class BridgeConnection:
         try:
             await self.ws.send(json.dumps(request))
             while not finished:
-                received_ns, msg = await queue.get()
+                received_ns, msg = await within_idle_timeout(queue.get(), self.idle_timeout_s)
                 finished = msg.get("type") in ("done", "error")
                 yield received_ns, msg
         finally:

@@ -128,6 +128,26 @@ async def test_bridge_connection_routes_interleaved_generations():
     assert c.status == "error" and "closed" in c.error
 
 
+async def test_a_silent_generation_fails_unavailable_and_is_cancelled():
+    """A generation that gets no frame within the idle timeout ends `unavailable` (not a hang),
+    the bridge is asked to cancel it, and the connection serves the next one."""
+    ws = FakeSocket()
+    conn = BridgeConnection(ws, idle_timeout_s=0.2)
+    silent, next_one = RequestRecord(index=0), RequestRecord(index=1)
+    async with asyncio.timeout(10):  # without the idle timeout this would wait forever
+        await bridge_generate(conn, silent, Prompt(text="hi"), {})
+    assert silent.status == "error" and "no response from the server for 0.2 s" in silent.error
+    assert ws.sent[-1] == {"type": "cancel", "id": ws.sent[0]["id"]}
+    task = asyncio.create_task(bridge_generate(conn, next_one, Prompt(text="hi"), {}))
+    while len(ws.sent) < 3:
+        await asyncio.sleep(0)
+    done = {"type": "done", "id": ws.sent[2]["id"], "usage": {"completion_tokens": 0}}
+    ws.inbox.put_nowait(json.dumps(done))
+    await task
+    assert next_one.status == "ok"
+    await conn.close()
+
+
 class FakeTransport:
     """Answers every request with 3 tokens; tracks how many requests are in flight."""
 
