@@ -67,15 +67,18 @@ def apply_repetition_penalty(
     """Penalise tokens already seen (CTRL-style); rows: (row index, penalty, seen ids).
 
     Every row's (row, id, penalty) goes to the device in one copy, and one gather and one
-    scatter penalise them all: no per-row transfer.
+    scatter penalise them all: no per-row transfer. An id seen twice is gathered twice and
+    written twice with the same value.
     """
-    triples = [
-        (row, token, penalty) for row, penalty, seen in rows for token in dict.fromkeys(seen)
-    ]
-    if not triples:
+    if not rows:
         return logits
-    # float64 holds every token id exactly; one host-to-device copy
-    packed = torch.tensor(triples, dtype=torch.float64).to(logits.device).T  # [3, M]
+    # built with tensor operations, not a Python object per id, so a long history stays cheap
+    # on the per-token path; float64 holds every token id exactly
+    seen = torch.cat([torch.tensor(ids, dtype=torch.float64) for _, _, ids in rows])
+    counts = torch.tensor([len(ids) for _, _, ids in rows])
+    meta = torch.tensor([(row, penalty) for row, penalty, _ in rows], dtype=torch.float64)
+    meta = meta.repeat_interleave(counts, dim=0)  # [M, 2]: each id's row and penalty
+    packed = torch.stack([meta[:, 0], seen, meta[:, 1]]).to(logits.device)  # [3, M]: one copy
     row_ids, token_ids = packed[0].long(), packed[1].long()
     penalty = packed[2].float()  # in fp32 whatever the logits' dtype, as a Python scalar would be
     scores = logits[row_ids, token_ids].float()  # [M]
