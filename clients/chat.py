@@ -28,6 +28,7 @@ from clients.grpc_client import (
 )
 from clients.prompt import InterruptiblePrompt
 from clients.targets import TARGET_HELP, target_option
+from streaming_backend import endpoints
 from streaming_backend.wire import SAMPLING_KEYS
 
 PROMPT = "you> "
@@ -37,7 +38,7 @@ PROMPT = "you> "
 class ChatConfig:
     """Settings of one terminal chat session."""
 
-    url: str = "127.0.0.1:8001"
+    url: str = endpoints.GRPC_TARGET
     model: str = MODEL_NAME
     system: str | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
@@ -55,7 +56,9 @@ class AnswerStats:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of `tokenstream chat`."""
-    parser.add_argument("--url", default="127.0.0.1:8001", type=target_option, help=TARGET_HELP)
+    parser.add_argument(
+        "--url", default=endpoints.GRPC_TARGET, type=target_option, help=TARGET_HELP
+    )
     parser.add_argument("--model", default=MODEL_NAME, help="model name in the repository")
     parser.add_argument("--system", default=None, help="system message opening the conversation")
     parser.add_argument("--temperature", type=float, help="0 = greedy")

@@ -18,10 +18,11 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 
+from streaming_backend import endpoints
 from streaming_backend.paths import admin_key_file
 from streaming_backend.wire import ADMIN_HEADER, ADMIN_KEY_VARIABLE, CHAT_MODEL
 
-DEFAULT_URL = "http://127.0.0.1:8003"
+DEFAULT_URL = endpoints.SUPERVISOR_URL
 TIMEOUT_S = 900.0  # a big model can take minutes to load
 
 

@@ -23,26 +23,22 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from streaming_backend.config import PARAMETER_HELP, default_parameters
+from streaming_backend import endpoints
+from streaming_backend.config import TABLES, check_parameters, serve_options
 from streaming_backend.launcher import ServerConfig, ServerDied, TritonServer
 from streaming_backend.launcher.batching import DialogueBatching
 from streaming_backend.launcher.health import HealthServer
-from streaming_backend.launcher.server import (
-    DEFAULT_PORTS,
-    GRPC_MAX_CONNECTION_AGE_S,
-    client_host,
-)
+from streaming_backend.launcher.server import GRPC_MAX_CONNECTION_AGE_S, client_host
 from streaming_backend.launcher.supervisor import RestartBudget, Supervisor, SupervisorConfig
 from streaming_backend.paths import admin_key_file, default_repository
 from streaming_backend.wire import ADMIN_KEY_VARIABLE
 
-DEFAULT_BRIDGE_PORT = 8080
-DEFAULT_SUPERVISOR_PORT = 8003
+DEFAULT_BRIDGE_PORT = endpoints.BRIDGE_PORT
+DEFAULT_SUPERVISOR_PORT = endpoints.SUPERVISOR_PORT
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 BRIDGE_STOP_S = 5.0
 # config.pbtxt parameters with an option of their own (the others: --parameter KEY=VALUE)
-SERVE_OPTIONS = ("model", "dtype", "max_streams", "queue_limit")
-ENGINE_OPTIONS = ("forward", "prefix_cache", "prefill_chunk_tokens", "kv_cache_memory", "compile")
+OPTIONS = serve_options()
 
 RunUntil = Callable[[asyncio.Event], Awaitable[None]]  # an async service, run until the event
 
@@ -63,16 +59,15 @@ class ServeConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `tokenstream serve`; model settings take help and defaults from the model's."""
-    defaults = default_parameters()
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
-    for name, port in DEFAULT_PORTS.items():
+    parser.add_argument("--host", default=endpoints.HOST, help="address to bind (default loopback)")
+    for name, port in endpoints.TRITON_PORTS.items():
         parser.add_argument(f"--{name}-port", type=int, default=0, help=f"0: {port}")
-    parser.add_argument("--model", help=_setting_help("model"))
-    parser.add_argument("--dtype", default=defaults["dtype"], help=_setting_help("dtype"))
-    parser.add_argument("--max-streams", type=int, help=_setting_help("max_streams"))
-    parser.add_argument("--queue-limit", type=int, help=_setting_help("queue_limit"))
-    for key in ENGINE_OPTIONS:  # passed as the chat model's parameters when given
-        parser.add_argument(f"--{key.replace('_', '-')}", help=_setting_help(key))
+    for parameter, models in OPTIONS:  # set on the models that take them, when given
+        parser.add_argument(
+            f"--{parameter.key.replace('_', '-')}",
+            metavar=parameter.kind.metavar,
+            help=f"{parameter.option_help()}; {' and '.join(models)}",
+        )
     parser.add_argument("--log-level", type=int, default=0, help="tritonserver --log-verbose")
     parser.add_argument(
         "--grpc-max-connection-age",
@@ -82,7 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="close each gRPC client connection after this long, so clients re-resolve and find "
         f"new replicas; open streams finish (default {GRPC_MAX_CONNECTION_AGE_S:g}; 0: never)",
     )
-    others = ", ".join(key for key in defaults if key not in SERVE_OPTIONS + ENGINE_OPTIONS)
+    named = {parameter.key for parameter, _ in OPTIONS}
+    others = ", ".join(
+        sorted({p.key for table in TABLES.values() for p in table if p.key not in named})
+    )
     parser.add_argument(
         "--parameter",
         action="append",
@@ -126,31 +124,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_model_arguments(parser)
 
 
-def _setting_help(key: str) -> str:
-    """A model setting's meaning and default, as streaming_backend.config defines them."""
-    default = default_parameters()[key]
-    return f"{PARAMETER_HELP[key]} (default {default})" if default else PARAMETER_HELP[key]
-
-
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The ServeConfig for parsed `tokenstream serve` options."""
-    extra = dict(_key_value(item) for item in args.parameter)
-    for key in ENGINE_OPTIONS:
-        if getattr(args, key) is not None:
-            extra[key] = getattr(args, key)
+    parameters = dict(_key_value(item) for item in args.parameter)
+    for parameter, _ in OPTIONS:
+        if getattr(args, parameter.key) is not None:
+            parameters[parameter.key] = getattr(args, parameter.key)
+    try:
+        check_parameters(parameters)
+    except ValueError as exc:
+        raise SystemExit(f"tokenstream serve: {exc}") from None
     server = ServerConfig(
         repository=args.repository or default_repository(),
-        model=args.model,
-        dtype=args.dtype,
-        max_streams=args.max_streams,
-        queue_limit=args.queue_limit,
-        model_parameters=extra,
+        model_parameters=parameters,
         models=_models_from_args(args),
         dialogue=_batching_from_args(args),
         host=args.host,
-        http_port=args.http_port or DEFAULT_PORTS["http"],
-        grpc_port=args.grpc_port or DEFAULT_PORTS["grpc"],
-        metrics_port=args.metrics_port or DEFAULT_PORTS["metrics"],
+        http_port=args.http_port or endpoints.HTTP_PORT,
+        grpc_port=args.grpc_port or endpoints.GRPC_PORT,
+        metrics_port=args.metrics_port or endpoints.METRICS_PORT,
         log_level=args.log_level,
         grpc_max_connection_age_s=args.grpc_max_connection_age or None,
         admin_key=args.admin_key or os.environ.get(ADMIN_KEY_VARIABLE) or None,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from clients.stress import report
 from clients.stress.cli import StressConfig, stress
+from streaming_backend.config import parameter_strings
 from streaming_backend.launcher import ServerConfig, TritonServer, free_port
 from streaming_backend.launcher.batching import DialogueBatching
 from streaming_backend.wire import DIALOGUE_MODEL
@@ -24,8 +25,7 @@ MODES = {"batching": DialogueBatching(), "no batching": DialogueBatching(dynamic
 
 def run_mode(name: str, batching: DialogueBatching, args: argparse.Namespace) -> dict:
     config = ServerConfig(
-        model=args.model,
-        dtype=args.dtype,
+        model_parameters=parameter_strings(model=args.model, dtype=args.dtype),
         models=(DIALOGUE_MODEL,),
         dialogue=batching,
         http_port=free_port(),

@@ -1,63 +1,34 @@
-"""The chat model's settings, defined once: the engine's limits and the config.pbtxt `parameters`.
+"""The models' settings, defined once: a parameter table per model and the typed settings it fills.
 
-The dataclass defaults here are the source of every default: the model reads its `parameters`
-through `ModelSettings.from_parameters`, `repository/chat/config.pbtxt` spells the same values
-(a test checks), and `tokenstream serve` takes its option defaults and help from here.
-Standard library only, so the launcher reads it without importing torch.
+`CHAT_PARAMETERS` and `DIALOGUE_PARAMETERS` describe each config.pbtxt `parameters` entry once
+(key, default, help, parser). Everything else comes from them or is checked against them: the
+dataclass defaults below, `ModelSettings` / `DialogueSettings` read by the models' `initialize`,
+the `parameters` blocks of repository/*/config.pbtxt (a test), `tokenstream serve`'s options and
+help, and the tables of docs/configuration.md (a test). Standard library only, so the launcher
+reads it without importing torch.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine limits and defaults."""
-
-    max_streams: int = 32  # live streams stepped together
-    queue_limit: int = 256  # submitted requests waiting for a slot; beyond it: Overloaded
-    max_prefill_tokens: int = 4096  # prompt tokens admitted for prefill in one engine step
-    # Admitted prompts are prefilled in groups of similar length: a group is cut where left
-    # padding would exceed this fraction of its real tokens (padding is wasted compute).
-    max_padding: float = 0.25
-    default_max_tokens: int = 512  # when a request names no max_tokens (bounded by the context)
-    # auto: the compact forward for the Llama family (llama, mistral, qwen2), else Hugging Face's;
-    # compact: that forward or an error; hf: always Hugging Face's (the baseline, any model).
-    forward: str = "auto"
-    # Reuse KV across requests (compact forward). on: of earlier prompts and answers; prompts: of
-    # prompts only, whose KV prefill computed, so greedy outputs equal a run without the cache
-    # (an answer's KV comes from decode steps, whose bf16 rounding differs a little); off.
-    prefix_cache: str = "on"
-    # Prompt tokens prefilled per engine step while other streams decode (compact forward): a new
-    # prompt delays running streams by about one chunk per step. Measured in docs/performance.md.
-    prefill_chunk_tokens: int = 64
-    # The compact forward's KV cache: a fraction of the device's free memory at start (the CPU's
-    # MemAvailable) such as "0.5", or a size such as "4GiB" or "512MiB". Its slots hold the live
-    # streams and the prefix cache; admission waits for a slot, so a step never runs out of it.
-    kv_cache_memory: str = "0.5"
-    compile: bool = False  # torch.compile the compact decode step (see docs/performance.md)
-    # Test-only, for benchmark calibration: the first token exists exactly this long after its
-    # prefill starts, each next token this long after the previous step (when compute is faster).
-    test_first_token_delay_s: float = 0.0
-    test_token_delay_s: float = 0.0
-
-    def __post_init__(self):
-        if self.max_streams < 1 or self.queue_limit < 0 or self.max_prefill_tokens < 1:
-            raise ValueError(f"invalid engine limits: {self}")
-        if self.forward not in FORWARDS:
-            raise ValueError(f"forward must be one of {', '.join(FORWARDS)}, not {self.forward!r}")
-        if self.prefill_chunk_tokens < 1:
-            raise ValueError(f"prefill_chunk_tokens must be >= 1, not {self.prefill_chunk_tokens}")
-        parse_memory(self.kv_cache_memory)
-        if self.prefix_cache not in PREFIX_CACHE_MODES:
-            modes = ", ".join(PREFIX_CACHE_MODES)
-            raise ValueError(f"prefix_cache must be one of {modes}, not {self.prefix_cache!r}")
-
+from streaming_backend.parameters import (
+    MILLISECONDS,
+    OPTIONAL_TEXT,
+    SWITCH,
+    Kind,
+    Parameter,
+    ParameterTable,
+    choice,
+    integer,
+)
+from streaming_backend.wire import CHAT_MODEL, DIALOGUE_MODEL
 
 FORWARDS = ("auto", "compact", "hf")
 PREFIX_CACHE_MODES = ("on", "prompts", "off")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 MEMORY_UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
@@ -84,96 +55,273 @@ def parse_memory(text: str) -> tuple[int | None, float | None]:
     return size, None
 
 
-# What each config.pbtxt parameter means (the CLI's help and the README's table say the same).
-PARAMETER_HELP = {
-    "model": "Hugging Face model directory, GGUF file or hub id; default: the bundled SmolLM2",
-    "dtype": "auto (bfloat16), float32, bfloat16, float16",
-    "max_streams": "streams decoded together",
-    "queue_limit": "waiting requests before new ones are refused",
-    "default_max_tokens": "output length cap of a request that sets no max_tokens",
-    "cancel_check_ms": "how often the model asks Triton whether clients cancelled",
-    "forward": "auto (compact for Llama-family models, else hf), compact, or hf (Hugging Face)",
-    "prefix_cache": "reuse KV across requests: on (prompts and answers), prompts, off",
-    "prefill_chunk_tokens": "prompt tokens prefilled per step while other streams decode",
-    "kv_cache_memory": "KV cache size: a fraction of free memory (0.5) or a size (4GiB)",
-    "compile": "on: torch.compile the compact decode step (warmed up at load); off",
-    "test_first_token_delay_ms": "test only: delay of the first token after prefill starts",
-    "test_token_delay_ms": "test only: least spacing of the following tokens",
-}
+def _memory(text: str) -> str:
+    parse_memory(text)
+    return text.strip()
+
+
+MEMORY = Kind(_memory, str, "SIZE")
+
+# Shared by both models: `tokenstream serve --model/--dtype` set them on each.
+MODEL = Parameter(
+    "model",
+    "",
+    "Hugging Face model directory, GGUF file or hub id; default: the bundled SmolLM2",
+    OPTIONAL_TEXT,
+    option=True,
+)
+DTYPE = Parameter(
+    "dtype",
+    "auto",
+    "auto (bfloat16), float32, bfloat16, float16",
+    choice(*DTYPES),
+    option=True,
+)
+
+CHAT_PARAMETERS = ParameterTable(
+    CHAT_MODEL,
+    (
+        MODEL,
+        DTYPE,
+        Parameter("max_streams", "32", "streams decoded together", integer(1), option=True),
+        Parameter(
+            "queue_limit",
+            "256",
+            "waiting requests before new ones are refused",
+            integer(0),
+            option=True,
+        ),
+        Parameter(
+            "default_max_tokens",
+            "512",
+            "output length cap of a request that sets no max_tokens",
+            integer(1),
+        ),
+        Parameter(
+            "cancel_check_ms",
+            "40",
+            "how often the model asks Triton whether clients cancelled",
+            MILLISECONDS,
+            field="cancel_check_s",
+        ),
+        Parameter(
+            "forward",
+            "auto",
+            "auto (compact for Llama-family models, else hf), compact, or hf (Hugging Face)",
+            choice(*FORWARDS),
+            option=True,
+        ),
+        Parameter(
+            "prefix_cache",
+            "on",
+            "reuse KV across requests: on (prompts and answers), prompts, off",
+            choice(*PREFIX_CACHE_MODES),
+            option=True,
+        ),
+        Parameter(
+            "prefill_chunk_tokens",
+            "64",
+            "prompt tokens prefilled per step while other streams decode",
+            integer(1),
+            option=True,
+        ),
+        Parameter(
+            "kv_cache_memory",
+            "0.5",
+            "KV cache size: a fraction of free memory (0.5) or a size (4GiB)",
+            MEMORY,
+            option=True,
+        ),
+        Parameter(
+            "compile",
+            "off",
+            "on: torch.compile the compact decode step (warmed up at load); off",
+            SWITCH,
+            option=True,
+        ),
+        Parameter(
+            "test_first_token_delay_ms",
+            "0",
+            "test only: delay of the first token after prefill starts",
+            MILLISECONDS,
+            field="test_first_token_delay_s",
+        ),
+        Parameter(
+            "test_token_delay_ms",
+            "0",
+            "test only: least spacing of the following tokens",
+            MILLISECONDS,
+            field="test_token_delay_s",
+        ),
+    ),
+)
+
+DIALOGUE_PARAMETERS = ParameterTable(
+    DIALOGUE_MODEL,
+    (
+        MODEL,
+        DTYPE,
+        Parameter("max_beam_width", "8", "widest beam search a request may ask for", integer(1)),
+        Parameter(
+            "default_output_len",
+            "16",
+            "new tokens of a request that sends no request_output_len",
+            integer(1),
+        ),
+        Parameter(
+            "cpu_threads",
+            "0",
+            "torch threads per instance on a CPU; 0: the cores divided among the instances",
+            integer(0),
+        ),
+    ),
+)
+
+TABLES = {table.model: table for table in (CHAT_PARAMETERS, DIALOGUE_PARAMETERS)}
+
+_CHAT = CHAT_PARAMETERS.default_values()
+_DIALOGUE = DIALOGUE_PARAMETERS.default_values()
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine limits and defaults (the chat model's parameters that reach the engine)."""
+
+    max_streams: int = _CHAT["max_streams"]  # live streams stepped together
+    queue_limit: int = _CHAT["queue_limit"]  # submitted requests waiting; beyond it: Overloaded
+    max_prefill_tokens: int = 4096  # prompt tokens admitted for prefill in one engine step
+    # Admitted prompts are prefilled in groups of similar length: a group is cut where left
+    # padding would exceed this fraction of its real tokens (padding is wasted compute).
+    max_padding: float = 0.25
+    default_max_tokens: int = _CHAT["default_max_tokens"]  # bounded by the context
+    # auto: the compact forward for the Llama family (llama, mistral, qwen2), else Hugging Face's;
+    # compact: that forward or an error; hf: always Hugging Face's (the baseline, any model).
+    forward: str = _CHAT["forward"]
+    # Reuse KV across requests (compact forward). on: of earlier prompts and answers; prompts: of
+    # prompts only, whose KV prefill computed, so greedy outputs equal a run without the cache
+    # (an answer's KV comes from decode steps, whose bf16 rounding differs a little); off.
+    prefix_cache: str = _CHAT["prefix_cache"]
+    # Prompt tokens prefilled per engine step while other streams decode (compact forward): a new
+    # prompt delays running streams by about one chunk per step. Measured in docs/performance.md.
+    prefill_chunk_tokens: int = _CHAT["prefill_chunk_tokens"]
+    # The compact forward's KV cache: a fraction of the device's free memory at start (the CPU's
+    # MemAvailable) such as "0.5", or a size such as "4GiB" or "512MiB". Its slots hold the live
+    # streams and the prefix cache; admission waits for a slot, so a step never runs out of it.
+    kv_cache_memory: str = _CHAT["kv_cache_memory"]
+    compile: bool = _CHAT["compile"]  # torch.compile the compact decode step
+    # Test-only, for benchmark calibration: the first token exists exactly this long after its
+    # prefill starts, each next token this long after the previous step (when compute is faster).
+    test_first_token_delay_s: float = _CHAT["test_first_token_delay_s"]
+    test_token_delay_s: float = _CHAT["test_token_delay_s"]
+
+    def __post_init__(self):
+        if self.max_streams < 1 or self.queue_limit < 0 or self.max_prefill_tokens < 1:
+            raise ValueError(f"invalid engine limits: {self}")
+        if self.forward not in FORWARDS:
+            raise ValueError(f"forward must be one of {', '.join(FORWARDS)}, not {self.forward!r}")
+        if self.prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1, not {self.prefill_chunk_tokens}")
+        parse_memory(self.kv_cache_memory)
+        if self.prefix_cache not in PREFIX_CACHE_MODES:
+            modes = ", ".join(PREFIX_CACHE_MODES)
+            raise ValueError(f"prefix_cache must be one of {modes}, not {self.prefix_cache!r}")
+
+
+_ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
+
+
+def _config_parameters(config: Mapping) -> dict[str, str]:
+    """The string `parameters` of a model config (the JSON Triton gives initialize)."""
+    return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
 
 
 @dataclass(frozen=True)
 class ModelSettings:
-    """The chat model's config.pbtxt `parameters`, typed; the defaults are the model's defaults."""
+    """The chat model's config.pbtxt `parameters`, typed; the defaults are the table's."""
 
-    model: str | None = None  # None: the bundled default chat model
-    dtype: str = "auto"
+    model: str | None = _CHAT["model"]  # None: the bundled default chat model
+    dtype: str = _CHAT["dtype"]
     engine: EngineConfig = field(default_factory=EngineConfig)
-    cancel_check_s: float = 0.04
+    cancel_check_s: float = _CHAT["cancel_check_s"]
 
     @classmethod
     def from_config(cls, config: Mapping) -> ModelSettings:
         """Read the string parameters of a model config (the JSON Triton gives initialize)."""
-        parameters = config.get("parameters", {})
-        return cls.from_parameters({k: v["string_value"] for k, v in parameters.items()})
+        return cls.from_parameters(_config_parameters(config))
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str]) -> ModelSettings:
         """Settings from string parameters: a missing key keeps its default, others are ignored."""
-        text = default_parameters() | dict(params)
-        return cls(
-            model=text["model"] or None,
-            dtype=text["dtype"],
-            engine=EngineConfig(
-                max_streams=int(text["max_streams"]),
-                queue_limit=int(text["queue_limit"]),
-                default_max_tokens=int(text["default_max_tokens"]),
-                forward=text["forward"],
-                prefix_cache=text["prefix_cache"],
-                prefill_chunk_tokens=int(text["prefill_chunk_tokens"]),
-                kv_cache_memory=text["kv_cache_memory"],
-                compile=_switch("compile", text["compile"]),
-                test_first_token_delay_s=float(text["test_first_token_delay_ms"]) / 1e3,
-                test_token_delay_s=float(text["test_token_delay_ms"]) / 1e3,
-            ),
-            cancel_check_s=float(text["cancel_check_ms"]) / 1e3,
-        )
+        values = CHAT_PARAMETERS.parse(params)
+        engine = {k: v for k, v in values.items() if k in _ENGINE_FIELDS}
+        model = {k: v for k, v in values.items() if k not in _ENGINE_FIELDS}
+        return cls(engine=EngineConfig(**engine), **model)
 
     def parameters(self) -> dict[str, str]:
         """These settings as config.pbtxt string parameters (the inverse of from_parameters)."""
-        engine = self.engine
-        return {
-            "model": self.model or "",
-            "dtype": self.dtype,
-            "max_streams": str(engine.max_streams),
-            "queue_limit": str(engine.queue_limit),
-            "default_max_tokens": str(engine.default_max_tokens),
-            "forward": engine.forward,
-            "prefix_cache": engine.prefix_cache,
-            "prefill_chunk_tokens": str(engine.prefill_chunk_tokens),
-            "kv_cache_memory": engine.kv_cache_memory,
-            "compile": "on" if engine.compile else "off",
-            "cancel_check_ms": _milliseconds(self.cancel_check_s),
-            "test_first_token_delay_ms": _milliseconds(engine.test_first_token_delay_s),
-            "test_token_delay_ms": _milliseconds(engine.test_token_delay_s),
-        }
+        values = {f.name: getattr(self.engine, f.name) for f in fields(self.engine)}
+        values |= {f.name: getattr(self, f.name) for f in fields(self) if f.name != "engine"}
+        return CHAT_PARAMETERS.format(values)
+
+
+@dataclass(frozen=True)
+class DialogueSettings:
+    """The dialogue model's config.pbtxt `parameters`, typed."""
+
+    model: str | None = _DIALOGUE["model"]
+    dtype: str = _DIALOGUE["dtype"]
+    max_beam_width: int = _DIALOGUE["max_beam_width"]
+    default_output_len: int = _DIALOGUE["default_output_len"]
+    cpu_threads: int = _DIALOGUE["cpu_threads"]  # on a CPU; 0: the cores / instances
+
+    @classmethod
+    def from_config(cls, config: Mapping) -> DialogueSettings:
+        """Read the string parameters and the instance count of the model config."""
+        settings = cls(**DIALOGUE_PARAMETERS.parse(_config_parameters(config)))
+        if settings.cpu_threads:
+            return settings
+        # 0: share the cores among the instances. More threads than cores make each operation
+        # wait for a descheduled thread: on a busy 2-core CPU a 16-token request of the tiny
+        # model took 1.96 s with 2 threads and 0.29 s with 1.
+        instances = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
+        threads = max(1, (os.cpu_count() or 1) // instances)
+        return replace(settings, cpu_threads=threads)
 
 
 def default_parameters() -> dict[str, str]:
-    """The default value of every config.pbtxt parameter, as config.pbtxt spells it."""
-    return ModelSettings().parameters()
+    """The default value of every chat model parameter, as config.pbtxt spells it."""
+    return CHAT_PARAMETERS.defaults()
 
 
-def _milliseconds(seconds: float) -> str:
-    """Seconds as a millisecond string: 0.04 -> "40"."""
-    return f"{seconds * 1e3:g}"
+def serve_options() -> list[tuple[Parameter, list[str]]]:
+    """The parameters `tokenstream serve` has an option for, each with the models that take it."""
+    options: dict[str, tuple[Parameter, list[str]]] = {}
+    for table in TABLES.values():
+        for parameter in table:
+            if parameter.option:
+                options.setdefault(parameter.key, (parameter, []))[1].append(table.model)
+    return list(options.values())
 
 
-def _switch(key: str, text: str) -> bool:
-    """An on/off parameter."""
-    value = text.strip().lower()
-    if value in ("on", "true", "1", "yes"):
-        return True
-    if value in ("off", "false", "0", "no"):
-        return False
-    raise ValueError(f"{key} must be on or off, not {text!r}")
+def check_parameters(params: Mapping[str, str]) -> None:
+    """ValueError naming the key when a value is not valid for a model that takes it (a key no
+    table knows is left to the repository: see launcher/repository.py)."""
+    for table in TABLES.values():
+        for key, text in params.items():
+            if key in table:
+                table[key].parse(text)
+
+
+def parameter_strings(**values) -> dict[str, str]:
+    """Values of named parameters, in the parameter's own unit, as config.pbtxt strings:
+    max_streams=8 -> {"max_streams": "8"}, compile=True -> {"compile": "on"}; None is left out."""
+    strings = {}
+    for key, value in values.items():
+        table = next((t for t in TABLES.values() if key in t), None)
+        if table is None:
+            raise ValueError(f"no model has a parameter {key!r}")
+        if value is not None:
+            text = table[key].kind.format(value) if isinstance(value, bool) else str(value)
+            table[key].parse(text)  # ValueError naming the key when it is not valid
+            strings[key] = text
+    return strings

@@ -108,21 +108,29 @@ def tiny_loaded(tiny_model_dir):
     return load_model(str(tiny_model_dir), dtype="float32", device="cpu")
 
 
+def server_config(model_dir, **overrides):
+    """A ServerConfig on free loopback ports serving `model_dir` (None: the repository's own), in
+    float32 unless the repository is another. Overrides named as model parameters (max_streams=8,
+    test_token_delay_ms=20) become config.pbtxt parameters; the others are ServerConfig fields."""
+    from streaming_backend.config import TABLES, parameter_strings
+    from streaming_backend.launcher import ServerConfig, free_port
+
+    known = {p.key for table in TABLES.values() for p in table}
+    values = {"model": model_dir and str(model_dir)}
+    values |= {} if "repository" in overrides else {"dtype": "float32"}
+    values |= {k: overrides.pop(k) for k in list(overrides) if k in known}
+    parameters = parameter_strings(**values) | dict(overrides.pop("model_parameters", {}))
+    ports = {f"{name}_port": free_port() for name in ("http", "grpc", "metrics")}
+    return ServerConfig(**(ports | {"model_parameters": parameters} | overrides))
+
+
 def start_server(model_dir, **overrides):
     """Start a real tritonserver on free loopback ports serving `model_dir` as the chat model
     (only the chat model is loaded unless `models=` names others)."""
-    from streaming_backend.launcher import ServerConfig, TritonServer, free_port
+    from streaming_backend.launcher import TritonServer
     from streaming_backend.wire import CHAT_MODEL
 
-    config = ServerConfig(
-        model=str(model_dir) if model_dir is not None else None,
-        dtype=overrides.pop("dtype", "float32"),
-        models=overrides.pop("models", (CHAT_MODEL,)),
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
-        **overrides,
-    )
+    config = server_config(model_dir, **({"models": (CHAT_MODEL,)} | overrides))
     server = TritonServer(config, on_log=None)
     server.start()
     try:
@@ -233,19 +241,12 @@ def supervised_server(model_dir, canary_interval_s: float = 0.5, budget=None, **
 
     Yields (supervisor, health_url, events): events collects the supervisor's log lines.
     """
-    from streaming_backend.launcher import ServerConfig, free_port
+    from streaming_backend.launcher import free_port
     from streaming_backend.launcher.health import HealthServer
     from streaming_backend.launcher.supervisor import Supervisor, SupervisorConfig
     from streaming_backend.launcher.watch import CanaryConfig
 
-    server = ServerConfig(
-        model=str(model_dir) if model_dir is not None else None,
-        dtype="float32",
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
-        **server_overrides,
-    )
+    server = server_config(model_dir, **server_overrides)
     canary = CanaryConfig(interval_s=canary_interval_s, timeout_s=5.0)
     events: list[str] = []
     config = SupervisorConfig(server, canary=canary)
@@ -434,3 +435,16 @@ def dialogue_server(tiny_model_dir):
         yield server
     finally:
         server.stop()
+
+
+def sequence_log_prob(loaded, prompt_ids, tokens) -> float:
+    """The model's summed log-probability of `tokens` after `prompt_ids` (one forward pass):
+    the reference the beam and batch tests compare cumulative log-probs with."""
+    import torch
+
+    ids = torch.tensor([list(prompt_ids) + list(tokens)], device=loaded.device)
+    with torch.inference_mode():
+        logits = loaded.model(input_ids=ids).logits[0].float()  # [L, V]
+    log_probs = torch.log_softmax(logits[len(prompt_ids) - 1 : -1], dim=-1)  # [T, V]
+    chosen = torch.tensor(list(tokens), device=loaded.device)[:, None]
+    return float(log_probs.gather(-1, chosen).sum()) if len(tokens) else 0.0

@@ -32,6 +32,7 @@ from clients.bench.runner import Level, Workload, multi_turn_problem, run_level,
 from clients.bench.summary import ClockMap
 from clients.bench.transports import TRANSPORTS, Prompt, make_transport
 from clients.targets import DNS_SCHEME, TARGET_HELP, parse_target, target_option
+from streaming_backend import endpoints
 from streaming_backend.wire import CHAT_MODEL
 
 SYNTHETIC_FALLBACK_TOKENS = 128
@@ -42,10 +43,10 @@ class BenchConfig:
     """Everything one benchmark run needs."""
 
     transports: tuple[str, ...] = ("grpc",)
-    triton: str = "127.0.0.1:8001"  # gRPC host:port
-    url: str = "http://127.0.0.1:8000"  # HTTP base URL, for sse
-    bridge: str = "ws://127.0.0.1:8080/ws"  # websocket URL of the bridge, for ws
-    openai: str = "http://127.0.0.1:8080"  # base URL of the bridge's OpenAI API (/v1), for openai
+    triton: str = endpoints.GRPC_TARGET  # gRPC host:port
+    url: str = endpoints.HTTP_URL  # HTTP base URL, for sse
+    bridge: str = endpoints.BRIDGE_WS_URL  # websocket URL of the bridge, for ws
+    openai: str = endpoints.BRIDGE_URL  # base URL of the bridge's OpenAI API (/v1), for openai
     bridge_token: str | None = None
     model: str = CHAT_MODEL
     concurrency: tuple[int, ...] = (1,)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from clients.chunk import DEFAULT_IDLE_TIMEOUT_S
 from clients.replica_health import FAILURES_TO_NOT_READY
+from streaming_backend import endpoints
 from streaming_backend.wire import CHAT_MODEL
 
 
@@ -14,9 +15,9 @@ from streaming_backend.wire import CHAT_MODEL
 class BridgeConfig:
     """Settings of one bridge process."""
 
-    triton_url: str = "127.0.0.1:8001"
+    triton_url: str = endpoints.GRPC_TARGET
     host: str = "127.0.0.1"
-    port: int = 8080  # 0 = any free port (Bridge.port tells which)
+    port: int = endpoints.BRIDGE_PORT  # 0 = any free port (Bridge.port tells which)
     token: str | None = None  # bearer token required of every websocket client when set
     origins: tuple[str, ...] = ()  # allowed browser Origins; () = same origin only; "*" = any
     max_concurrent: int = 4  # generations at once per connection

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from clients.stress import load, report, server_stats
+from streaming_backend import endpoints
 from streaming_backend.wire import CHAT_MODEL, DIALOGUE_MODEL
 
 
@@ -16,9 +17,9 @@ class StressConfig:
     """One stress run."""
 
     model: str = DIALOGUE_MODEL  # dialogue_model (random ids) or chat (the shipped chat prompts)
-    url: str = "127.0.0.1:8001"  # Triton's gRPC endpoint
-    http_url: str = "http://127.0.0.1:8000"  # statistics
-    metrics_url: str = "http://127.0.0.1:8002/metrics"
+    url: str = endpoints.GRPC_TARGET  # Triton's gRPC endpoint
+    http_url: str = endpoints.HTTP_URL  # statistics
+    metrics_url: str = endpoints.METRICS_URL
     requests: int = 1000
     concurrency: int = 100
     input_len: int = 32  # random ids per dialogue request

@@ -2,7 +2,10 @@
 
 Triton reads a model's settings from its config.pbtxt; the launcher never edits the originals but
 serves a temporary copy whose config files carry the chosen values and whose other entries
-(version folders, files) are symlinks to the source.
+(version folders, files) are symlinks to the source. A parameter is set on the models that take
+it: those whose table in streaming_backend/config.py has it, or whose config.pbtxt declares it
+(a repository of your own). One that no model takes is refused, so a misspelt key fails at start
+instead of being ignored.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
+
+from streaming_backend.config import TABLES
 
 _STRING = r'"(?:[^"\\\n]|\\.)*"'  # a protobuf text-format string literal
 _COMMENT = re.compile(_STRING + r"|#[^\n]*")
@@ -72,15 +77,40 @@ def make_runtime_repository(
     if not source.is_dir():
         raise FileNotFoundError(f"model repository {source} does not exist")
     runtime = Path(tempfile.mkdtemp(prefix="tokenstream-repo-"))
+    taken: set[str] = set()
     try:
         for model_dir in sorted(source.iterdir()):
             if model_dir.is_dir() and not model_dir.name.startswith("."):
                 rewrite = (rewrites or {}).get(model_dir.name, _unchanged)
-                _copy_model(model_dir, runtime / model_dir.name, parameters, rewrite)
+                own = _taken_by(model_dir, parameters)
+                _copy_model(model_dir, runtime / model_dir.name, own, rewrite)
+                taken |= own.keys()
+        _check_all_taken(parameters, taken)
     except BaseException:
         shutil.rmtree(runtime, ignore_errors=True)
         raise
     return runtime
+
+
+def _taken_by(model_dir: Path, parameters: Mapping[str, str]) -> dict[str, str]:
+    """The parameters this model takes: in its table, or declared by its config.pbtxt."""
+    config = model_dir / "config.pbtxt"
+    declared = read_parameters(config.read_text()) if config.is_file() else {}
+    table = TABLES.get(model_dir.name)
+    return {
+        k: v for k, v in parameters.items() if k in declared or (table is not None and k in table)
+    }
+
+
+def _check_all_taken(parameters: Mapping[str, str], taken: set[str]) -> None:
+    """ValueError naming the parameters no model of the repository takes."""
+    unknown = sorted(set(parameters) - taken)
+    if unknown:
+        known = {table.model: ", ".join(p.key for p in table) for table in TABLES.values()}
+        listing = "; ".join(f"{model}: {keys}" for model, keys in known.items())
+        raise ValueError(
+            f"no model of the repository takes parameter(s) {', '.join(unknown)} ({listing})"
+        )
 
 
 def _unchanged(text: str) -> str:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streaming_backend.config import ModelSettings
+from streaming_backend import endpoints
 from streaming_backend.launcher.batching import DialogueBatching
 from streaming_backend.launcher.binary import TritonBinary, find_tritonserver
 from streaming_backend.launcher.processes import (
@@ -39,12 +39,10 @@ from streaming_backend.launcher.repository import make_runtime_repository
 from streaming_backend.paths import default_repository
 from streaming_backend.wire import ADMIN_HEADER, ADMIN_KEY_VARIABLE
 
-DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 LOG_TAIL_LINES = 200
 ERROR_TAIL_LINES = 40
 MAX_EXIT_TIMEOUT_S = 10.0  # stop() adds at most ~4 s to this; the whole stop stays under 15 s
 READY_POLL_S = 0.2
-MODEL_DEFAULTS = ModelSettings()
 # Triton closes each client connection after this long (gRPC GOAWAY, jittered +-10 %; open
 # streams finish on the old connection), so clients re-resolve a name and find new replicas.
 GRPC_MAX_CONNECTION_AGE_S = 60.0
@@ -55,17 +53,15 @@ class ServerConfig:
     """Everything needed to start one tritonserver on a model repository."""
 
     repository: Path = field(default_factory=default_repository)
-    model: str | None = None  # HF directory, GGUF file or hub id; None: the model's default
-    dtype: str = MODEL_DEFAULTS.dtype  # always set: a repository of your own may say otherwise
-    max_streams: int | None = None
-    queue_limit: int | None = None
-    model_parameters: Mapping[str, str] = field(default_factory=dict)  # extra config.pbtxt keys
+    # config.pbtxt `parameters` set on the models (each on the models that take it: see
+    # launcher/repository.py); what is not set keeps the repository's value
+    model_parameters: Mapping[str, str] = field(default_factory=dict)
     models: tuple[str, ...] = ()  # models to load (explicit model control); (): every model
     dialogue: DialogueBatching = field(default_factory=DialogueBatching)
-    host: str = "127.0.0.1"
-    http_port: int = DEFAULT_PORTS["http"]
-    grpc_port: int = DEFAULT_PORTS["grpc"]
-    metrics_port: int = DEFAULT_PORTS["metrics"]
+    host: str = endpoints.HOST
+    http_port: int = endpoints.HTTP_PORT
+    grpc_port: int = endpoints.GRPC_PORT
+    metrics_port: int = endpoints.METRICS_PORT
     log_level: int = 0  # tritonserver --log-verbose
     grpc_max_connection_age_s: float | None = GRPC_MAX_CONNECTION_AGE_S  # None: no maximum
     exit_timeout_s: float = 5.0
@@ -89,10 +85,12 @@ class ServerConfig:
 
     def parameters(self) -> dict[str, str]:
         """The config.pbtxt `parameters` this config sets on the models."""
-        settings = {"model": self.model, "dtype": self.dtype}
-        settings |= {"max_streams": self.max_streams, "queue_limit": self.queue_limit}
-        chosen = {key: str(value) for key, value in settings.items() if value is not None}
-        return chosen | {key: str(value) for key, value in self.model_parameters.items()}
+        return {key: str(value) for key, value in self.model_parameters.items()}
+
+    @property
+    def model(self) -> str:
+        """The model it serves as --model gave it; empty: the repository's."""
+        return self.model_parameters.get("model", "")
 
 
 def model_control(models: tuple[str, ...]) -> list[str]:

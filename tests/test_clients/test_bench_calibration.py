@@ -48,19 +48,16 @@ JITTER_MS = 5.0
 @pytest.fixture(scope="module")
 def delayed_server(tiny_model_dir):
     """tritonserver with the tiny model and the calibration delays."""
-    from streaming_backend.launcher import ServerConfig, TritonServer, free_port
+    from conftest import server_config
+
+    from streaming_backend.launcher import TritonServer
     from streaming_backend.wire import CHAT_MODEL
 
-    config = ServerConfig(
-        model=str(tiny_model_dir),
+    config = server_config(
+        tiny_model_dir,
         models=(CHAT_MODEL,),  # not the dialogue_model
-        model_parameters={
-            "test_first_token_delay_ms": str(int(FIRST_MS)),
-            "test_token_delay_ms": str(int(NEXT_MS)),
-        },
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
+        test_first_token_delay_ms=int(FIRST_MS),
+        test_token_delay_ms=int(NEXT_MS),
     )
     with TritonServer(config, on_log=None) as server:
         yield server

@@ -77,17 +77,15 @@ async def wait_health(bridge: Bridge, ready: bool, timeout: float = 30.0) -> flo
 @pytest.mark.server
 async def test_triton_restarted_under_the_bridge(tiny_model_dir):
     """Triton dies mid-stream: an error frame, /healthz 503; back on its port: the socket works."""
-    from streaming_backend.launcher import ServerConfig, TritonServer
+    from conftest import server_config
+
+    from streaming_backend.launcher import TritonServer
     from streaming_backend.wire import CHAT_MODEL
 
-    config = ServerConfig(
-        model=str(tiny_model_dir),
+    config = server_config(
+        tiny_model_dir,
         models=(CHAT_MODEL,),  # not the dialogue_model
-        dtype="float32",
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
-        model_parameters={"test_token_delay_ms": "20"},  # "a" is still streaming at the crash
+        test_token_delay_ms=20,  # "a" is still streaming at the crash
     )
     first = TritonServer(config, on_log=None).start()
     second = None

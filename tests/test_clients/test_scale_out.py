@@ -26,13 +26,13 @@ from pathlib import Path
 
 import pytest
 from bridge_support import collect, http_get, metric, running_bridge, tokens_generated, ws_url
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, server_config
 from websockets.asyncio.client import connect
 
 from clients.bench.cli import add_arguments, config_from_args, run_bench
 from clients.bridge import HEALTH_PATH
 from clients.targets import parse_target
-from streaming_backend.launcher import ServerConfig, TritonServer, free_port
+from streaming_backend.launcher import TritonServer, free_port
 from streaming_backend.wire import CHAT_MODEL
 
 pytestmark = pytest.mark.server
@@ -69,13 +69,12 @@ def _free(host: str, port: int) -> bool:
 
 def replica(model_dir, host: str, ports: dict[str, int]) -> TritonServer:
     """A started (not yet ready) tritonserver on `host` with the shared ports."""
-    config = ServerConfig(
-        model=str(model_dir),
+    config = server_config(
+        model_dir,
         models=(CHAT_MODEL,),  # not the dialogue_model: its two instances slow every start
-        dtype="float32",
         max_streams=16,
         queue_limit=64,
-        model_parameters={"test_token_delay_ms": str(TOKEN_DELAY_MS)},
+        test_token_delay_ms=TOKEN_DELAY_MS,
         host=host,
         http_port=ports["http"],
         grpc_port=ports["grpc"],

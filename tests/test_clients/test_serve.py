@@ -39,19 +39,28 @@ def test_serve_options_map_to_config(tmp_path: Path) -> None:
     assert server.repository == tmp_path and server.host == "127.0.0.1"
     assert config.bridge_port == 8080
     extra = config_from_args(parse("--parameter", "k=v=w", "--max-streams", "2", "--no-bridge"))
-    assert extra.server.parameters()["k"] == "v=w"
-    assert extra.server.max_streams == 2 and extra.bridge_port == 0
+    assert extra.server.parameters() == {"k": "v=w", "max_streams": "2"}
+    assert extra.bridge_port == 0
+    assert config.server.parameters() == {}  # unset options keep the repository's values
+
+
+def test_serve_refuses_a_bad_parameter_value_before_starting() -> None:
+    """A value a model would refuse stops `serve` at once with the key in the message."""
+    with pytest.raises(SystemExit, match="max_streams='0'"):
+        config_from_args(parse("--max-streams", "0"))
+    with pytest.raises(SystemExit, match="prefix_cache='maybe'"):
+        config_from_args(parse("--parameter", "prefix_cache=maybe"))
 
 
 def test_serve_options_take_their_defaults_from_the_model_settings() -> None:
-    """--dtype defaults to the model's own default, and the help states the engine's limits."""
+    """The help of each model option states the table's default and the models it applies to."""
     defaults = ModelSettings()
-    assert parse().dtype == defaults.dtype
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     helps = {action.dest: action.help for action in parser._actions}
-    assert helps["max_streams"].endswith(f"(default {defaults.engine.max_streams})")
-    assert helps["queue_limit"].endswith(f"(default {defaults.engine.queue_limit})")
+    assert helps["max_streams"].endswith(f"(default {defaults.engine.max_streams}); chat")
+    assert helps["queue_limit"].endswith(f"(default {defaults.engine.queue_limit}); chat")
+    assert helps["dtype"].endswith(f"(default {defaults.dtype}); chat and dialogue_model")
 
 
 def serve_command(repository: Path, *extra: str) -> list[str]:

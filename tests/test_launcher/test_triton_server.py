@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 from conftest import alive, shm_files, write_echo_model
 
-from streaming_backend.config import ModelSettings, default_parameters
 from streaming_backend.launcher import ServerConfig, ServerDied, TritonServer, free_port
 from streaming_backend.launcher.processes import descendants
 
@@ -45,23 +44,6 @@ def running_server(echo_repository: Path):
 
 
 # --------------------------------------------------------------------------- no server
-
-
-def test_config_parameters_skip_unset_and_add_extras() -> None:
-    """Unset settings are left to the model's config; extra parameters are added as strings."""
-    config = ServerConfig(max_streams=8, model_parameters={"test_first_token_delay_ms": "50"})
-    assert config.parameters() == {
-        "dtype": "auto",
-        "max_streams": "8",
-        "test_first_token_delay_ms": "50",
-    }
-
-
-def test_config_sets_only_parameters_the_model_knows() -> None:
-    """Every setting ServerConfig names is a parameter of streaming_backend.config."""
-    config = ServerConfig(model="m", dtype="float32", max_streams=2, queue_limit=3)
-    assert config.parameters().keys() <= default_parameters().keys()
-    assert ServerConfig().dtype == ModelSettings().dtype
 
 
 def test_config_rejects_an_exit_timeout_that_breaks_the_stop_bound() -> None:

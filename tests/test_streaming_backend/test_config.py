@@ -3,53 +3,94 @@
 from __future__ import annotations
 
 import re
+from dataclasses import fields
 
 import pytest
 from conftest import REPO_ROOT
 
 from streaming_backend.config import (
-    PARAMETER_HELP,
+    CHAT_PARAMETERS,
+    DIALOGUE_PARAMETERS,
+    TABLES,
+    DialogueSettings,
     EngineConfig,
     ModelSettings,
-    default_parameters,
+    parameter_strings,
     parse_memory,
 )
 from streaming_backend.launcher.repository import read_parameters
 
-README_TABLE_HEADER = "| parameter | default | meaning |"
+CONFIGURATION_DOC = REPO_ROOT / "docs" / "configuration.md"
 
 
-def readme_parameter_rows() -> dict[str, tuple[str, str]]:
-    """The README's table of model parameters: key -> (default as written, meaning)."""
-    lines = (REPO_ROOT / "README.md").read_text().splitlines()
-    start = lines.index(README_TABLE_HEADER) + 2  # past the header and the |---| line
-    rows = {}
-    for line in lines[start:]:
-        match = re.fullmatch(r"\| `(\w+)` \| (.*?) \| (.*?) \|", line)
-        if match is None:
-            break
-        rows[match[1]] = (match[2], match[3])
-    return rows
+@pytest.mark.parametrize("model", sorted(TABLES))
+def test_config_pbtxt_spells_the_default_settings(model) -> None:
+    """Each repository/<model>/config.pbtxt sets exactly its table's parameters to the defaults."""
+    text = (REPO_ROOT / "repository" / model / "config.pbtxt").read_text()
+    assert read_parameters(text) == TABLES[model].defaults()
 
 
-def test_chat_config_pbtxt_spells_the_default_settings() -> None:
-    """repository/chat/config.pbtxt sets every parameter to exactly the dataclass default."""
-    text = (REPO_ROOT / "repository" / "chat" / "config.pbtxt").read_text()
-    assert read_parameters(text) == default_parameters()
+@pytest.mark.parametrize("model", sorted(TABLES))
+def test_docs_table_states_the_table(model) -> None:
+    """docs/configuration.md holds each model's table as the code renders it (key, default,
+    meaning); on a change, paste the message's table into the doc."""
+    expected = TABLES[model].markdown()
+    assert expected in CONFIGURATION_DOC.read_text(), f"docs/configuration.md needs:\n{expected}"
 
 
-def test_readme_table_states_the_default_settings() -> None:
-    """The README's parameter table lists each parameter with its default and its help text."""
-    expected = {
-        key: (f"`{value}`" if value else "empty", PARAMETER_HELP[key])
-        for key, value in default_parameters().items()
+def test_every_row_fills_a_settings_field() -> None:
+    """Each parameter names a field of the settings its model reads, and every default parses."""
+    chat_fields = {f.name for f in fields(EngineConfig)} | {f.name for f in fields(ModelSettings)}
+    assert {p.target for p in CHAT_PARAMETERS} <= chat_fields
+    assert {p.target for p in DIALOGUE_PARAMETERS} == {f.name for f in fields(DialogueSettings)}
+
+
+def test_dataclass_defaults_are_the_tables() -> None:
+    """The typed defaults are what the tables' default strings parse to."""
+    assert ModelSettings().parameters() == CHAT_PARAMETERS.defaults()
+    dialogue = DialogueSettings()
+    assert {k: getattr(dialogue, k) for k in dialogue.__dataclass_fields__} == (
+        DIALOGUE_PARAMETERS.default_values()
+    )
+
+
+def test_dialogue_settings_share_the_cores_among_instances(monkeypatch) -> None:
+    """cpu_threads 0 divides the cores among the instances; a set value is kept."""
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    config = {"instance_group": [{"count": 4}], "parameters": {}}
+    assert DialogueSettings.from_config(config).cpu_threads == 2
+    config["parameters"] = {
+        "cpu_threads": {"string_value": "3"},
+        "max_beam_width": {"string_value": "2"},
     }
-    assert readme_parameter_rows() == expected
+    settings = DialogueSettings.from_config(config)
+    assert (settings.cpu_threads, settings.max_beam_width) == (3, 2)
 
 
-def test_every_parameter_has_help() -> None:
-    """The help table and the parameters name the same keys."""
-    assert PARAMETER_HELP.keys() == default_parameters().keys()
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"max_beam_width": "0"}, "max_beam_width='0': must be at least 1"),
+        ({"dtype": "int3"}, "dtype='int3': must be one of auto, float32"),
+    ],
+)
+def test_bad_dialogue_parameters_are_refused_with_the_key(params, message) -> None:
+    """A bad dialogue parameter fails at load with the key and the accepted values."""
+    raw = {k: {"string_value": v} for k, v in params.items()}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        DialogueSettings.from_config({"parameters": raw})
+
+
+def test_parameter_strings_format_and_check_values() -> None:
+    """Named values become config.pbtxt strings; a bad value or an unknown key is refused."""
+    assert parameter_strings(max_streams=8, compile=True, model=None) == {
+        "max_streams": "8",
+        "compile": "on",
+    }
+    with pytest.raises(ValueError, match="max_streams='0'"):
+        parameter_strings(max_streams=0)
+    with pytest.raises(ValueError, match="no model has a parameter 'streams'"):
+        parameter_strings(streams=2)
 
 
 def test_missing_parameters_keep_the_defaults() -> None:
@@ -89,8 +130,10 @@ def test_from_config_reads_tritons_json_form() -> None:
 
 def test_bad_engine_limits_are_refused() -> None:
     """A parameter that makes no engine (no stream slot) fails at load time, clearly."""
-    with pytest.raises(ValueError, match="invalid engine limits"):
+    with pytest.raises(ValueError, match="max_streams='0': must be at least 1"):
         ModelSettings.from_parameters({"max_streams": "0"})
+    with pytest.raises(ValueError, match="invalid engine limits"):
+        EngineConfig(max_streams=0)
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-from dataclasses import dataclass
 
 import torch
 import triton_python_backend_utils as pb_utils
@@ -21,40 +19,13 @@ from streaming_backend.adapter.dialogue import (
     parse_dialogue_request,
 )
 from streaming_backend.batch_generation import generate_batch
+from streaming_backend.config import DialogueSettings
 from streaming_backend.errors import StreamingError
 from streaming_backend.loading import instance_device, load_model
 from streaming_backend.wire import DIALOGUE_INPUT_NAMES
 
 log = logging.getLogger("tokenstream.dialogue_model")
 BATCH_BUCKETS = [1, 2, 4, 8, 12, 16, 24, 32]
-
-
-@dataclass(frozen=True)
-class DialogueSettings:
-    """The dialogue model's config.pbtxt `parameters`, typed."""
-
-    model: str | None
-    dtype: str
-    max_beam_width: int
-    default_output_len: int
-    cpu_threads: int  # torch threads of this instance on a CPU
-
-    @classmethod
-    def from_config(cls, config: dict) -> DialogueSettings:
-        """Read the string parameters of the model config."""
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        instances = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
-        # 0: share the cores among the instances. More threads than cores make each operation
-        # wait for a descheduled thread: on a busy 2-core CPU a 16-token request of the tiny
-        # model took 1.96 s with 2 threads and 0.29 s with 1.
-        threads = int(params.get("cpu_threads", 0)) or max(1, (os.cpu_count() or 1) // instances)
-        return cls(
-            model=params.get("model") or None,
-            dtype=params.get("dtype", "auto"),
-            max_beam_width=int(params.get("max_beam_width", 8)),
-            default_output_len=int(params.get("default_output_len", 16)),
-            cpu_threads=threads,
-        )
 
 
 class TritonPythonModel:
