@@ -1,30 +1,122 @@
 """The running batch: the streams stepped together and the per-row state that must stay aligned.
 
-Row r of the batch is one stream: its KV cache row, its attention-mask row, its next position id
-and its sampling parameters. Every change (rows added after a prefill, rows removed, one decode
-step) goes through a method here, so the four never fall out of step.
+Row r of the batch is one stream: its model state (a slot of the compact forward's cache, or a
+row of a Hugging Face DynamicCache with its attention mask and next position) and its sampling
+settings, held as tensors by the batch's `NextTokenChooser`. Every change (rows added after a
+prefill, rows removed, one decode step) goes through `RunningBatch`, so rows, model state and
+sampling tensors never fall out of step; both forwards use it, each with its own `RowState`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
 import torch
 
-from streaming_backend import kvcache, sampling
-from streaming_backend.settings import SamplingSettings
-
-
-class Row(Protocol):
-    """What the batch needs of a stream: its sampling settings and its tokens so far."""
-
-    settings: SamplingSettings
-    output_ids: list[int]
-
+from streaming_backend import kvcache
+from streaming_backend.logits import NextTokenChooser, Row
 
 R = TypeVar("R", bound=Row)
+
+
+class Decoded(NamedTuple):
+    """One decode step: the rows in order, their logits [B, V] fp32 and their chooser."""
+
+    streams: list
+    logits: torch.Tensor
+    chooser: NextTokenChooser
+
+
+class RowState(Protocol):
+    """A forward's per-row model state, in the batch's row order."""
+
+    def extend(self, added) -> None: ...  # the state of rows appended after a prefill
+
+    def select(self, keep: list[int]) -> None: ...  # keep these rows, in this order
+
+    def clear(self) -> None: ...
+
+    def decode(self, tokens: list[int]) -> torch.Tensor: ...  # one step -> logits [B, V] fp32
+
+
+class RunningBatch(Generic[R]):
+    """The live streams in row order with their model state and their chooser."""
+
+    def __init__(self, state: RowState, eos_ids: Collection[int], device: torch.device | str):
+        self.rows: list[R] = []
+        self.state = state
+        self.eos_ids = eos_ids
+        self.device = device
+        self._chooser: NextTokenChooser | None = None  # built on first use after a change
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, rows: Sequence[R], state) -> None:
+        """Append prefilled streams with their model state (a cache, slots, ...)."""
+        self.state.extend(state)
+        self.rows.extend(rows)
+        self._chooser = None
+
+    def remove(self, gone: Collection[R]) -> None:
+        """Drop these streams' rows (compared by identity); the others keep their order."""
+        ids = {id(row) for row in gone}
+        keep = [r for r, row in enumerate(self.rows) if id(row) not in ids]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[r] for r in keep]
+        self.state.select(keep)
+        self._chooser = None
+
+    def clear(self) -> list[R]:
+        """Empty the batch (after a failed step); return the streams it held."""
+        rows, self.rows, self._chooser = self.rows, [], None
+        self.state.clear()
+        return rows
+
+    def chooser(self) -> NextTokenChooser:
+        """The rows' logits pipeline, rebuilt only when the rows changed."""
+        if self._chooser is None:
+            self._chooser = NextTokenChooser.for_rows(self.rows, self.eos_ids, self.device)
+        return self._chooser
+
+    def step(self) -> Decoded:
+        """One forward pass: each row's latest token in, next-token logits out."""
+        rows = list(self.rows)
+        logits = self.state.decode([row.output_ids[-1] for row in rows])
+        return Decoded(rows, logits, self.chooser())
+
+
+# ---- the compact forward: one cache slot per row --------------------------------------------
+
+
+class SlotForwardLike(Protocol):
+    def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor: ...
+
+
+class SlotRows:
+    """Each row's slot of the compact forward's KV cache (which knows each slot's length)."""
+
+    def __init__(self, forward: SlotForwardLike):
+        self.forward = forward
+        self.slots: list[int] = []
+
+    def extend(self, added: Sequence[int]) -> None:
+        self.slots.extend(added)
+
+    def select(self, keep: list[int]) -> None:
+        self.slots = [self.slots[r] for r in keep]
+
+    def clear(self) -> None:
+        self.slots = []
+
+    def decode(self, tokens: list[int]) -> torch.Tensor:
+        return self.forward.decode(self.slots, tokens)
+
+
+# ---- the Hugging Face forward: rows of a left-padded DynamicCache ---------------------------
 
 
 @dataclass(frozen=True)
@@ -36,60 +128,45 @@ class DecodeInputs:
     position_ids: torch.Tensor  # [B, 1] each row's next position
 
 
-class RunningBatch(Generic[R]):
-    """The live streams in row order with their cache, positions and sampling parameters."""
+class Prefill(NamedTuple):
+    """What a Hugging Face prefill hands the batch: its cache rows and their next positions."""
 
-    def __init__(self) -> None:
-        self.rows: list[R] = []
+    cache: kvcache.BatchCache
+    positions: torch.Tensor  # [N] the prompt lengths
+
+
+class CacheRows:
+    """Rows of a left-padded DynamicCache, their attention mask and next positions."""
+
+    def __init__(self, forward: Callable[[kvcache.BatchCache, DecodeInputs], torch.Tensor]):
+        """`forward(cache, inputs)` runs the model one step on the cache -> logits [B, V]."""
+        self.forward = forward
         self.cache: kvcache.BatchCache | None = None  # None while the batch is empty
         self.positions = torch.zeros(0, dtype=torch.long)  # [B] next position id per row
-        self._params: sampling.BatchSampling | None = None  # built on first use after a change
 
-    def __len__(self) -> int:
-        return len(self.rows)
+    def extend(self, added: Prefill) -> None:
+        if added.cache.rows != len(added.positions):
+            raise ValueError(
+                f"cache rows and positions differ: {added.cache.rows}, {len(added.positions)}"
+            )
+        self.cache = kvcache.merge(self.cache, added.cache)
+        self.positions = torch.cat([self.positions, added.positions.to(self.positions.device)])
 
-    def add(self, rows: Sequence[R], cache: kvcache.BatchCache, positions: torch.Tensor) -> None:
-        """Append prefilled streams: their cache rows, and positions [N] (their prompt lengths)."""
-        if len(rows) != cache.rows or len(rows) != len(positions):
-            sizes = (len(rows), cache.rows, len(positions))
-            raise ValueError(f"rows, cache rows and positions differ: {sizes}")
-        self.cache = kvcache.merge(self.cache, cache)
-        self.positions = torch.cat([self.positions, positions.to(self.positions.device)])
-        self.rows.extend(rows)
-        self._params = None
-
-    def remove(self, gone: Collection[R]) -> None:
-        """Drop these streams' rows (compared by identity); the others keep their order."""
-        ids = {id(row) for row in gone}
-        keep = [r for r, row in enumerate(self.rows) if id(row) not in ids]
-        if len(keep) == len(self.rows):
-            return
-        self.rows = [self.rows[r] for r in keep]
+    def select(self, keep: list[int]) -> None:
         self.positions = self.positions[keep]
         self.cache = kvcache.select(self.cache, keep) if self.cache is not None else None
-        self._params = None
 
-    def clear(self) -> list[R]:
-        """Empty the batch (after a failed step); return the streams it held."""
-        rows, self.rows, self.cache, self._params = self.rows, [], None, None
+    def clear(self) -> None:
+        self.cache = None
         self.positions = self.positions[:0]
-        return rows
 
-    def sampling_params(self, device: torch.device | str) -> sampling.BatchSampling:
-        """The rows' sampling parameters as tensors, rebuilt only when the rows changed."""
-        if self._params is None:
-            self._params = sampling.BatchSampling.from_settings(
-                [row.settings for row in self.rows], device
-            )
-        return self._params
-
-    def decode_inputs(self, device: torch.device | str) -> DecodeInputs:
+    def inputs(self, tokens: list[int], device: torch.device | str) -> DecodeInputs:
         """Each row's latest token at its next position; the mask grows by one real column."""
         mask = self.cache.mask
-        last = torch.tensor([row.output_ids[-1] for row in self.rows], dtype=torch.long)
+        last = torch.tensor(tokens, dtype=torch.long)
         return DecodeInputs(
             input_ids=last[:, None].to(device),
-            attention_mask=torch.cat([mask, mask.new_ones((len(self.rows), 1))], dim=1),
+            attention_mask=torch.cat([mask, mask.new_ones((len(tokens), 1))], dim=1),
             position_ids=self.positions[:, None].to(device),
         )
 
@@ -97,3 +174,9 @@ class RunningBatch(Generic[R]):
         """Record a decode step the model ran on `inputs` (its cache already holds the new keys)."""
         self.cache.mask = inputs.attention_mask
         self.positions = self.positions + 1
+
+    def decode(self, tokens: list[int]) -> torch.Tensor:
+        inputs = self.inputs(tokens, self.cache.mask.device)
+        logits = self.forward(self.cache, inputs)
+        self.advance(inputs)
+        return logits

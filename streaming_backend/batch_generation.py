@@ -21,6 +21,7 @@ from streaming_backend import kvcache, sampling
 from streaming_backend.beam import BeamSearch, Hypothesis, step_all
 from streaming_backend.errors import InvalidRequest, StreamingError
 from streaming_backend.loading import LoadedModel
+from streaming_backend.logits import NextTokenChooser
 from streaming_backend.settings import SamplingSettings
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,19 @@ class _Sampled:
     done: bool = False
     rows: int = 1
 
+    # the logits pipeline's view of this row (streaming_backend.logits.Row)
+    @property
+    def settings(self) -> SamplingSettings:
+        return self.request.settings
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        return self.request.prompt_ids
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens
+
     def advance(self, token: int, log_prob: float) -> tuple[list[int], list[int]]:
         """Append a sampled token -> (source rows, tokens) of the next step; empty when done."""
         self.tokens.append(token)
@@ -183,7 +197,7 @@ def _generate(loaded: LoadedModel, requests: Sequence[GenerationRequest]):
         batch, logits, positions = kvcache.select(batch, expand), logits[expand], positions[expand]
     live = groups
     while True:
-        choices = _choose(live, logits)  # per group: (source rows, next tokens)
+        choices = _choose(live, logits, loaded.eos_ids)  # per group: (source rows, next tokens)
         keep, next_tokens, still = [], [], []
         offset = 0
         for group, (sources, tokens) in zip(live, choices):
@@ -202,8 +216,8 @@ def _generate(loaded: LoadedModel, requests: Sequence[GenerationRequest]):
     return [g.result() for g in groups]
 
 
-def _choose(groups, logits: torch.Tensor) -> list[tuple[list[int], list[int]]]:
-    """Pick each group's next tokens from its rows of logits [R, V]."""
+def _choose(groups, logits: torch.Tensor, eos_ids) -> list[tuple[list[int], list[int]]]:
+    """Pick each group's next tokens from its rows of logits [R, V] (one logits pipeline)."""
     starts = [0]
     for group in groups:
         starts.append(starts[-1] + group.rows)
@@ -211,51 +225,50 @@ def _choose(groups, logits: torch.Tensor) -> list[tuple[list[int], list[int]]]:
     sampled = [i for i, g in enumerate(groups) if isinstance(g, _Sampled)]
     if sampled:
         rows = [starts[i] for i in sampled]
-        tokens, log_probs = _sample([groups[i] for i in sampled], logits[rows])
+        tokens, log_probs = _sample([groups[i] for i in sampled], logits[rows], eos_ids)
         for i, token, log_prob in zip(sampled, tokens, log_probs):
             choices[i] = groups[i].advance(token, log_prob)
     beams = [i for i, g in enumerate(groups) if isinstance(g, _Beams)]
     if beams:
         rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in beams])
-        log_probs = _beam_log_probs([groups[i] for i in beams], logits[rows])
+        log_probs = _beam_log_probs([groups[i] for i in beams], logits[rows], eos_ids)
         for i, choice in zip(beams, step_all([groups[i].search for i in beams], log_probs)):
             choices[i] = choice
     return choices
 
 
-def _sample(groups: list[_Sampled], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+def _sample(
+    groups: list[_Sampled], logits: torch.Tensor, eos_ids: frozenset[int]
+) -> tuple[list[int], list[float]]:
     """One token per sampling row (logits [N, V]) and its log-prob under the raw model."""
-    processed = sampling.apply_repetition_penalty(
-        logits.clone(),
-        [
-            (row, g.request.settings.repetition_penalty, _seen(g.request, g.tokens))
-            for row, g in enumerate(groups)
-            if g.request.settings.repetition_penalty != 1.0
-        ],
+    choice = NextTokenChooser.for_rows(groups, eos_ids, logits.device).choose(
+        logits.clone(), groups, logprobs=True
     )
-    settings = [g.request.settings for g in groups]
-    params = sampling.BatchSampling.from_settings(settings, logits.device)
-    uniforms = sampling.draw_uniforms([g.generator for g in groups])
-    ids = sampling.sample(processed, params, uniforms)
-    return ids.tolist(), sampling.token_logprobs(logits, ids).tolist()
+    return choice.ids, choice.logprobs
 
 
-def _beam_log_probs(groups: list[_Beams], logits: torch.Tensor) -> torch.Tensor:
-    """Log-softmax of the beam groups' stacked rows [R, V], after their repetition penalties."""
-    penalised, row = [], 0
-    for group in groups:
-        penalty = group.request.settings.repetition_penalty
-        for tokens in group.search.tokens:
-            if penalty != 1.0:
-                penalised.append((row, penalty, _seen(group.request, tokens)))
-            row += 1
-    if penalised:
-        logits = sampling.apply_repetition_penalty(logits.clone(), penalised)
-    return torch.log_softmax(logits.float(), dim=-1)
+@dataclass(frozen=True)
+class _BeamRow:
+    """One beam as the logits pipeline sees it: its request's settings and its tokens."""
+
+    settings: SamplingSettings
+    prompt_ids: tuple[int, ...]
+    output_ids: list[int]
+    generator: None = None  # beams draw nothing
 
 
-def _seen(request: GenerationRequest, tokens: list[int]) -> list[int]:
-    return list(request.prompt_ids) + tokens
+def _beam_log_probs(
+    groups: list[_Beams], logits: torch.Tensor, eos_ids: frozenset[int]
+) -> torch.Tensor:
+    """Log-softmax of the beam groups' stacked rows [R, V], after their logits processors
+    (repetition penalty)."""
+    rows = [
+        _BeamRow(group.request.settings, group.request.prompt_ids, tokens)
+        for group in groups
+        for tokens in group.search.tokens
+    ]
+    chooser = NextTokenChooser.for_rows(rows, eos_ids, logits.device)
+    return torch.log_softmax(chooser.process(logits.clone(), rows).float(), dim=-1)
 
 
 # ---- forward passes -------------------------------------------------------------------------
@@ -302,13 +315,3 @@ def _decode(loaded: LoadedModel, batch: kvcache.BatchCache, tokens: list[int], p
         **{cache_kwarg(loaded.model): batch.cache},
     )
     return out.logits[:, -1, :].float()
-
-
-def sequence_log_prob(loaded: LoadedModel, prompt_ids: Sequence[int], tokens: Sequence[int]):
-    """The model's summed log-probability of `tokens` after `prompt_ids` (one forward pass)."""
-    ids = torch.tensor([list(prompt_ids) + list(tokens)], device=loaded.device)
-    with torch.inference_mode():
-        logits = loaded.model(input_ids=ids).logits[0].float()  # [L, V]
-    log_probs = torch.log_softmax(logits[len(prompt_ids) - 1 : -1], dim=-1)  # [T, V]
-    chosen = torch.tensor(list(tokens), device=loaded.device)[:, None]
-    return float(log_probs.gather(-1, chosen).sum()) if len(tokens) else 0.0

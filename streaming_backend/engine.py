@@ -31,6 +31,7 @@ from streaming_backend.errors import (
 )
 from streaming_backend.events import FinishReason, TokenEvent
 from streaming_backend.loading import LoadedModel
+from streaming_backend.logits import NextTokenChooser
 from streaming_backend.settings import SamplingSettings
 from streaming_backend.steps import Steps
 from streaming_backend.steps.build import build_steps
@@ -305,9 +306,10 @@ class Engine:
         for ready in self._steps.prefill():
             if self.config.test_first_token_delay_s:
                 _pace_until(ready.streams[0].scheduled_ns, self.config.test_first_token_delay_s)
-            settings = [s.settings for s in ready.streams]
-            params = sampling.BatchSampling.from_settings(settings, ready.logits.device)
-            self._emit(ready.streams, ready.logits, params)
+            chooser = NextTokenChooser.for_rows(
+                ready.streams, self.loaded.eos_ids, ready.logits.device
+            )
+            self._emit(ready.streams, ready.logits, chooser)
 
     def _prefill_failed(self, streams: list[_Stream], exc: Exception) -> None:
         """A prompt whose prefill failed alone: that stream ends with the error."""
@@ -319,57 +321,31 @@ class Engine:
         step = self._steps.decode()
         if self.config.test_token_delay_s:
             _pace_until(self._last_emit_ns, self.config.test_token_delay_s)
-        self._emit(step.streams, step.logits, step.params)
+        self._emit(step.streams, step.logits, step.chooser)
 
     # ---- sampling and events -------------------------------------------------------------------
 
     def _emit(
-        self, streams: list[_Stream], logits: torch.Tensor, params: sampling.BatchSampling
+        self, streams: list[_Stream], logits: torch.Tensor, chooser: NextTokenChooser
     ) -> None:
-        """Sample one token per row of logits [N, V]; hand out events; retire finished rows."""
-        raw_logits = logits
-        # NaN or inf (fp16 overflow, a broken device) would be sampled as some token: such a row
-        # is sampled from zeros instead and its stream fails below
-        finite = torch.isfinite(logits).all(-1)  # [N]
-        logits = torch.where(finite[:, None], logits, 0.0)
-        logits = self._process_logits(streams, logits)
-        uniforms = sampling.draw_uniforms([s.generator for s in streams])
-        chosen = sampling.sample(logits, params, uniforms)  # [N] on the device
-        # one host transfer per step: the ids, the finite flags and the logprobs when asked
-        # (float64 holds every id exactly)
-        columns = [chosen.double(), finite.double()]
+        """Choose one token per row of logits [N, V]; hand out events; retire finished rows."""
         wants_logprobs = any(s.logprobs for s in streams)
-        if wants_logprobs:
-            columns.append(sampling.token_logprobs(raw_logits, chosen).double())
-        host = torch.stack(columns).tolist()
-        ids, ok = [int(i) for i in host[0]], host[1]
-        logprobs = host[2] if wants_logprobs else None
+        choice = chooser.choose(logits, streams, logprobs=wants_logprobs)
         emitted_ns = self._last_emit_ns = time.monotonic_ns()
         done = []
         for row, stream in enumerate(streams):
             try:
-                if not ok[row]:
+                if not choice.finite[row]:
                     raise NonFiniteLogits(
                         "the model produced NaN or infinite logits (float16 overflow? try bfloat16)"
                     )
-                lp = (logprobs[row],) if logprobs is not None and stream.logprobs else None
-                if self._advance(stream, ids[row], lp, emitted_ns):
+                lp = (choice.logprobs[row],) if stream.logprobs else None
+                if self._advance(stream, choice.ids[row], lp, emitted_ns):
                     done.append(stream)
             except Exception as exc:  # one stream's failure must not end the others
                 log.exception("stream %s failed", stream.handle.request_id)
                 self._fail([stream], exc)
         self._steps.remove(done)
-
-    def _process_logits(self, streams: list[_Stream], logits: torch.Tensor) -> torch.Tensor:
-        """Repetition penalty and EOS suppression (min_tokens) before sampling."""
-        penalised = [
-            (row, s.settings.repetition_penalty, s.prompt_ids + s.output_ids)
-            for row, s in enumerate(streams)
-            if s.settings.repetition_penalty != 1.0
-        ]
-        logits = sampling.apply_repetition_penalty(logits, penalised)
-        early = [row for row, s in enumerate(streams) if len(s.output_ids) < s.settings.min_tokens]
-        return sampling.suppress_tokens(logits, early, sorted(self.loaded.eos_ids))
 
     def _advance(
         self, stream: _Stream, token: int, logprobs: tuple[float, ...] | None, emitted_ns: int

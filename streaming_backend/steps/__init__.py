@@ -6,8 +6,9 @@ a DynamicCache whose rows are concatenated and selected as streams join and leav
 chunked prefill under a per-step token budget and prefix reuse across requests.
 
 Both take streams from the engine (`admit`), prefill them (`prefill` yields each group of streams
-whose prompt is done, with their next-token logits), step the decoding rows (`decode`) and free
-a stream's row when it ends (`remove`). Sampling, events and errors stay in the engine.
+whose prompt is done, with their next-token logits), step the decoding rows (`decode`, one
+`RunningBatch` step) and free a stream's row when it ends (`remove`). Choosing tokens (the
+batch's `NextTokenChooser`), events and errors stay in the engine.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from typing import NamedTuple, Protocol, TypeVar
 
 import torch
 
-from streaming_backend import sampling
+from streaming_backend.batch import Decoded
 from streaming_backend.settings import SamplingSettings
+
+__all__ = ["Decoded", "OnFailure", "Prefilled", "Steps", "Stream"]
 
 
 class Stream(Protocol):
@@ -27,6 +30,7 @@ class Stream(Protocol):
     prompt_ids: list[int]
     output_ids: list[int]
     settings: SamplingSettings
+    generator: torch.Generator
     scheduled_ns: int  # set when its prefill starts
     cached_tokens: int  # set at admission: prompt tokens reused from the prefix cache
 
@@ -41,14 +45,6 @@ class Prefilled(NamedTuple):
 
     streams: list
     logits: torch.Tensor
-
-
-class Decoded(NamedTuple):
-    """One decode step: the rows in order, their logits [B, V] fp32 and sampling parameters."""
-
-    streams: list
-    logits: torch.Tensor
-    params: sampling.BatchSampling
 
 
 class Steps(Protocol[S]):

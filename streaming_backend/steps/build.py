@@ -52,4 +52,4 @@ def build_steps(loaded: LoadedModel, config: EngineConfig, on_failure: OnFailure
         if forward.compile_seconds is not None
         else "",
     )
-    return SlotSteps(forward, config, on_failure)
+    return SlotSteps(forward, config, on_failure, loaded.eos_ids)

@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Collection, Iterator
 
-from streaming_backend.batch import RunningBatch
+from streaming_backend.batch import CacheRows, DecodeInputs, Prefill, RunningBatch
 from streaming_backend.batch_generation import cache_kwarg, prefill_prompts
 from streaming_backend.config import EngineConfig
 from streaming_backend.loading import LoadedModel
@@ -31,7 +31,9 @@ class HfSteps:
         self.config = config
         self.prompt_tokens_per_step = config.max_prefill_tokens
         self._on_failure = on_failure
-        self._batch: RunningBatch = RunningBatch()
+        self._batch: RunningBatch = RunningBatch(
+            CacheRows(self._forward), loaded.eos_ids, loaded.device
+        )
         self._pending: list = []  # admitted, not yet prefilled
         self._cache_kwarg = cache_kwarg(loaded.model)
 
@@ -65,7 +67,7 @@ class HfSteps:
             for stream in streams:
                 yield from self._prefill_group([stream])
             return
-        self._batch.add(streams, cache, positions)
+        self._batch.add(streams, Prefill(cache, positions))
         yield Prefilled(streams, logits)
 
     def _forward_prompts(self, streams: list):
@@ -77,18 +79,18 @@ class HfSteps:
 
     def decode(self) -> Decoded:
         """One forward pass for every row of the batch, one new token each."""
-        batch = self._batch
-        inputs = batch.decode_inputs(self.loaded.device)
+        return self._batch.step()
+
+    def _forward(self, cache, inputs: DecodeInputs):
+        """The model one step on the batch's cache -> logits [B, V] fp32."""
         out = self.loaded.model(
             input_ids=inputs.input_ids,
             attention_mask=inputs.attention_mask,
             position_ids=inputs.position_ids,
             use_cache=True,
-            **{self._cache_kwarg: batch.cache.cache},
+            **{self._cache_kwarg: cache.cache},
         )
-        batch.advance(inputs)
-        logits = out.logits[:, -1, :].float()  # [B, V]
-        return Decoded(list(batch.rows), logits, batch.sampling_params(logits.device))
+        return out.logits[:, -1, :].float()
 
     def remove(self, streams: Collection, keep: bool = True) -> None:
         gone = {id(s) for s in streams}

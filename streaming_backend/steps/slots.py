@@ -19,7 +19,7 @@ from collections.abc import Collection, Iterator, Sequence
 
 import torch
 
-from streaming_backend import sampling
+from streaming_backend.batch import RunningBatch, SlotRows
 from streaming_backend.config import EngineConfig
 from streaming_backend.forward.runner import Chunk, SlotForward
 from streaming_backend.prefix_cache import PrefixCache
@@ -34,17 +34,22 @@ class SlotSteps:
     name = "compact"
     prompt_tokens_per_step = None  # admission is by slots; prefill is chunked
 
-    def __init__(self, forward: SlotForward, config: EngineConfig, on_failure: OnFailure):
+    def __init__(
+        self,
+        forward: SlotForward,
+        config: EngineConfig,
+        on_failure: OnFailure,
+        eos_ids: Collection[int] = (),
+    ):
         self.forward = forward
         self.cache = forward.cache
         self.config = config
         self.prefix = PrefixCache() if config.prefix_cache != "off" else None
         self._answers = config.prefix_cache == "on"  # else only prompt KV (prefill's) is reused
         self._on_failure = on_failure
-        self._slot: dict[int, int] = {}  # id(stream) -> its slot
+        self._slot: dict[int, int] = {}  # id(stream) -> its slot, prefilling or decoding
         self._prefilling: list = []  # admitted, prompt not wholly in the cache; oldest first
-        self._decoding: list = []  # the decode step's rows, in order
-        self._params = None  # the decoding rows' sampling parameters, rebuilt after a change
+        self._batch: RunningBatch = RunningBatch(SlotRows(forward), eos_ids, forward.device)
 
     # ---- admission ------------------------------------------------------------------------------
 
@@ -55,7 +60,7 @@ class SlotSteps:
         return min(room, self.cache.free_slots + idle)
 
     def live(self) -> list:
-        return [*self._prefilling, *self._decoding]
+        return [*self._prefilling, *self._batch.rows]
 
     def admit(self, streams: list) -> None:
         """Give each stream a slot, starting from the longest cached prefix of its prompt."""
@@ -112,7 +117,7 @@ class SlotSteps:
         """Prefill the next chunks of the admitted prompts; yield the streams now complete."""
         if not self._prefilling:
             return
-        budget = self.config.prefill_chunk_tokens if self._decoding else None
+        budget = self.config.prefill_chunk_tokens if self._batch.rows else None
         chunks = self._chunks(budget or self.config.max_prefill_tokens)
         now = time.monotonic_ns()
         for stream, _ in chunks:
@@ -155,8 +160,8 @@ class SlotSteps:
         ready = [chunks[r][0] for r in done]
         for stream in ready:
             self._prefilling.remove(stream)
-            self._decoding.append(stream)
-        self._params = None
+        if ready:
+            self._batch.add(ready, [self._slot[id(s)] for s in ready])
         return ready, ([logits[done]] if done else [])
 
     def _prompt_done(self, stream) -> bool:
@@ -165,18 +170,11 @@ class SlotSteps:
     # ---- decode ---------------------------------------------------------------------------------
 
     def decoding(self) -> bool:
-        return bool(self._decoding)
+        return bool(self._batch.rows)
 
     def decode(self) -> Decoded:
         """One token for every decoding stream, at its slot's next position."""
-        rows = list(self._decoding)
-        slots = [self._slot[id(s)] for s in rows]
-        logits = self.forward.decode(slots, [s.output_ids[-1] for s in rows])  # [B, V] fp32
-        if self._params is None:
-            self._params = sampling.BatchSampling.from_settings(
-                [s.settings for s in rows], logits.device
-            )
-        return Decoded(rows, logits, self._params)
+        return self._batch.step()
 
     # ---- leaving --------------------------------------------------------------------------------
 
@@ -195,9 +193,7 @@ class SlotSteps:
             del self._slot[id(stream)]
             if stream in self._prefilling:
                 self._prefilling.remove(stream)
-            else:
-                self._decoding.remove(stream)
-                self._params = None
+        self._batch.remove(streams)
 
     def clear(self) -> list:
         """Drop every stream (their KV may be half written: nothing is kept)."""

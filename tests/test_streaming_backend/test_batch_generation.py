@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from conftest import sequence_log_prob
 
 from streaming_backend.batch_generation import (
     GenerationRequest,
     generate_batch,
-    sequence_log_prob,
 )
 from streaming_backend.errors import InvalidRequest
 from streaming_backend.settings import SamplingSettings

@@ -8,11 +8,11 @@ import math
 
 import pytest
 import torch
+from conftest import sequence_log_prob
 
 from streaming_backend.batch_generation import (
     GenerationRequest,
     generate_batch,
-    sequence_log_prob,
 )
 from streaming_backend.beam import length_normalised
 from streaming_backend.errors import InvalidRequest

@@ -101,12 +101,12 @@ class RecordingEngine(Engine):
         self.batch_sizes: list[int] = []
         self.steps: list[list[str]] = []  # request ids sampled together, per step
 
-    def _process_logits(self, streams, logits):
+    def _emit(self, streams, logits, chooser):
         self.batch_sizes.append(len(streams))
         self.steps.append([s.handle.request_id for s in streams])
         for row, stream in enumerate(streams):
             self.logits.setdefault(stream.handle.request_id, []).append(logits[row].clone())
-        return super()._process_logits(streams, logits)
+        return super()._emit(streams, logits, chooser)
 
 
 def test_logits_in_a_mixed_batch_match_the_stream_alone(tiny_loaded):

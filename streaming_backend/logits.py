@@ -1,0 +1,116 @@
+"""The logits pipeline of one batch: from a step's logits [B, V] to one chosen token per row.
+
+`NextTokenChooser` is built once per batch composition (the running batch caches it and builds a
+new one when rows join or leave) and holds the rows' sampling settings as tensors. Each step it
+runs the same stages for every caller, the streaming engine and the dialogue model alike:
+
+    finite check -> repetition penalty -> EOS ban before min_tokens -> temperature, top-k, top-p
+    -> the draw (one uniform per row from the row's own generator) -> logprobs of the choice
+
+and brings the ids, finite flags and logprobs to the host in one transfer. A row that needs no
+stage (penalty 1, min_tokens reached) costs that stage nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from streaming_backend import sampling
+from streaming_backend.settings import SamplingSettings
+
+
+class Row(Protocol):
+    """What the pipeline reads of a row: its settings, generator and tokens so far."""
+
+    settings: SamplingSettings
+    generator: torch.Generator
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One step's chosen token per row, on the host."""
+
+    ids: list[int]
+    finite: list[bool]  # False: the row's logits held NaN or inf (it was drawn from zeros)
+    logprobs: list[float] | None  # each choice's log-probability, when asked for
+
+
+class NextTokenChooser:
+    """The sampling settings of one batch's rows, and the pipeline that applies them."""
+
+    def __init__(
+        self,
+        settings: Sequence[SamplingSettings],
+        eos_ids: Collection[int],
+        device: torch.device | str = "cpu",
+    ):
+        self.params = sampling.BatchSampling.from_settings(settings, device)
+        self.penalties = [s.repetition_penalty for s in settings]
+        self.min_tokens = [s.min_tokens for s in settings]
+        self.eos_ids = sorted(eos_ids)
+
+    @classmethod
+    def for_rows(
+        cls, rows: Sequence[Row], eos_ids: Collection[int], device: torch.device | str = "cpu"
+    ) -> NextTokenChooser:
+        """The chooser of these rows, in this order."""
+        return cls([row.settings for row in rows], eos_ids, device)
+
+    def __len__(self) -> int:
+        return len(self.penalties)
+
+    def process(self, logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
+        """The logits processors, in place where possible: repetition penalty, then EOS banned
+        on rows short of min_tokens -> logits [B, V]."""
+        self._check(rows)
+        penalised = [
+            (r, penalty, _seen(row))
+            for r, (row, penalty) in enumerate(zip(rows, self.penalties))
+            if penalty != 1.0
+        ]
+        logits = sampling.apply_repetition_penalty(logits, penalised)
+        early = [
+            r
+            for r, (row, least) in enumerate(zip(rows, self.min_tokens))
+            if len(row.output_ids) < least
+        ]
+        return sampling.suppress_tokens(logits, early, self.eos_ids)
+
+    def choose(self, logits: torch.Tensor, rows: Sequence[Row], logprobs: bool = False) -> Choice:
+        """One token per row of logits [B, V]: the whole pipeline and one host transfer.
+
+        Logprobs are of the model's raw distribution (before penalties and temperature), as the
+        OpenAI API and vLLM report them.
+        """
+        raw = logits
+        # NaN or inf (fp16 overflow, a broken device) would be sampled as some token: such a row
+        # is drawn from zeros instead and reported, so its stream can fail alone
+        finite = torch.isfinite(logits).all(-1)  # [B]
+        logits = self.process(torch.where(finite[:, None], logits, 0.0), rows)
+        uniforms = sampling.draw_uniforms([row.generator for row in rows])
+        chosen = sampling.sample(logits, self.params, uniforms)  # [B] on the device
+        # float64 holds every id exactly: ids, flags and logprobs come back in one copy
+        columns = [chosen.double(), finite.double()]
+        if logprobs:
+            columns.append(sampling.token_logprobs(raw, chosen).double())
+        host = torch.stack(columns).tolist()
+        return Choice(
+            ids=[int(i) for i in host[0]],
+            finite=[bool(f) for f in host[1]],
+            logprobs=host[2] if logprobs else None,
+        )
+
+    def _check(self, rows: Sequence[Row]) -> None:
+        if len(rows) != len(self):
+            raise ValueError(f"a chooser of {len(self)} rows was given {len(rows)}")
+
+
+def _seen(row: Row) -> list[int]:
+    """The tokens a repetition penalty counts: the prompt and the output so far."""
+    return [*row.prompt_ids, *row.output_ids]

@@ -1,0 +1,80 @@
+"""Tests for streaming_backend/logits.py: one batch's logits pipeline, the same for every caller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from streaming_backend import sampling
+from streaming_backend.logits import NextTokenChooser
+from streaming_backend.settings import SamplingSettings
+
+EOS = 0
+V = 6
+
+
+@dataclass(eq=False)
+class Row:
+    settings: SamplingSettings = field(default_factory=SamplingSettings)
+    prompt_ids: list[int] = field(default_factory=lambda: [3])
+    output_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator = field(default_factory=lambda: sampling.new_generator(7))
+
+
+def choose(rows, logits, **kwargs):
+    return NextTokenChooser.for_rows(rows, [EOS]).choose(logits, rows, **kwargs)
+
+
+def test_greedy_rows_take_the_argmax_and_logprobs_are_the_raw_log_softmax():
+    """Logprobs are of the model's distribution before penalties and temperature."""
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0, 0.0, 0.0], [5.0, 1.0, 0.0, 0.0, 0.0, 9.0]])
+    rows = [Row(SamplingSettings(temperature=0)), Row(SamplingSettings(temperature=0))]
+    choice = choose(rows, logits.clone(), logprobs=True)
+    assert choice.ids == [2, 5] and choice.finite == [True, True]
+    expected = torch.log_softmax(logits, -1)[[0, 1], [2, 5]].tolist()
+    assert choice.logprobs == pytest.approx(expected)
+    assert choose(rows, logits.clone()).logprobs is None
+
+
+def test_eos_is_banned_until_min_tokens():
+    """A row short of min_tokens cannot draw EOS; once it has them it can."""
+    logits = torch.tensor([[9.0, 1.0, 0.0, 0.0, 0.0, 0.0]])
+    short = Row(SamplingSettings(temperature=0, min_tokens=2), output_ids=[4])
+    assert choose([short], logits.clone()).ids == [1]
+    enough = Row(SamplingSettings(temperature=0, min_tokens=2), output_ids=[4, 4])
+    assert choose([enough], logits.clone()).ids == [EOS]
+
+
+def test_repetition_penalty_counts_prompt_and_output():
+    """A seen token (prompt or output) is penalised; an unseen one is not; other rows are not."""
+    logits = torch.tensor([[0.0, 0.0, 0.0, 2.0, 1.9, 0.0]] * 2)
+    penalised = Row(SamplingSettings(temperature=0, repetition_penalty=2.0), prompt_ids=[3])
+    plain = Row(SamplingSettings(temperature=0), prompt_ids=[3])
+    assert choose([penalised, plain], logits).ids == [4, 3]
+
+
+def test_a_non_finite_row_is_reported_and_the_others_are_unharmed():
+    """NaN in one row: that row is flagged, the other is chosen as alone."""
+    logits = torch.tensor([[float("nan")] * V, [0.0, 0.0, 5.0, 0.0, 0.0, 0.0]])
+    choice = choose([Row(SamplingSettings(temperature=0)), Row(SamplingSettings(0))], logits)
+    assert choice.finite == [False, True] and choice.ids[1] == 2
+
+
+def test_a_rows_draw_does_not_depend_on_its_neighbours():
+    """Each row draws one uniform from its own generator: a seeded row picks the same token
+    alone and beside any other rows."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, V)
+    alone = choose([Row(SamplingSettings(seed=1))], logits[1:2].clone()).ids
+    rows = [Row(SamplingSettings(temperature=0.5)), Row(), Row(SamplingSettings(top_k=2))]
+    rows[0].generator = sampling.new_generator(5)
+    assert choose(rows, logits.clone()).ids[1] == alone[0]
+
+
+def test_a_chooser_refuses_rows_it_was_not_built_for():
+    """Rows and chooser out of step is a bug, caught at once."""
+    chooser = NextTokenChooser.for_rows([Row()], [EOS])
+    with pytest.raises(ValueError, match="chooser of 1 rows was given 2"):
+        chooser.process(torch.zeros(2, V), [Row(), Row()])
