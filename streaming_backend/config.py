@@ -23,6 +23,7 @@ from streaming_backend.parameters import (
     ParameterTable,
     choice,
     integer,
+    integer_or_auto,
 )
 from streaming_backend.wire import CHAT_MODEL, DIALOGUE_MODEL
 
@@ -120,9 +121,10 @@ CHAT_PARAMETERS = ParameterTable(
         ),
         Parameter(
             "prefill_chunk_tokens",
-            "64",
-            "prompt tokens prefilled per step while other streams decode",
-            integer(1),
+            "auto",
+            "prompt tokens prefilled per step while other streams decode; auto: as many as "
+            "one decode step's time, measured",
+            integer_or_auto(1),
             option=True,
         ),
         Parameter(
@@ -202,8 +204,9 @@ class EngineConfig:
     # (an answer's KV comes from decode steps, whose bf16 rounding differs a little); off.
     prefix_cache: str = _CHAT["prefix_cache"]
     # Prompt tokens prefilled per engine step while other streams decode (compact forward): a new
-    # prompt delays running streams by about one chunk per step. Measured in docs/performance.md.
-    prefill_chunk_tokens: int = _CHAT["prefill_chunk_tokens"]
+    # prompt delays running streams by about one chunk per step. None (auto): as many as cost
+    # about one decode step, measured as the engine runs (steps/pacing.py).
+    prefill_chunk_tokens: int | None = _CHAT["prefill_chunk_tokens"]
     # The compact forward's KV cache: a fraction of the device's free memory at start (the CPU's
     # MemAvailable) such as "0.5", or a size such as "4GiB" or "512MiB". Its slots hold the live
     # streams and the prefix cache; admission waits for a slot, so a step never runs out of it.
@@ -219,7 +222,7 @@ class EngineConfig:
             raise ValueError(f"invalid engine limits: {self}")
         if self.forward not in FORWARDS:
             raise ValueError(f"forward must be one of {', '.join(FORWARDS)}, not {self.forward!r}")
-        if self.prefill_chunk_tokens < 1:
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, not {self.prefill_chunk_tokens}")
         parse_memory(self.kv_cache_memory)
         if self.prefix_cache not in PREFIX_CACHE_MODES:

@@ -33,6 +33,16 @@ def _integer(low: int) -> Kind:
     return Kind(parse, str, "N")
 
 
+def _integer_or_auto(low: int) -> Kind:
+    """An integer, or "auto" (None: the code chooses)."""
+    number = _integer(low)
+
+    def parse(text: str) -> int | None:
+        return None if text.strip() == "auto" else number.parse(text)
+
+    return Kind(parse, lambda value: "auto" if value is None else str(value), "{auto,N}")
+
+
 def _choice(*options: str) -> Kind:
     def parse(text: str) -> str:
         value = text.strip()
@@ -65,6 +75,7 @@ OPTIONAL_TEXT = Kind(lambda text: text.strip() or None, lambda value: value or "
 SWITCH = Kind(_switch, lambda value: "on" if value else "off", "{on,off}")
 MILLISECONDS = Kind(_milliseconds, lambda seconds: f"{seconds * 1e3:g}", "MS")  # value: seconds
 integer = _integer
+integer_or_auto = _integer_or_auto
 choice = _choice
 
 

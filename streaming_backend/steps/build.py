@@ -40,16 +40,17 @@ def build_steps(loaded: LoadedModel, config: EngineConfig, on_failure: OnFailure
         log.warning("the Hugging Face forward runs this model: %s", exc)
         return HfSteps(loaded, config, on_failure)
     cache = forward.cache
+    steps = SlotSteps(forward, config, on_failure, loaded.eos_ids)
+    steps.calibrate()
     log.info(
-        "compact forward: %d KV cache slots of %d positions (%.0f MiB), prefix cache %s, "
-        "prefill chunks of %d tokens%s",
+        "compact forward: %d KV cache slots of %d positions (%.0f MiB), prefix cache %s, %s%s",
         cache.slots,
         cache.max_len,
         2 * cache.k.numel() * cache.k.element_size() / 2**20,
         config.prefix_cache,
-        config.prefill_chunk_tokens,
+        steps.pacer.describe(),
         f", decode step compiled in {forward.compile_seconds:.1f} s"
         if forward.compile_seconds is not None
         else "",
     )
-    return SlotSteps(forward, config, on_failure, loaded.eos_ids)
+    return steps

@@ -1,10 +1,11 @@
 """The compact forward: chunked prefill under a token budget, prefix reuse, decode over slots.
 
 Every admitted stream holds one slot of the preallocated KV cache. Its prompt is prefilled in
-chunks: each engine step prefills at most `prefill_chunk_tokens` prompt tokens (all admitted
-prompts together, oldest first) and then runs one decode step for the streams already decoding,
-so a long new prompt delays running streams by one chunk per step instead of its whole prefill.
-With nothing decoding, the budget is `max_prefill_tokens`: no one is waiting.
+chunks: each engine step prefills at most the pacer's budget of prompt tokens (all admitted
+prompts together, oldest first; about one decode step's time, or `prefill_chunk_tokens`) and
+then runs one decode step for the streams already decoding, so a long new prompt delays running
+streams by about one step per step instead of its whole prefill. With nothing decoding, the
+budget is `max_prefill_tokens`: no one is waiting.
 
 A new stream first looks for a slot whose tokens share a prefix with its prompt (PrefixCache): an
 idle slot left by an ended stream is taken over as it is; a live stream's slot is copied. Either
@@ -24,6 +25,7 @@ from streaming_backend.config import EngineConfig
 from streaming_backend.forward.runner import Chunk, SlotForward
 from streaming_backend.prefix_cache import PrefixCache
 from streaming_backend.steps import Decoded, OnFailure, Prefilled
+from streaming_backend.steps.pacing import PrefillPacer, timed
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,9 @@ class SlotSteps:
         self._slot: dict[int, int] = {}  # id(stream) -> its slot, prefilling or decoding
         self._prefilling: list = []  # admitted, prompt not wholly in the cache; oldest first
         self._batch: RunningBatch = RunningBatch(SlotRows(forward), eos_ids, forward.device)
+        self.pacer = PrefillPacer(
+            fixed=config.prefill_chunk_tokens, ceiling=config.max_prefill_tokens
+        )
 
     # ---- admission ------------------------------------------------------------------------------
 
@@ -117,7 +122,7 @@ class SlotSteps:
         """Prefill the next chunks of the admitted prompts; yield the streams now complete."""
         if not self._prefilling:
             return
-        budget = self.config.prefill_chunk_tokens if self._batch.rows else None
+        budget = self.pacer.budget() if self._batch.rows else None
         chunks = self._chunks(budget or self.config.max_prefill_tokens)
         now = time.monotonic_ns()
         for stream, _ in chunks:
@@ -142,7 +147,10 @@ class SlotSteps:
     def _run(self, chunks: list) -> tuple[list, list[torch.Tensor]]:
         """Run the chunks in one pass (each alone if that fails: only a bad one fails)."""
         try:
-            logits = self.forward.prefill([chunk for _, chunk in chunks])
+            logits, seconds = timed(
+                lambda: self.forward.prefill([chunk for _, chunk in chunks]), self._sync
+            )
+            self.pacer.observe_prefill(sum(len(c.tokens) for _, c in chunks), seconds)
         except Exception as exc:
             if len(chunks) == 1:
                 stream = chunks[0][0]
@@ -174,7 +182,31 @@ class SlotSteps:
 
     def decode(self) -> Decoded:
         """One token for every decoding stream, at its slot's next position."""
-        return self._batch.step()
+        step, seconds = timed(self._batch.step, self._sync)
+        self.pacer.observe_decode(seconds)
+        return step
+
+    def _sync(self) -> None:
+        """Wait for the device's queued work, so a step's time is its real cost."""
+        if self.forward.device.type == "cuda":
+            torch.cuda.synchronize(self.forward.device)
+
+    def calibrate(self, tokens: int = 64) -> None:
+        """Time one prefill chunk and one decode step on a spare slot, so the first steps'
+        budget is already sized in time (the engine's own steps keep it current)."""
+        if self.pacer.fixed is not None or not self.cache.free_slots:
+            return
+        slot = self.cache.allocate()
+        try:
+            chunk = [Chunk(slot, [0] * min(tokens, self.cache.max_len - 1))]
+            self.forward.prefill(chunk)  # first call: allocations, kernel selection
+            self.cache.truncate(slot, 0)
+            _, seconds = timed(lambda: self.forward.prefill(chunk), self._sync)
+            self.pacer.observe_prefill(len(chunk[0].tokens), seconds)
+            _, seconds = timed(lambda: self.forward.decode([slot], [0]), self._sync)
+            self.pacer.observe_decode(seconds)
+        finally:
+            self.cache.free(slot)
 
     # ---- leaving --------------------------------------------------------------------------------
 

@@ -140,6 +140,31 @@ def test_long_prompts_are_prefilled_in_chunks_between_decode_steps(tiny_loaded):
     _same(events, _reference(tiny_loaded, long_prompt))
 
 
+def test_auto_chunks_follow_the_pacers_budget(tiny_loaded):
+    """prefill_chunk_tokens auto: the pacer is calibrated at load, and while a stream decodes
+    each step prefills exactly the pacer's budget (or what is left of the prompt)."""
+    long_prompt = list(range(4000, 4200))
+    with _engine(tiny_loaded, max_streams=4) as engine:
+        pacer = engine._steps.pacer
+        assert pacer.fixed is None and pacer.seconds_per_token and pacer.seconds_per_step
+        budgets, chunks = [], []
+        budget, prefill = pacer.budget, engine._steps.forward.prefill
+        pacer.budget = lambda: budgets.append(budget()) or budgets[-1]
+        engine._steps.forward.prefill = lambda c: chunks.append(len(c[0].tokens)) or prefill(c)
+        running = iter(engine.submit(PROMPT, SamplingSettings(max_tokens=200, ignore_eos=True)))
+        next(running)
+        budgets.clear(), chunks.clear()
+        _, _, events = _run(engine, long_prompt)
+        running_events = list(running)
+    assert running_events[-1].finish_reason is FinishReason.LENGTH
+    assert sum(chunks) == len(long_prompt) and len(chunks) == len(budgets)
+    left = len(long_prompt)
+    for budget_then, chunk in zip(budgets, chunks):
+        assert chunk == min(budget_then, left)
+        left -= chunk
+    _same(events, _reference(tiny_loaded, long_prompt))
+
+
 def test_hf_forward_has_no_prefix_reuse(tiny_loaded):
     """forward=hf is the baseline: every prompt is prefilled whole, cached_tokens stays 0."""
     with Engine(tiny_loaded, EngineConfig(forward="hf")) as engine:

@@ -1,0 +1,62 @@
+"""Tests for streaming_backend/steps/pacing.py: prefill chunks sized in time."""
+
+from __future__ import annotations
+
+import pytest
+
+from streaming_backend.steps.pacing import GRANULE, PrefillPacer
+
+
+def paced(ms_per_token: float, ms_per_step: float, **kwargs) -> PrefillPacer:
+    pacer = PrefillPacer(**kwargs)
+    pacer.observe_prefill(64, 64 * ms_per_token / 1e3)
+    pacer.observe_decode(ms_per_step / 1e3)
+    return pacer
+
+
+@pytest.mark.parametrize(
+    "ms_per_token, ms_per_step, budget",
+    [
+        (0.5, 40.0, 80),  # 80 tokens cost one step
+        (2.0, 40.0, 16),  # slow prefill (bf16 without native bf16): a small chunk
+        (0.05, 40.0, 800),  # fast prefill (a GPU): a large chunk
+        (5.0, 1.0, GRANULE),  # never below one granule
+        (0.001, 1000.0, 4096),  # never above the ceiling
+        (0.5, 47.0, 80),  # rounded down to a granule: 94 tokens -> 80
+    ],
+)
+def test_budget_is_one_decode_steps_time_of_prefill(ms_per_token, ms_per_step, budget):
+    """The chunk costs about one decode step, in granules, within [granule, ceiling]."""
+    assert paced(ms_per_token, ms_per_step).budget() == budget
+
+
+def test_a_fixed_chunk_overrides_the_measurements():
+    """prefill_chunk_tokens set: always that many, whatever was measured."""
+    assert paced(0.5, 40.0, fixed=24).budget() == 24
+    assert "fixed" in paced(0.5, 40.0, fixed=24).describe()
+
+
+def test_until_measured_the_start_budget_holds():
+    """Before both rates are known (no calibration, no steps yet) the start value is used."""
+    pacer = PrefillPacer(start=64)
+    assert pacer.budget() == 64
+    pacer.observe_decode(0.04)
+    assert pacer.budget() == 64
+
+
+def test_tiny_prefills_do_not_move_the_rate():
+    """A 2-token prefill is mostly fixed cost: it would make prefill look slow per token."""
+    pacer = paced(0.5, 40.0)
+    pacer.observe_prefill(2, 0.02)
+    assert pacer.budget() == 80
+
+
+def test_the_budget_follows_the_running_batch():
+    """As the decode step grows (more streams), the chunk grows with it; smoothed, not jumped."""
+    pacer = paced(0.5, 10.0)
+    assert pacer.budget() == 16
+    pacer.observe_decode(0.08)
+    assert 16 < pacer.budget() < 160  # one slow step moves it part of the way
+    for _ in range(40):
+        pacer.observe_decode(0.08)
+    assert pacer.budget() == 144  # 159.9 tokens, in granules
