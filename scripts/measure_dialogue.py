@@ -1,10 +1,12 @@
-"""The dialogue_model with Triton's dynamic batching (as shipped) vs without it, in one run.
+"""The dialogue_model in several configurations on the seed's stress workload, in one run.
 
-For each mode: start tritonserver with only the dialogue_model (two instances) on free loopback
-ports, run `tokenstream stress` (random ids of 32, 16 new tokens, 100 concurrent), stop it. Prints
-the two side by side and writes bench-results/dialogue/<mode>.json.
+--compare batching: Triton's dynamic batching (as shipped) vs none. --compare forward: the compact
+forward (the default) vs Hugging Face's, both with dynamic batching. For each mode: start
+tritonserver with only the dialogue_model (two instances) on free loopback ports, run `tokenstream
+stress` (random ids of 32, 16 new tokens, 100 concurrent), stop it. Prints the modes side by side
+and writes bench-results/dialogue/<mode>.json.
 
-    PYTHONPATH=. .venv/bin/python scripts/measure_dialogue.py --requests 300 [--model DIR]
+    PYTHONPATH=. .venv/bin/python scripts/measure_dialogue.py --compare forward --requests 300
 """
 
 from __future__ import annotations
@@ -20,12 +22,23 @@ from streaming_backend.launcher import ServerConfig, TritonServer, free_port
 from streaming_backend.launcher.batching import DialogueBatching
 from streaming_backend.wire import DIALOGUE_MODEL
 
-MODES = {"batching": DialogueBatching(), "no batching": DialogueBatching(dynamic_batching=False)}
+# mode name -> (batching, extra dialogue_model parameters)
+COMPARISONS = {
+    "batching": {
+        "batching": (DialogueBatching(), {}),
+        "no batching": (DialogueBatching(dynamic_batching=False), {}),
+    },
+    "forward": {
+        "hf forward": (DialogueBatching(), {"forward": "hf"}),
+        "compact forward": (DialogueBatching(), {"forward": "compact"}),
+    },
+}
 
 
-def run_mode(name: str, batching: DialogueBatching, args: argparse.Namespace) -> dict:
+def run_mode(name: str, mode: tuple, args: argparse.Namespace) -> dict:
+    batching, extra = mode
     config = ServerConfig(
-        model_parameters=parameter_strings(model=args.model, dtype=args.dtype),
+        model_parameters=parameter_strings(model=args.model, dtype=args.dtype, **extra),
         models=(DIALOGUE_MODEL,),
         dialogue=batching,
         http_port=free_port(),
@@ -76,9 +89,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--concurrency", type=int, default=100)
+    parser.add_argument("--compare", choices=sorted(COMPARISONS), default="batching")
     parser.add_argument("--out", type=Path, default=Path("bench-results/dialogue"))
     args = parser.parse_args()
-    results = {name: run_mode(name, batching, args) for name, batching in MODES.items()}
+    modes = COMPARISONS[args.compare]
+    results = {name: run_mode(name, mode, args) for name, mode in modes.items()}
     print(side_by_side(results))
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Generic, NamedTuple, Protocol, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -34,7 +34,8 @@ class RowState(Protocol):
 
     def extend(self, added) -> None: ...  # the state of rows appended after a prefill
 
-    def select(self, keep: list[int]) -> None: ...  # keep these rows, in this order
+    # keep these rows, in this order; a row named twice is forked (beam search)
+    def select(self, keep: list[int]) -> None: ...
 
     def clear(self) -> None: ...
 
@@ -93,23 +94,50 @@ class RunningBatch(Generic[R]):
 
 
 class SlotForwardLike(Protocol):
+    cache: Any  # forward.slots.SlotCache
+
     def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor: ...
 
 
 class SlotRows:
-    """Each row's slot of the compact forward's KV cache (which knows each slot's length)."""
+    """Each row's slot of the compact forward's KV cache (which knows each slot's length).
 
-    def __init__(self, forward: SlotForwardLike):
+    With `owns_slots` (the dialogue model's batch) the rows own their slots: a dropped row's
+    slot is freed and a row kept twice (a beam with two children) is copied into a free slot.
+    Without it (the streaming engine), slots belong to the caller, who frees or keeps them.
+    """
+
+    def __init__(self, forward: SlotForwardLike, owns_slots: bool = False):
         self.forward = forward
+        self.owns_slots = owns_slots
         self.slots: list[int] = []
 
     def extend(self, added: Sequence[int]) -> None:
         self.slots.extend(added)
 
     def select(self, keep: list[int]) -> None:
-        self.slots = [self.slots[r] for r in keep]
+        if not self.owns_slots:
+            self.slots = [self.slots[r] for r in keep]
+            return
+        cache = self.forward.cache
+        for r in set(range(len(self.slots))) - set(keep):
+            cache.free(self.slots[r])  # first: a fork below may reuse it
+        taken: set[int] = set()
+        slots = []
+        for r in keep:
+            slot = self.slots[r]
+            if slot in taken:  # a second child of the same row gets a copy of its KV
+                fork = cache.allocate()
+                cache.copy_prefix(slot, fork, cache.lengths[slot])
+                slot = fork
+            taken.add(slot)
+            slots.append(slot)
+        self.slots = slots
 
     def clear(self) -> None:
+        if self.owns_slots:
+            for slot in self.slots:
+                self.forward.cache.free(slot)
         self.slots = []
 
     def decode(self, tokens: list[int]) -> torch.Tensor:

@@ -3,21 +3,22 @@ one forward pass per step for every row of every request.
 
 Used by the dialogue_model, whose execute() receives a batch formed by Triton's dynamic batcher.
 A request is one row (sampling) or W rows (beam search, streaming_backend.beam; greedy is beam
-search of width 1). Rows are left-padded in one KV cache (streaming_backend.kvcache); after each
-step the cache is re-indexed so that every row holds the beam it continues, and finished
-requests' rows are dropped.
+search of width 1). The rows' model state comes from a `BatchForward` (streaming_backend.
+batch_forward: slots of the compact forward, or a Hugging Face cache); after each step it keeps
+the rows that go on, each forked from the beam it continues, and finished requests' rows leave.
+Tokens are chosen by the same logits pipeline as the streaming engine's (streaming_backend.logits).
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from streaming_backend import kvcache, sampling
+from streaming_backend import sampling
+from streaming_backend.batch_forward import BatchForward, HfBatchForward
 from streaming_backend.beam import BeamSearch, Hypothesis, step_all
 from streaming_backend.errors import InvalidRequest, StreamingError
 from streaming_backend.loading import LoadedModel
@@ -86,9 +87,14 @@ def vocab_size(loaded: LoadedModel) -> int:
 
 
 def generate_batch(
-    loaded: LoadedModel, requests: Sequence[GenerationRequest], max_beam_width: int
+    loaded: LoadedModel,
+    requests: Sequence[GenerationRequest],
+    max_beam_width: int,
+    forward: BatchForward | None = None,
 ) -> list[GenerationResult | StreamingError]:
-    """Generate for every request together; a request that fails gets its own error instead."""
+    """Generate for every request together on `forward` (default: Hugging Face's); a request
+    that fails gets its own error instead."""
+    forward = forward or HfBatchForward(loaded)
     results: list[GenerationResult | StreamingError | None] = [None] * len(requests)
     valid = []
     for index, request in enumerate(requests):
@@ -97,23 +103,24 @@ def generate_batch(
             valid.append(index)
         except InvalidRequest as error:
             results[index] = error
-    for index, outcome in zip(valid, _generate_isolated(loaded, [requests[i] for i in valid])):
+    outcomes = _generate_isolated(forward, loaded.eos_ids, [requests[i] for i in valid])
+    for index, outcome in zip(valid, outcomes):
         results[index] = outcome
     return results
 
 
-def _generate_isolated(loaded, requests):
+def _generate_isolated(forward: BatchForward, eos_ids: frozenset[int], requests):
     """Run the batch; if it fails, run each request alone so only a failing one errs."""
     if not requests:
         return []
     try:
         with torch.inference_mode():
-            return _generate(loaded, requests)
+            return _generate(forward, eos_ids, requests)
     except Exception as error:  # a bug or an allocation failure: find who fails
         if len(requests) == 1:
             log.exception("generation failed")
             return [StreamingError(f"{type(error).__name__}: {error}")]
-        return [_generate_isolated(loaded, [r])[0] for r in requests]
+        return [_generate_isolated(forward, eos_ids, [r])[0] for r in requests]
 
 
 # ---- one request's rows ---------------------------------------------------------------------
@@ -188,31 +195,38 @@ def _start(request: GenerationRequest, model_end_ids: frozenset[int]):
 # ---- the loop -------------------------------------------------------------------------------
 
 
-def _generate(loaded: LoadedModel, requests: Sequence[GenerationRequest]):
+def _generate(
+    forward: BatchForward, eos_ids: frozenset[int], requests: Sequence[GenerationRequest]
+):
     """Prefill all prompts together, then step every live row together until all are done."""
-    groups = [_start(r, loaded.eos_ids) for r in requests]
-    batch, logits, positions = prefill_prompts(loaded, [r.prompt_ids for r in requests])
-    expand = [i for i, g in enumerate(groups) for _ in range(g.rows)]  # beam rows share a prompt
-    if len(expand) != len(groups):
-        batch, logits, positions = kvcache.select(batch, expand), logits[expand], positions[expand]
-    live = groups
-    while True:
-        choices = _choose(live, logits, loaded.eos_ids)  # per group: (source rows, next tokens)
-        keep, next_tokens, still = [], [], []
-        offset = 0
-        for group, (sources, tokens) in zip(live, choices):
-            if sources:
-                keep += [offset + s for s in sources]
-                next_tokens += tokens
-                still.append(group)
-            offset += group.rows
-        if not still:
-            break
-        if keep != list(range(offset)):
-            batch, positions = kvcache.select(batch, keep), positions[keep]
-        logits = _decode(loaded, batch, next_tokens, positions)
-        positions = positions + 1
-        live = still
+    groups = [_start(r, eos_ids) for r in requests]
+    rows = sum(g.rows for g in groups)
+    length = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+    state, logits = forward.prefill([r.prompt_ids for r in requests], rows, length)
+    try:
+        expand = [i for i, g in enumerate(groups) for _ in range(g.rows)]  # beams share a prompt
+        if len(expand) != len(groups):
+            state.select(expand)
+            logits = logits[expand]
+        live = groups
+        while True:
+            choices = _choose(live, logits, eos_ids)  # per group: (source rows, next tokens)
+            keep, next_tokens, still = [], [], []
+            offset = 0
+            for group, (sources, tokens) in zip(live, choices):
+                if sources:
+                    keep += [offset + s for s in sources]
+                    next_tokens += tokens
+                    still.append(group)
+                offset += group.rows
+            if not still:
+                break
+            if keep != list(range(offset)):
+                state.select(keep)  # finished requests leave; beams follow their parents
+            logits = state.decode(next_tokens)
+            live = still
+    finally:
+        state.clear()
     return [g.result() for g in groups]
 
 
@@ -269,49 +283,3 @@ def _beam_log_probs(
     ]
     chooser = NextTokenChooser.for_rows(rows, eos_ids, logits.device)
     return torch.log_softmax(chooser.process(logits.clone(), rows).float(), dim=-1)
-
-
-# ---- forward passes -------------------------------------------------------------------------
-
-
-def cache_kwarg(model) -> str:
-    """The name under which this model's forward() takes a KV cache."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def prefill_prompts(loaded: LoadedModel, prompts: Sequence[Sequence[int]]):
-    """One forward pass over left-padded prompts -> (cache, last logits [N, V], positions [N])."""
-    device = loaded.device
-    length = max(len(p) for p in prompts)
-    pad = min(loaded.eos_ids, default=0)  # any valid id: masked out
-    ids = torch.full((len(prompts), length), pad, dtype=torch.long)
-    mask = torch.zeros((len(prompts), length), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, length - len(prompt) :] = torch.tensor(prompt)
-        mask[row, length - len(prompt) :] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [N, L]; padding gets position 0
-    cache = kvcache.DynamicCache()
-    out = loaded.model(
-        input_ids=ids.to(device),
-        attention_mask=mask.to(device),
-        position_ids=positions.to(device),
-        use_cache=True,
-        logits_to_keep=1,
-        **{cache_kwarg(loaded.model): cache},
-    )
-    logits = out.logits[:, -1, :].float()  # [N, V]
-    return kvcache.BatchCache(cache, mask.to(device)), logits, mask.sum(-1)
-
-
-def _decode(loaded: LoadedModel, batch: kvcache.BatchCache, tokens: list[int], positions):
-    """One forward pass of one new token per row -> logits [R, V]; extends the cache in place."""
-    device = loaded.device
-    batch.mask = torch.cat([batch.mask, batch.mask.new_ones((batch.rows, 1))], dim=1)
-    out = loaded.model(
-        input_ids=torch.tensor(tokens, dtype=torch.long)[:, None].to(device),
-        attention_mask=batch.mask,
-        position_ids=positions[:, None].to(device),
-        use_cache=True,
-        **{cache_kwarg(loaded.model): batch.cache},
-    )
-    return out.logits[:, -1, :].float()

@@ -163,6 +163,12 @@ DIALOGUE_PARAMETERS = ParameterTable(
     (
         MODEL,
         DTYPE,
+        Parameter(
+            "forward",
+            "auto",
+            "auto (compact for Llama-family models, else hf), compact, or hf (Hugging Face)",
+            choice(*FORWARDS),
+        ),
         Parameter("max_beam_width", "8", "widest beam search a request may ask for", integer(1)),
         Parameter(
             "default_output_len",
@@ -273,6 +279,7 @@ class DialogueSettings:
 
     model: str | None = _DIALOGUE["model"]
     dtype: str = _DIALOGUE["dtype"]
+    forward: str = _DIALOGUE["forward"]
     max_beam_width: int = _DIALOGUE["max_beam_width"]
     default_output_len: int = _DIALOGUE["default_output_len"]
     cpu_threads: int = _DIALOGUE["cpu_threads"]  # on a CPU; 0: the cores / instances

@@ -448,3 +448,24 @@ def sequence_log_prob(loaded, prompt_ids, tokens) -> float:
     log_probs = torch.log_softmax(logits[len(prompt_ids) - 1 : -1], dim=-1)  # [T, V]
     chosen = torch.tensor(list(tokens), device=loaded.device)[:, None]
     return float(log_probs.gather(-1, chosen).sum()) if len(tokens) else 0.0
+
+
+_BATCH_FORWARDS: dict = {}
+
+
+@pytest.fixture(params=["compact", "hf"])
+def batch_forward(request) -> str:
+    """The dialogue model's forwards, by name: a test taking this runs on each."""
+    return request.param
+
+
+def batch_forward_for(loaded, name: str):
+    """The BatchForward `name` of a loaded model, built once per model (the compact one fuses
+    the weights)."""
+    from streaming_backend.batch_forward import CompactBatchForward, HfBatchForward
+
+    key = (id(loaded), name)
+    if key not in _BATCH_FORWARDS:
+        kind = CompactBatchForward if name == "compact" else HfBatchForward
+        _BATCH_FORWARDS[key] = (loaded, kind(loaded))  # the model kept alive with its forward
+    return _BATCH_FORWARDS[key][1]

@@ -128,6 +128,11 @@ class SlotCache:
         self.lengths[slot] = 0
         self._free.append(slot)
 
+    def reset(self) -> None:
+        """Free every slot (a batch's cache reused by the next batch)."""
+        self.lengths = [0] * self.slots
+        self._free = list(range(self.slots - 1, -1, -1))
+
     def copy_prefix(self, source: int, target: int, length: int) -> None:
         """Give `target` the first `length` positions of `source` (a shared prompt prefix)."""
         if length > self.lengths[source]:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Collection, Iterator
 
 from streaming_backend.batch import CacheRows, DecodeInputs, Prefill, RunningBatch
-from streaming_backend.batch_generation import cache_kwarg, prefill_prompts
+from streaming_backend.batch_forward import cache_kwarg, prefill_prompts
 from streaming_backend.config import EngineConfig
 from streaming_backend.loading import LoadedModel
 from streaming_backend.steps import Decoded, OnFailure, Prefilled, S

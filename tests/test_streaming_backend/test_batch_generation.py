@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import sequence_log_prob
+from conftest import batch_forward_for, sequence_log_prob
 
 from streaming_backend.batch_generation import (
     GenerationRequest,
@@ -30,35 +30,58 @@ def mixed_batch():
     ]
 
 
-def test_a_batch_equals_each_request_alone(tiny_loaded):
+def test_a_batch_equals_each_request_alone(batch_forward, tiny_loaded):
     """Rows sharing one forward pass see only their own tokens: the same output as alone."""
-    batch = generate_batch(tiny_loaded, mixed_batch(), MAX_BEAM)
+    batch = generate_batch(
+        tiny_loaded, mixed_batch(), MAX_BEAM, forward=batch_forward_for(tiny_loaded, batch_forward)
+    )
     for request, together in zip(mixed_batch(), batch):
-        (alone,) = generate_batch(tiny_loaded, [request], MAX_BEAM)
+        (alone,) = generate_batch(
+            tiny_loaded, [request], MAX_BEAM, forward=batch_forward_for(tiny_loaded, batch_forward)
+        )
         assert [b.tokens for b in together.beams] == [b.tokens for b in alone.beams]
         for a, b in zip(together.beams, alone.beams):
             assert a.cum_log_prob == pytest.approx(b.cum_log_prob, abs=1e-3)
 
 
-def test_lengths_and_widths_are_kept(tiny_loaded):
-    results = generate_batch(tiny_loaded, mixed_batch(), MAX_BEAM)
+def test_lengths_and_widths_are_kept(batch_forward, tiny_loaded):
+    results = generate_batch(
+        tiny_loaded, mixed_batch(), MAX_BEAM, forward=batch_forward_for(tiny_loaded, batch_forward)
+    )
     for request, result in zip(mixed_batch(), results):
         assert len(result.beams) == request.beam_width
         assert all(1 <= len(b.tokens) <= request.max_new_tokens for b in result.beams)
 
 
-def test_greedy_is_deterministic(tiny_loaded):
+def test_greedy_is_deterministic(batch_forward, tiny_loaded):
     request = GenerationRequest((3, 1, 4, 1, 5), 10)
-    first = generate_batch(tiny_loaded, [request], 1)[0].beams[0].tokens
-    second = generate_batch(tiny_loaded, [request, request], 1)[1].beams[0].tokens
+    first = (
+        generate_batch(
+            tiny_loaded, [request], 1, forward=batch_forward_for(tiny_loaded, batch_forward)
+        )[0]
+        .beams[0]
+        .tokens
+    )
+    second = (
+        generate_batch(
+            tiny_loaded,
+            [request, request],
+            1,
+            forward=batch_forward_for(tiny_loaded, batch_forward),
+        )[1]
+        .beams[0]
+        .tokens
+    )
     assert first == second and len(first) == 10
 
 
-def test_a_seed_reproduces_sampled_output(tiny_loaded):
+def test_a_seed_reproduces_sampled_output(batch_forward, tiny_loaded):
     """The same seed gives the same tokens, alone or beside other requests; another seed differs."""
     prompt = (2, 7, 1, 8)
     one = GenerationRequest(prompt, 12, settings=sampled(42))
-    (alone,) = generate_batch(tiny_loaded, [one], 1)
+    (alone,) = generate_batch(
+        tiny_loaded, [one], 1, forward=batch_forward_for(tiny_loaded, batch_forward)
+    )
     _, beside, _ = generate_batch(
         tiny_loaded,
         [GenerationRequest(prompt, 5, settings=sampled(1)), one, GenerationRequest(prompt, 3)],
@@ -69,22 +92,31 @@ def test_a_seed_reproduces_sampled_output(tiny_loaded):
     assert alone.beams[0].tokens != other[0].beams[0].tokens
 
 
-def test_sampled_cum_log_probs_are_the_models(tiny_loaded):
+def test_sampled_cum_log_probs_are_the_models(batch_forward, tiny_loaded):
     """cum_log_probs of a sampled sequence: its log-probability under the model's raw logits."""
     request = GenerationRequest((4, 4, 4), 6, settings=sampled(9))
-    (result,) = generate_batch(tiny_loaded, [request], 1)
+    (result,) = generate_batch(
+        tiny_loaded, [request], 1, forward=batch_forward_for(tiny_loaded, batch_forward)
+    )
     beam = result.beams[0]
     expected = sequence_log_prob(tiny_loaded, request.prompt_ids, beam.tokens)
     assert beam.cum_log_prob == pytest.approx(expected, abs=1e-3)
 
 
-def test_an_end_id_ends_a_sequence(tiny_loaded):
+def test_an_end_id_ends_a_sequence(batch_forward, tiny_loaded):
     prompt = (6, 5, 4)
-    (free,) = generate_batch(tiny_loaded, [GenerationRequest(prompt, 8)], 1)
+    (free,) = generate_batch(
+        tiny_loaded,
+        [GenerationRequest(prompt, 8)],
+        1,
+        forward=batch_forward_for(tiny_loaded, batch_forward),
+    )
     end = free.beams[0].tokens[3]
     first = free.beams[0].tokens.index(end)
     request = GenerationRequest(prompt, 8, end_ids=frozenset({end}))
-    (ended,) = generate_batch(tiny_loaded, [request], 1)
+    (ended,) = generate_batch(
+        tiny_loaded, [request], 1, forward=batch_forward_for(tiny_loaded, batch_forward)
+    )
     assert ended.beams[0].tokens == free.beams[0].tokens[: first + 1]
 
 
@@ -99,11 +131,21 @@ def test_an_end_id_ends_a_sequence(tiny_loaded):
         (GenerationRequest((1, 2), 4, end_ids=frozenset({10**9})), "end_id must be in [0, "),
     ],
 )
-def test_a_bad_request_fails_alone(tiny_loaded, bad, message):
+def test_a_bad_request_fails_alone(batch_forward, tiny_loaded, bad, message):
     """Its own InvalidRequest with a clear message; the rest of the batch is served as usual."""
     good = mixed_batch()
-    results = generate_batch(tiny_loaded, [good[0], bad, good[1]], MAX_BEAM)
+    results = generate_batch(
+        tiny_loaded,
+        [good[0], bad, good[1]],
+        MAX_BEAM,
+        forward=batch_forward_for(tiny_loaded, batch_forward),
+    )
     assert isinstance(results[1], InvalidRequest)
     assert message in str(results[1])
-    clean = generate_batch(tiny_loaded, [good[0], good[1]], MAX_BEAM)
+    clean = generate_batch(
+        tiny_loaded,
+        [good[0], good[1]],
+        MAX_BEAM,
+        forward=batch_forward_for(tiny_loaded, batch_forward),
+    )
     assert [r.beams for r in (results[0], results[2])] == [r.beams for r in clean]

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import sequence_log_prob
+from conftest import batch_forward_for, sequence_log_prob
 
 from streaming_backend.batch_generation import (
     GenerationRequest,
@@ -70,21 +70,25 @@ def exhaustive_top(loaded, length, width, eos, penalty):
     return scored[:width]
 
 
-def beams(loaded, **kw):
+def beams(batch_forward, loaded, **kw):
     request = GenerationRequest(PROMPT, **kw)
-    (result,) = generate_batch(loaded, [request], max_beam_width=64)
+    (result,) = generate_batch(
+        loaded, [request], max_beam_width=64, forward=batch_forward_for(loaded, batch_forward)
+    )
     return result.beams
 
 
 @pytest.mark.parametrize(
     "eos, penalty", [(frozenset(), 1.0), (frozenset({0}), 1.0), (frozenset({0}), 0.5)]
 )
-def test_wide_beam_finds_the_exhaustive_best(eos, penalty):
+def test_wide_beam_finds_the_exhaustive_best(batch_forward, eos, penalty):
     """With W = V ** (L - 1) beams every prefix survives: the W best sequences of all are found."""
     vocab, length = 5, 3
     width = vocab ** (length - 1)
     loaded = small_vocab_model(vocab, eos)
-    found = beams(loaded, max_new_tokens=length, beam_width=width, length_penalty=penalty)
+    found = beams(
+        batch_forward, loaded, max_new_tokens=length, beam_width=width, length_penalty=penalty
+    )
     expected = exhaustive_top(loaded, length, width, eos, penalty)
     assert [b.tokens for b in found] == [seq for _, seq, _ in expected]
     for beam, (score, _, cum) in zip(found, expected):
@@ -92,11 +96,11 @@ def test_wide_beam_finds_the_exhaustive_best(eos, penalty):
         assert beam.score == pytest.approx(score, abs=1e-4)
 
 
-def test_narrow_beam_beats_or_equals_greedy():
+def test_narrow_beam_beats_or_equals_greedy(batch_forward):
     """A beam of 3 never returns a best sequence worse than greedy's."""
     loaded = small_vocab_model(7, frozenset({0}))
-    greedy = beams(loaded, max_new_tokens=4, beam_width=1)[0]
-    best = beams(loaded, max_new_tokens=4, beam_width=3)[0]
+    greedy = beams(batch_forward, loaded, max_new_tokens=4, beam_width=1)[0]
+    best = beams(batch_forward, loaded, max_new_tokens=4, beam_width=3)[0]
     assert best.score >= greedy.score - 1e-6
 
 
@@ -126,30 +130,37 @@ def hf_beam_search(loaded, prompt, width, new_tokens, eos_id, penalty):
     return sequences, out.sequences_scores.tolist()
 
 
-def mid_beam_token(loaded, prompt) -> int:
+def mid_beam_token(batch_forward, loaded, prompt) -> int:
     """A token the best beam picks half-way, so that as the end id it ends beams early."""
     request = GenerationRequest(tuple(prompt), max_new_tokens=10, beam_width=4)
-    (result,) = generate_batch(loaded, [request], max_beam_width=4)
+    (result,) = generate_batch(
+        loaded, [request], max_beam_width=4, forward=batch_forward_for(loaded, batch_forward)
+    )
     return result.beams[0].tokens[5]
 
 
 @pytest.mark.parametrize("penalty", [1.0, 0.0, 2.0])
-def test_matches_hugging_face_beam_search(tiny_loaded, penalty):
+def test_matches_hugging_face_beam_search(batch_forward, tiny_loaded, penalty):
     """Same model, same settings: the same beams in the same order with the same scores."""
     prompt = [1, 504, 2300, 28, 1017, 30]
-    eos = mid_beam_token(tiny_loaded, prompt)
+    eos = mid_beam_token(batch_forward, tiny_loaded, prompt)
     expected, scores = hf_beam_search(tiny_loaded, prompt, 4, 10, eos, penalty)
     request = GenerationRequest(
         tuple(prompt), 10, beam_width=4, end_ids=frozenset({eos}), length_penalty=penalty
     )
-    (result,) = generate_batch(tiny_loaded, [request], max_beam_width=8)
+    (result,) = generate_batch(
+        tiny_loaded,
+        [request],
+        max_beam_width=8,
+        forward=batch_forward_for(tiny_loaded, batch_forward),
+    )
     assert [b.tokens for b in result.beams] == expected
     if penalty == 0.0:  # no length normalisation: the short beams ended by the end id win
         assert result.beams[0].tokens[-1] == eos and len(result.beams[0].tokens) < 10
     assert [b.score for b in result.beams] == pytest.approx(scores, abs=1e-4)
 
 
-def test_width_one_is_greedy(tiny_loaded):
+def test_width_one_is_greedy(batch_forward, tiny_loaded):
     """beam_width=1 picks the most likely token at each step, as HF greedy generate does."""
     prompt = [1, 9690, 198, 2683, 359]
     out = tiny_loaded.model.generate(
@@ -157,16 +168,26 @@ def test_width_one_is_greedy(tiny_loaded):
     )
     expected = tuple(out[0, len(prompt) :].tolist())
     request = GenerationRequest(tuple(prompt), 12, beam_width=1, end_ids=frozenset({-1 % 7}))
-    (result,) = generate_batch(tiny_loaded, [request], max_beam_width=1)
+    (result,) = generate_batch(
+        tiny_loaded,
+        [request],
+        max_beam_width=1,
+        forward=batch_forward_for(tiny_loaded, batch_forward),
+    )
     assert result.beams[0].tokens == expected
 
 
-def test_four_beams_are_distinct_best_first_and_scored_by_the_model(tiny_loaded):
+def test_four_beams_are_distinct_best_first_and_scored_by_the_model(batch_forward, tiny_loaded):
     """beam_width=4: 4 distinct beams, scores non-increasing, each the model's log-probability."""
     prompt = (1, 4093, 314, 253, 2365)
     penalty = 0.7
     request = GenerationRequest(prompt, 8, beam_width=4, length_penalty=penalty)
-    (result,) = generate_batch(tiny_loaded, [request], max_beam_width=4)
+    (result,) = generate_batch(
+        tiny_loaded,
+        [request],
+        max_beam_width=4,
+        forward=batch_forward_for(tiny_loaded, batch_forward),
+    )
     assert len(result.beams) == 4
     assert len({b.tokens for b in result.beams}) == 4
     scores = [b.score for b in result.beams]
@@ -177,22 +198,32 @@ def test_four_beams_are_distinct_best_first_and_scored_by_the_model(tiny_loaded)
         assert beam.score == pytest.approx(cum / len(beam.tokens) ** penalty, abs=1e-3)
 
 
-def test_beam_width_above_the_maximum_is_refused(tiny_loaded):
+def test_beam_width_above_the_maximum_is_refused(batch_forward, tiny_loaded):
     """A clear per-request error; the request beside it in the batch succeeds."""
     bad = GenerationRequest((1, 2), 4, beam_width=5)
     good = GenerationRequest((1, 2), 4, beam_width=2)
-    refused, served = generate_batch(tiny_loaded, [bad, good], max_beam_width=4)
+    refused, served = generate_batch(
+        tiny_loaded,
+        [bad, good],
+        max_beam_width=4,
+        forward=batch_forward_for(tiny_loaded, batch_forward),
+    )
     assert isinstance(refused, InvalidRequest)
     assert "beam_width must be in [1, 4], got 5" in str(refused)
     assert len(served.beams) == 2
 
 
-def test_sampling_settings_do_not_change_beam_search(tiny_loaded):
+def test_sampling_settings_do_not_change_beam_search(batch_forward, tiny_loaded):
     """Beam search is deterministic: temperature / top_p / seed are ignored when beam_width > 1."""
     plain = GenerationRequest((5, 6, 7), 6, beam_width=3)
     sampled = GenerationRequest(
         (5, 6, 7), 6, beam_width=3, settings=SamplingSettings(temperature=1.5, top_p=0.5, seed=3)
     )
-    a, b = generate_batch(tiny_loaded, [plain, sampled], max_beam_width=4)
+    a, b = generate_batch(
+        tiny_loaded,
+        [plain, sampled],
+        max_beam_width=4,
+        forward=batch_forward_for(tiny_loaded, batch_forward),
+    )
     assert [x.tokens for x in a.beams] == [x.tokens for x in b.beams]
     assert all(math.isfinite(x.cum_log_prob) for x in a.beams)

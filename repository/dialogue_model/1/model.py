@@ -18,6 +18,7 @@ from streaming_backend.adapter.dialogue import (
     dialogue_outputs,
     parse_dialogue_request,
 )
+from streaming_backend.batch_forward import build_batch_forward
 from streaming_backend.batch_generation import generate_batch
 from streaming_backend.config import DialogueSettings
 from streaming_backend.errors import StreamingError
@@ -38,7 +39,14 @@ class TritonPythonModel:
         self.loaded = load_model(self.settings.model, self.settings.dtype, device)
         if self.loaded.device.type == "cpu":
             torch.set_num_threads(self.settings.cpu_threads)
-        log.info("loaded %s on %s as %s", self.loaded.name, self.loaded.device, self.loaded.dtype)
+        self.forward = build_batch_forward(self.loaded, self.settings.forward)
+        log.info(
+            "loaded %s on %s as %s, %s forward",
+            self.loaded.name,
+            self.loaded.device,
+            self.loaded.dtype,
+            self.forward.name,
+        )
         # A Metric is unusable once its MetricFamily is garbage-collected: keep the family.
         self.family = pb_utils.MetricFamily(
             name="tokenstream_dialogue_batch_size",
@@ -54,7 +62,12 @@ class TritonPythonModel:
         parsed = [self._parse(request) for request in requests]
         valid = [p for p in parsed if isinstance(p, DialogueRequest)]
         results = iter(
-            generate_batch(self.loaded, [p.generation for p in valid], self.settings.max_beam_width)
+            generate_batch(
+                self.loaded,
+                [p.generation for p in valid],
+                self.settings.max_beam_width,
+                self.forward,
+            )
         )
         return [self._response(p, p if isinstance(p, Exception) else next(results)) for p in parsed]
 

@@ -1,0 +1,152 @@
+"""The forwards a batch of the dialogue model runs on: its prompts prefilled into per-row model
+state (a `batch.RowState`) that then steps one token per row and forks rows for beam search.
+
+`CompactBatchForward`: the compact Llama-family forward on a slot cache sized to the batch (one
+slot per row; a beam with two children is a copied slot). `HfBatchForward`: Hugging Face's
+forward on a left-padded DynamicCache, any causal LM. `build_batch_forward` picks one as the
+chat model's engine does (`forward` auto, compact or hf).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from streaming_backend import kvcache
+from streaming_backend.batch import CacheRows, DecodeInputs, Prefill, RowState, SlotRows
+from streaming_backend.loading import LoadedModel
+
+log = logging.getLogger(__name__)
+
+
+class BatchForward(Protocol):
+    """Prefills a batch of prompts; the state it returns steps the rows from there."""
+
+    name: str
+
+    def prefill(
+        self, prompts: Sequence[Sequence[int]], rows: int, length: int
+    ) -> tuple[RowState, torch.Tensor]:
+        """State of one row per prompt (room for `rows` rows of `length` positions) and the
+        next-token logits [N, V] fp32."""
+        ...
+
+
+class HfBatchForward:
+    """Hugging Face's forward: left-padded prompts in one DynamicCache."""
+
+    name = "hf"
+
+    def __init__(self, loaded: LoadedModel):
+        self.loaded = loaded
+        self._cache_kwarg = cache_kwarg(loaded.model)
+
+    def prefill(self, prompts, rows, length):
+        cache, logits, positions = prefill_prompts(self.loaded, prompts)
+        state = CacheRows(self._forward)
+        state.extend(Prefill(cache, positions))
+        return state, logits
+
+    def _forward(self, cache: kvcache.BatchCache, inputs: DecodeInputs) -> torch.Tensor:
+        out = self.loaded.model(
+            input_ids=inputs.input_ids,
+            attention_mask=inputs.attention_mask,
+            position_ids=inputs.position_ids,
+            use_cache=True,
+            **{self._cache_kwarg: cache.cache},
+        )
+        return out.logits[:, -1, :].float()
+
+
+class CompactBatchForward:
+    """The compact forward on a slot cache grown to the largest batch seen (rows x positions)."""
+
+    name = "compact"
+
+    def __init__(self, loaded: LoadedModel):
+        from streaming_backend.forward.llama import CompactLlama
+
+        self.loaded = loaded
+        self.model = CompactLlama(loaded.model)  # UnsupportedModel if not Llama-family
+        self._cache = None
+
+    def prefill(self, prompts, rows, length):
+        from streaming_backend.forward.runner import Chunk, SlotForward
+
+        forward = SlotForward(self.model, self._cache_for(rows, length), self.loaded.device)
+        slots = [forward.cache.allocate() for _ in prompts]
+        try:
+            logits = forward.prefill([Chunk(s, list(p)) for s, p in zip(slots, prompts)])
+        except BaseException:
+            for slot in slots:
+                forward.cache.free(slot)
+            raise
+        state = SlotRows(forward, owns_slots=True)
+        state.extend(slots)
+        return state, logits
+
+    def _cache_for(self, rows: int, length: int):
+        """An empty slot cache of at least `rows` slots of `length` positions; reused while big
+        enough (stale keys stay finite and are masked)."""
+        from streaming_backend.forward.slots import SlotCache
+
+        cache = self._cache
+        if cache is None or cache.slots < rows or cache.max_len < length:
+            slots = max(rows, cache.slots if cache else 0)
+            positions = max(length, cache.max_len if cache else 0)
+            self._cache = None  # the old one's memory goes before the new one is allocated
+            cache = SlotCache(
+                self.model.shape, slots, positions, self.loaded.dtype, self.loaded.device
+            )
+            self._cache = cache
+        else:
+            cache.reset()  # a failed batch may have left slots held
+        return cache
+
+
+def build_batch_forward(loaded: LoadedModel, forward: str = "auto") -> BatchForward:
+    """The compact forward when asked for or possible ("auto"), else Hugging Face's."""
+    if forward == "hf":
+        return HfBatchForward(loaded)
+    from streaming_backend.forward.llama import UnsupportedModel
+
+    try:
+        return CompactBatchForward(loaded)
+    except UnsupportedModel as exc:
+        if forward == "compact":
+            raise
+        log.warning("the Hugging Face forward runs this model: %s", exc)
+        return HfBatchForward(loaded)
+
+
+def cache_kwarg(model) -> str:
+    """The name under which this model's forward() takes a KV cache."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def prefill_prompts(loaded: LoadedModel, prompts: Sequence[Sequence[int]]):
+    """One forward pass over left-padded prompts -> (cache, last logits [N, V], positions [N])."""
+    device = loaded.device
+    length = max(len(p) for p in prompts)
+    pad = min(loaded.eos_ids, default=0)  # any valid id: masked out
+    ids = torch.full((len(prompts), length), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), length), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, length - len(prompt) :] = torch.tensor(prompt)
+        mask[row, length - len(prompt) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [N, L]; padding gets position 0
+    cache = kvcache.DynamicCache()
+    out = loaded.model(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        position_ids=positions.to(device),
+        use_cache=True,
+        logits_to_keep=1,
+        **{cache_kwarg(loaded.model): cache},
+    )
+    logits = out.logits[:, -1, :].float()  # [N, V]
+    return kvcache.BatchCache(cache, mask.to(device)), logits, mask.sum(-1)
