@@ -40,8 +40,11 @@ def done_timing(msg: Mapping):
     """The first token's server stamps of a `done` frame (timing.server), if it carries them."""
     timing = msg.get("timing") or {}
     for candidate in (timing.get("server"), timing):
-        if isinstance(candidate, dict) and "prefill_start_ns" in candidate:
-            return parse_timing(candidate)
+        if isinstance(candidate, dict):
+            try:
+                return parse_timing(candidate)
+            except (KeyError, TypeError, ValueError):  # not the stamps: the next candidate
+                continue
     return None
 
 

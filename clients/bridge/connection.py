@@ -24,7 +24,7 @@ from clients.bridge.messages import Auth, Cancel, Generate, ProtocolError, parse
 from clients.bridge.websocket import SocketClosed, WebSocket
 from clients.chunk import Chunk
 from clients.grpc_client import GenerationError
-from streaming_backend.wire import INTERNAL, FinishReason
+from streaming_backend.wire import INTERNAL, UNAVAILABLE, FinishReason
 
 if TYPE_CHECKING:
     from clients.bridge.server import Bridge
@@ -119,7 +119,7 @@ class Connection:
             self.post(error_frame(msg.gen_id, "too_many", f"at most {limit} generations at once"))
         elif not self.bridge.ready:
             text = f"Triton at {self.cfg.triton_url} is not ready; retry shortly"
-            self.post(error_frame(msg.gen_id, "unavailable", text))
+            self.post(error_frame(msg.gen_id, UNAVAILABLE.code, text))
         else:
             self.generations[msg.gen_id] = asyncio.create_task(self.generate(msg))
 
