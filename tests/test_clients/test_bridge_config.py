@@ -34,8 +34,6 @@ def test_every_setting_is_read_by_the_bridge():
     """Each BridgeConfig field is read from the bridge's config object somewhere in the bridge's
     code: a setting that nothing reads (as ping_timeout_s once was) promises a behaviour the
     bridge does not have."""
-    read = set().union(
-        *(settings_read(p.read_text(encoding="utf-8")) for p in BRIDGE.glob("*.py"))
-    )
+    read = set().union(*(settings_read(p.read_text(encoding="utf-8")) for p in BRIDGE.glob("*.py")))
     unread = [f.name for f in dataclasses.fields(BridgeConfig) if f.name not in read]
     assert unread == []
