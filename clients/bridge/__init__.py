@@ -16,7 +16,7 @@ One concern per module, in the order a message travels:
 - server.py      the Bridge (server, Triton client, health watch); serve_bridge, run_bridge
 - config.py      BridgeConfig;  cli.py: argparse -> BridgeConfig -> run
 
-Protocols: README.md, sections "Browser chat (websocket bridge)" and "OpenAI-compatible API".
+Protocols: clients/bridge/protocol.py (docs/bridge.md) and docs/openai.md.
 """
 
 from clients.bridge.cli import add_arguments, main

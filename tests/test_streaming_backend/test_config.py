@@ -16,13 +16,13 @@ from streaming_backend.config import (
 )
 from streaming_backend.launcher.repository import read_parameters
 
-README_TABLE_HEADER = "| parameter | default | meaning |"
+DOCS_TABLE_HEADER = "| parameter | default | meaning |"
 
 
-def readme_parameter_rows() -> dict[str, tuple[str, str]]:
-    """The README's table of model parameters: key -> (default as written, meaning)."""
-    lines = (REPO_ROOT / "README.md").read_text().splitlines()
-    start = lines.index(README_TABLE_HEADER) + 2  # past the header and the |---| line
+def documented_parameter_rows() -> dict[str, tuple[str, str]]:
+    """docs/configuration.md's table of model parameters: key -> (default as written, meaning)."""
+    lines = (REPO_ROOT / "docs" / "configuration.md").read_text().splitlines()
+    start = lines.index(DOCS_TABLE_HEADER) + 2  # past the header and the |---| line
     rows = {}
     for line in lines[start:]:
         match = re.fullmatch(r"\| `(\w+)` \| (.*?) \| (.*?) \|", line)
@@ -38,13 +38,14 @@ def test_chat_config_pbtxt_spells_the_default_settings() -> None:
     assert read_parameters(text) == default_parameters()
 
 
-def test_readme_table_states_the_default_settings() -> None:
-    """The README's parameter table lists each parameter with its default and its help text."""
+def test_documented_table_states_the_default_settings() -> None:
+    """docs/configuration.md's parameter table lists each parameter with its default and its
+    help text."""
     expected = {
         key: (f"`{value}`" if value else "empty", PARAMETER_HELP[key])
         for key, value in default_parameters().items()
     }
-    assert readme_parameter_rows() == expected
+    assert documented_parameter_rows() == expected
 
 
 def test_every_parameter_has_help() -> None:
