@@ -280,7 +280,8 @@ class Supervisor:
         new_text = patch_parameters(old_text, {"model": model}) if model else old_text
         # a fresh write changes the file's time, which is how Triton tells that it must reload
         config_path.write_text(new_text.rstrip("\n") + f"\n# reloaded at {time.time():.3f}\n")
-        served = read_parameters(old_text).get("model")  # what the runtime config named so far
+        # what the runtime config named so far (empty: the bundled default model)
+        served = read_parameters(old_text).get("model") or "the default"
         change = f": model {served} -> {model}" if model else ""
         self._say(f"tokenstream: reloading {name}{change}")
         try:

@@ -227,10 +227,10 @@ def test_health_endpoints_tell_ready_live_status_and_metrics(supervised) -> None
 
 @pytest.mark.server
 def test_reload_needs_the_admin_key_and_a_failed_reload_keeps_the_old_model(
-    supervised, tmp_path
+    supervised, tmp_path, tiny_model_dir
 ) -> None:
     """POST /reload without the key is refused; with a model that cannot load, the caller gets
-    the error and the old model goes on serving."""
+    the error and the old model goes on serving. The log names the model it meant to replace."""
     supervisor, url, events = supervised
     assert post(f"{url}/reload", {})[0] == 403
     status, body = post(
@@ -240,6 +240,7 @@ def test_reload_needs_the_admin_key_and_a_failed_reload_keeps_the_old_model(
     assert infer_text(supervisor.server.grpc_url, "Hello")
     assert get(f"{url}/ready")[0] == 200
     assert supervisor.reloads["failed"] == 1
+    assert f"reloading chat: model {tiny_model_dir} -> {tmp_path / 'missing'}" in "\n".join(events)
 
 
 @pytest.mark.server
