@@ -76,6 +76,7 @@ class Metric:
     def set(self, value):
         self._check()
         self.value = value
+        self.observed.append(value)  # a gauge's every set, in order
 
     def observe(self, value):
         self._check()

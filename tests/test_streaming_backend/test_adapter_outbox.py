@@ -225,3 +225,14 @@ def test_health_then_drain_then_end(model):
     model.outbox.control_request(end, control_raw(wire.CONTROL_END))
     finish(end)
     assert finish(open_stream)[-1][1] == FINAL and open_stream.finals() == 1
+
+
+def test_gauges_are_set_only_when_their_value_changes():
+    """Each set is a call into Triton: the outbox sets a gauge only when its number changed."""
+    metrics = Metrics(pb.MetricFamily, "chat", "1")
+    for active in (0, 2, 2, 1, 1, 0):
+        metrics.set_active(active)
+    for waiting in (0, 0, 3):
+        metrics.set_waiting(waiting)
+    assert metrics.active.observed == [2, 1, 0] and metrics.waiting.observed == [3]
+    assert metrics.active.labels == {"model": "chat", "version": "1"}
