@@ -48,7 +48,8 @@ class ChatConfig:
 class AnswerStats:
     """What one answer cost, measured in this process."""
 
-    ttft_s: float | None  # request sent -> first token received
+    ttft_s: float | None  # request sent -> first response received (clients/metrics.py)
+    first_text_s: float | None  # request sent -> first printable text received
     tokens: int
     decode_tokens_per_s: float | None  # tokens after the first / time after the first
     finish_reason: str
@@ -155,10 +156,13 @@ def answer(cfg: ChatConfig, history: list[dict], out: TextIO) -> tuple[str, Answ
 
 
 def measure(start_ns: int, chunks: Sequence[Chunk], finish_reason: str) -> AnswerStats:
-    """TTFT, token count and decode rate of one answer (definitions: clients/metrics.py)."""
-    ttft = metrics.time_to_first_token_ns(start_ns, chunks)
+    """TTFT, time to first text, token count and decode rate of one answer (definitions:
+    clients/metrics.py)."""
+    ttft = metrics.ttft_ns(start_ns, chunks)
+    first_text = metrics.time_to_first_text_ns(start_ns, chunks)
     return AnswerStats(
         None if ttft is None else ttft / metrics.NS_PER_S,
+        None if first_text is None else first_text / metrics.NS_PER_S,
         metrics.output_tokens(chunks),
         metrics.decode_rate(chunks),
         finish_reason,
@@ -166,10 +170,15 @@ def measure(start_ns: int, chunks: Sequence[Chunk], finish_reason: str) -> Answe
 
 
 def format_stats(stats: AnswerStats) -> str:
-    """One bracketed line, e.g. `[TTFT 42 ms · 118.3 tok/s · 64 tokens · length]`."""
+    """One bracketed line, e.g. `[TTFT 42 ms · first text 48 ms · 118.3 tok/s · 64 tokens ·
+    length]`; the first text only when it came in a later millisecond than the first response."""
     parts = []
-    if stats.ttft_s is not None:
-        parts.append(f"TTFT {stats.ttft_s * 1000:.0f} ms")
+    ttft_ms = None if stats.ttft_s is None else round(stats.ttft_s * 1000)
+    if ttft_ms is not None:
+        parts.append(f"TTFT {ttft_ms} ms")
+    text_ms = None if stats.first_text_s is None else round(stats.first_text_s * 1000)
+    if text_ms is not None and text_ms != ttft_ms:
+        parts.append(f"first text {text_ms} ms")
     if stats.decode_tokens_per_s is not None:
         parts.append(f"{stats.decode_tokens_per_s:.1f} tok/s")
     parts.append(f"{stats.tokens} token{'s' if stats.tokens != 1 else ''}")

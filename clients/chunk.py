@@ -21,19 +21,69 @@ def parse_timing(value) -> ServerTiming | None:
     return ServerTiming.from_json(value)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Chunk:
-    """One response of a generation, as the client received it."""
+    """One response of a generation, as the client received it.
 
-    text: str
-    num_output_tokens: int | None  # the server's count for this response, when it sent one
-    num_input_tokens: int | None
-    output_ids: tuple[int, ...] | None
-    finish_reason: str | None
-    timing: ServerTiming | None  # the server's stamps of this response (return_timing)
-    final: bool
-    request_id: str
+    Built with named arguments (a transport that reads every output tensor names them all), or
+    through `delta` (text and its token count) and `last` (a closing response with counts only).
+    """
+
+    text: str = ""
+    num_output_tokens: int | None = None  # the server's count for this response, when it sent one
+    num_input_tokens: int | None = None
+    output_ids: tuple[int, ...] | None = None
+    finish_reason: str | None = None
+    timing: ServerTiming | None = None  # the server's stamps of this response (return_timing)
+    final: bool = False
+    request_id: str = ""
     received_ns: int  # time.monotonic_ns() when the response reached this process
+
+    @classmethod
+    def delta(
+        cls,
+        text: str,
+        tokens: int | None,
+        received_ns: int,
+        *,
+        request_id: str = "",
+        finish_reason: str | None = None,
+        timing: ServerTiming | None = None,
+        num_input_tokens: int | None = None,
+        final: bool = False,
+    ) -> Chunk:
+        """A streamed response: new text and the tokens it took (None: the server sent no count)."""
+        return cls(
+            text=text,
+            num_output_tokens=tokens,
+            num_input_tokens=num_input_tokens,
+            finish_reason=finish_reason,
+            timing=timing,
+            final=final,
+            request_id=request_id,
+            received_ns=received_ns,
+        )
+
+    @classmethod
+    def last(
+        cls,
+        tokens: int,
+        received_ns: int,
+        *,
+        prompt_tokens: int | None = None,
+        finish_reason: str | None = None,
+        request_id: str = "",
+    ) -> Chunk:
+        """The closing response of a transport that ends with counts only (the bridge's `done`
+        frame, OpenAI's usage event): no text, the tokens not yet counted, final."""
+        return cls(
+            num_output_tokens=tokens,
+            num_input_tokens=prompt_tokens,
+            finish_reason=finish_reason,
+            final=True,
+            request_id=request_id,
+            received_ns=received_ns,
+        )
 
     @property
     def tokens(self) -> int:

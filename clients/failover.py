@@ -21,12 +21,12 @@ from streaming_backend.wire import UNAVAILABLE
 
 log = logging.getLogger("tokenstream.client")
 
-# Pauses before attempts 2, 3, ...: the first retry goes at once (round_robin moves on), later
+# Pauses before attempts 2, 3, ..., 16: the first retry goes at once (round_robin moves on), later
 # ones leave a moment for gRPC to notice broken connections. A stopping or draining replica
 # refuses for as long as it takes to close (seconds), and while other streams' picks interleave
 # with this one's, each attempt lands on it with a chance of about 1/N of N replicas: all k
-# attempts do with (1/N)^k. With 6 attempts that is about one stream in 64 with two replicas
-# (one in 730 with three; a test saw it); with 16, one in 65,000 with two, in about 3 s at most.
+# attempts do with (1/N)^k. These 16 attempts all fail about once in 65,000 streams with two
+# replicas, and give up after the pauses' sum, about 3 s.
 RETRY_DELAYS_S = (0.0, 0.05, 0.1, 0.2) + (0.25,) * 11
 
 

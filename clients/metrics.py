@@ -3,13 +3,15 @@ send time and the Chunks that came back (CLOCK_MONOTONIC ns). The benchmark, the
 benchmark, the terminal chat and the bridge all use these.
 
 Definitions follow NVIDIA genai-perf / AIPerf, so our figures equal theirs on the same requests:
-- TTFT = first response - request sent (whatever the response carries, as genai-perf)
+- TTFT = first response - request sent (whatever the response carries, as genai-perf); no
+  other interval is called TTFT
 - time to first text = first response with printable text - request sent (ours: the
-  detokeniser holds back a partial character or a possible stop string, so it can come later)
+  detokeniser holds back a partial character or a possible stop string, so it can come later;
+  it is what a person sees, and the terminal chat shows it beside the TTFT)
 - request latency = last response - request sent
 - output tokens = sum of the responses' token counts (Chunk.tokens), never a count of chunks
 - inter-token latency (ITL) = (request latency - TTFT) / (output tokens - 1); none below 2 tokens
-- throughput = count / (last response of any request - first request sent)
+- span = last response of any request - first request sent; throughput = count / span
 - percentiles interpolate linearly between ranks (numpy.percentile's default, as genai-perf)
 """
 
@@ -38,12 +40,6 @@ def first_token(chunks: Sequence[Chunk]) -> Chunk | None:
 def ttft_ns(sent_ns: int, chunks: Sequence[Chunk]) -> int | None:
     """Time to first token: first response - request sent; None without a response."""
     return chunks[0].received_ns - sent_ns if chunks else None
-
-
-def time_to_first_token_ns(sent_ns: int, chunks: Sequence[Chunk]) -> int | None:
-    """First response carrying a token - request sent (the terminal chat's TTFT line)."""
-    first = first_token(chunks)
-    return None if first is None else first.received_ns - sent_ns
 
 
 def time_to_first_text_ns(sent_ns: int, chunks: Sequence[Chunk]) -> int | None:
@@ -83,6 +79,16 @@ def decode_rate(chunks: Sequence[Chunk]) -> float | None:
     """Tokens per second after the first token's response: 1 / ITL; None below 2 tokens."""
     itl = itl_ns(0, chunks)
     return None if not itl else NS_PER_S / itl
+
+
+def span_ns(requests: Iterable[tuple[int, Sequence[Chunk]]]) -> int | None:
+    """Of (sent_ns, chunks) per request: last response of any request - first request sent,
+    over the requests that got a response; None when none did. Throughputs divide by it."""
+    answered = [(sent, chunks) for sent, chunks in requests if chunks]
+    if not answered:
+        return None
+    last = max(chunks[-1].received_ns for _, chunks in answered)
+    return last - min(sent for sent, _ in answered)
 
 
 def throughput(count: float, span_ns: int | None) -> float | None:

@@ -52,16 +52,15 @@ def event_chunk(event: Mapping, tokens_so_far: int, received_ns: int) -> Chunk |
         reason = choice.get("finish_reason")
         if not text and reason is None:
             return None  # e.g. the role event that opens a chat stream
-        return Chunk(
-            text, 1 if text else 0, None, None, reason, None, False, request_id, received_ns
-        )
+        tokens = 1 if text else 0
+        return Chunk.delta(text, tokens, received_ns, request_id=request_id, finish_reason=reason)
     usage = event.get("usage")
     if not usage:
         return None
     rest = max(int(usage.get("completion_tokens", tokens_so_far)) - tokens_so_far, 0)
     prompt_tokens = usage.get("prompt_tokens")
     # the usage event is the last one: request latency ends here
-    return Chunk("", rest, prompt_tokens, None, None, None, True, request_id, received_ns)
+    return Chunk.last(rest, received_ns, prompt_tokens=prompt_tokens, request_id=request_id)
 
 
 def _error(error: object, status: int | None) -> GenerationError:

@@ -1,7 +1,8 @@
 """The bridge's websocket frames -> Chunks, and one websocket shared by many generations.
 
 The bridge sends `token` frames ({"text", "n": tokens so far}), then one `done` frame (finish
-reason, usage, and under timing.server the first token's server stamps) or one `error` frame.
+reason, usage, and under timing.server the first token's server stamps) or one `error` frame;
+clients/bridge/protocol.py names every word of them.
 A generation that receives no frame for `idle_timeout_s` fails with `unavailable`, as on the
 other transports.
 """
@@ -14,6 +15,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 
+from clients.bridge import protocol as p
 from clients.chunk import (
     DEFAULT_IDLE_TIMEOUT_S,
     Chunk,
@@ -21,47 +23,54 @@ from clients.chunk import (
     parse_timing,
     within_idle_timeout,
 )
-from streaming_backend.wire import CANCELLED, FinishReason
+from streaming_backend.wire import CANCELLED, FINISH_REASON, MESSAGES, TIMING, FinishReason
 
 
 def bridge_request(
     gen_id: str, prompt: str | None, messages: Sequence[Mapping] | None, params: Mapping
 ) -> dict:
     """The bridge's `generate` message: a chat as `messages`, plain text as `prompt`."""
-    msg: dict = {"type": "generate", "id": gen_id, "params": dict(params)}
+    msg: dict = {p.TYPE: p.GENERATE, p.ID: gen_id, p.PARAMS: dict(params)}
     if messages is not None:
-        msg["messages"] = list(messages)
+        msg[MESSAGES] = list(messages)
     else:
-        msg["prompt"] = prompt or ""
+        msg[p.PROMPT] = prompt or ""
     return msg
 
 
 def done_timing(msg: Mapping):
     """The first token's server stamps of a `done` frame (timing.server), if it carries them."""
-    timing = msg.get("timing") or {}
-    for candidate in (timing.get("server"), timing):
-        if isinstance(candidate, dict) and "prefill_start_ns" in candidate:
-            return parse_timing(candidate)
+    timing = msg.get(TIMING) or {}
+    for candidate in (timing.get(p.SERVER), timing):
+        if isinstance(candidate, dict):
+            try:
+                return parse_timing(candidate)
+            except (KeyError, TypeError, ValueError):  # not the stamps: the next candidate
+                continue
     return None
 
 
 def frame_chunk(msg: Mapping, tokens_so_far: int, received_ns: int) -> Chunk | None:
     """A Chunk from a token or done frame; an error frame raises GenerationError; else None."""
-    kind, gen_id = msg.get("type"), str(msg.get("id"))
-    if kind == "token":
-        n = int(msg.get("n", tokens_so_far + 1))
-        text = msg.get("text") or ""
-        return Chunk(text, n - tokens_so_far, None, None, None, None, False, gen_id, received_ns)
-    if kind == "done":
-        usage = msg.get("usage") or {}
-        rest = max(int(usage.get("completion_tokens", tokens_so_far)) - tokens_so_far, 0)
-        reason = msg.get("finish_reason") or FinishReason.STOP.value
-        prompt_tokens = usage.get("prompt_tokens")
+    kind, gen_id = msg.get(p.TYPE), str(msg.get(p.ID))
+    if kind == p.TOKEN:
+        n = int(msg.get(p.COUNT, tokens_so_far + 1))
+        text = msg.get(p.TEXT) or ""
+        return Chunk.delta(text, n - tokens_so_far, received_ns, request_id=gen_id)
+    if kind == p.DONE:
+        usage = msg.get(p.USAGE) or {}
+        rest = max(int(usage.get(p.COMPLETION_TOKENS, tokens_so_far)) - tokens_so_far, 0)
         # the done frame is the last response: request latency ends here
-        return Chunk("", rest, prompt_tokens, None, reason, None, True, gen_id, received_ns)
-    if kind == "error":
-        code = str(msg.get("code", ""))
-        message = f"{code}: {msg.get('message', '')}".strip(": ")
+        return Chunk.last(
+            rest,
+            received_ns,
+            prompt_tokens=usage.get(p.PROMPT_TOKENS),
+            finish_reason=msg.get(FINISH_REASON) or FinishReason.STOP.value,
+            request_id=gen_id,
+        )
+    if kind == p.ERROR:
+        code = str(msg.get(p.CODE, ""))
+        message = f"{code}: {msg.get(p.MESSAGE, '')}".strip(": ")
         raise GenerationError(message, CANCELLED.code if "cancel" in code.lower() else code)
     return None
 
@@ -86,7 +95,7 @@ class BridgeConnection:
             async for raw in self.ws:
                 now = time.monotonic_ns()
                 msg = json.loads(raw)
-                queue = self.pending.get(str(msg.get("id")))
+                queue = self.pending.get(str(msg.get(p.ID)))
                 targets = [queue] if queue is not None else list(self.pending.values())
                 for q in targets:
                     q.put_nowait((now, msg))
@@ -99,14 +108,14 @@ class BridgeConnection:
         """End every open generation with an error frame."""
         now = time.monotonic_ns()
         for q in self.pending.values():
-            q.put_nowait((now, {"type": "error", "code": "closed", "message": message}))
+            q.put_nowait((now, {p.TYPE: p.ERROR, p.CODE: p.CLOSED, p.MESSAGE: message}))
 
     async def frames(self, request: dict) -> AsyncIterator[tuple[int, dict]]:
         """Send a generate message; yield (received_ns, frame) up to its done or error frame.
 
         GenerationError (`unavailable`) when no frame of it arrives for `idle_timeout_s`; the
         bridge is then asked to cancel it."""
-        gen_id = request["id"]
+        gen_id = request[p.ID]
         queue: asyncio.Queue = asyncio.Queue()
         self.pending[gen_id] = queue
         finished = False
@@ -114,7 +123,7 @@ class BridgeConnection:
             await self.ws.send(json.dumps(request))
             while not finished:
                 received_ns, msg = await within_idle_timeout(queue.get(), self.idle_timeout_s)
-                finished = msg.get("type") in ("done", "error")
+                finished = msg.get(p.TYPE) in p.ENDING_TYPES
                 yield received_ns, msg
         finally:
             del self.pending[gen_id]
@@ -124,7 +133,7 @@ class BridgeConnection:
     async def _cancel(self, gen_id: str) -> None:
         """Ask the bridge to stop a generation we abandoned (best effort)."""
         try:
-            await self.ws.send(json.dumps({"type": "cancel", "id": gen_id}))
+            await self.ws.send(json.dumps({p.TYPE: p.CANCEL, p.ID: gen_id}))
         except Exception:  # the socket is gone: the bridge cancels on close by itself
             pass
 

@@ -3,8 +3,9 @@
 library only, so the clients, the bridge, the benchmark and the models all import it without
 paying for torch (docs/interface.md and docs/dialogue_model.md document the same facts).
 
-Nothing else in the project spells a tensor name, a sampling key, a timing key, a finish reason
-or an error category: tests/test_layout.py checks that.
+tests/test_layout.py checks that no other product file spells a tensor name, a timing key or an
+error code, and that no other file of the core spells a sampling key. Finish reasons are
+FinishReason's values; their words ("stop", "error") are too common to check as literals.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The layout rules (DESIGN.md, STYLE.md): imports point one way, and each wire fact has one home.
+"""The layout rules of docs/layout.md: imports point one way, and each wire fact has one home.
 
 Checked statically over the product's sources (streaming_backend/, clients/, repository/) and, for
 the light modules, by importing them in a fresh interpreter and looking at what got loaded.
@@ -232,4 +232,29 @@ def test_no_tensor_name_literal_outside_the_wire_contract(path):
 def test_no_sampling_key_literal_in_the_core(path):
     """The core spells no sampling_parameters key: settings and adapters use wire's constants."""
     found = [(line, v) for line, v in _string_literals(path) if v in wire.SAMPLING_KEYS]
+    assert found == []
+
+
+# Timing keys and error codes: spelled in wire.py only. Finish reasons are FinishReason's values,
+# but their words ("stop", "error", "cancelled", also an error code) are too common in other JSON
+# to check as literals.
+WIRE_WORDS = (set(wire.TIMING_KEYS) | set(wire.ERROR_CODES)) - {r.value for r in wire.FinishReason}
+# Literals that spell one of those by coincidence, each with its reason.
+NOT_WIRE_WORDS = {
+    ("clients/bench/report.py", "cached_tokens"): "a summary's figure, named after the timing key",
+    ("clients/bench/summary.py", "cached_tokens"): "a summary's figure, named after the timing key",
+}
+
+
+@pytest.mark.parametrize("path", product_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_timing_key_or_error_code_literal_outside_the_wire_contract(path):
+    """Timing keys and error codes are spelled only in wire.py; everyone else imports them."""
+    if path == ROOT / "streaming_backend" / "wire.py":
+        return
+    where = str(path.relative_to(ROOT))
+    found = [
+        (line, v)
+        for line, v in _string_literals(path)
+        if v in WIRE_WORDS and (where, v) not in NOT_WIRE_WORDS
+    ]
     assert found == []

@@ -75,15 +75,14 @@ def token_chunk(event: TokenEvent) -> Chunk:
     """An engine event as the Chunk a client would have received at its emitted time."""
     reason = None if event.finish_reason is None else event.finish_reason.value
     return Chunk(
-        event.text,
-        len(event.token_ids),
-        event.num_input_tokens,
-        event.token_ids,
-        reason,
-        None,
-        event.final,
-        event.request_id,
-        event.emitted_ns,
+        text=event.text,
+        num_output_tokens=len(event.token_ids),
+        num_input_tokens=event.num_input_tokens,
+        output_ids=event.token_ids,
+        finish_reason=reason,
+        final=event.final,
+        request_id=event.request_id,
+        received_ns=event.emitted_ns,
     )
 
 
@@ -117,8 +116,8 @@ def summarize(
 
 
 def span_ns(timelines: list[Timeline]) -> int:
-    """From the first request sent to the last token received."""
-    return max(t.chunks[-1].received_ns for t in timelines) - min(t.sent_ns for t in timelines)
+    """The span of clients/metrics.py over these requests (0 when none got a response)."""
+    return metrics.span_ns((t.sent_ns, t.chunks) for t in timelines) or 0
 
 
 def load_prompts() -> list[list[dict[str, str]]]:
@@ -172,7 +171,7 @@ def run_baseline(loaded: LoadedModel, prompts: list[list[int]], cfg: BenchConfig
         text = "".join(streamer)  # consume as a client would
         worker.join()
         assert text is not None
-        chunks = tuple(Chunk("", 1, None, None, None, None, False, "", t) for t in streamer.times)
+        chunks = tuple(Chunk.delta("", 1, t) for t in streamer.times)
         streams.append(Timeline(submitted, chunks))
     return summarize("hf-generate", str(loaded.dtype).removeprefix("torch."), 1, streams)
 

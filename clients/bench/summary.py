@@ -137,18 +137,10 @@ def ttft_breakdown_ns(r: RequestRecord, clock: ClockMap) -> dict[str, int] | Non
     }
 
 
-def duration_ns(records: Sequence[RequestRecord]) -> int | None:
-    """Last response of any request - first request sent."""
-    timed = [r for r in records if r.chunks]
-    if not timed:
-        return None
-    return max(r.chunks[-1].received_ns for r in timed) - min(r.sent_ns for r in timed)
-
-
 def summarize(records: Sequence[RequestRecord], clock: ClockMap) -> dict:
     """Every figure of one benchmark level: counts, latency stats in ms, throughputs."""
     ok = [r for r in records if r.status == OK]
-    span = duration_ns(ok)
+    span = m.span_ns((r.sent_ns, r.chunks) for r in ok)
     total_out = sum(r.output_tokens() for r in ok)
     breakdowns = [b for b in (ttft_breakdown_ns(r, clock) for r in ok) if b is not None]
     ms = m.NS_PER_MS

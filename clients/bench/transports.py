@@ -19,7 +19,7 @@ from typing import Protocol
 from clients.bench.summary import RequestRecord
 from clients.chunk import Chunk, GenerationError
 from clients.request import GenerateRequest
-from streaming_backend.wire import CANCELLED, CHAT_MODEL
+from streaming_backend.wire import CANCELLED, CHAT_MODEL, TIMING
 
 TRANSPORTS = ("grpc", "sse", "ws", "openai")
 # Those that carry chat messages (GenerateRequest.messages), so a multi-turn conversation: each of
@@ -258,7 +258,7 @@ async def bridge_generate(conn, rec: RequestRecord, prompt: Prompt, params: dict
                 rec.chunks.append(chunk)
             if chunk is not None and chunk.final:
                 rec.first_token_timing = done_timing(frame)
-                rec.extra = {"bridge_timing": frame.get("timing")}
+                rec.extra = {"bridge_timing": frame.get(TIMING)}
     except GenerationError as exc:
         record_error(rec, exc.message, cancelled=exc.code == CANCELLED.code)
     finally:

@@ -3,6 +3,7 @@ OpenAI clients over HTTP (server-sent events), from one aiohttp server.
 
 One concern per module, in the order a message travels:
 
+- protocol.py    every word of the websocket frames, both ways (constants only)
 - messages.py    client frame -> Generate / Cancel / Auth (validation, no I/O)
 - connection.py  one websocket: its generations, outbox and lifetime
 - websocket.py   the socket as connection.py sees it (over aiohttp's WebSocketResponse)
@@ -16,7 +17,7 @@ One concern per module, in the order a message travels:
 - server.py      the Bridge (server, Triton client, health watch); serve_bridge, run_bridge
 - config.py      BridgeConfig;  cli.py: argparse -> BridgeConfig -> run
 
-Protocols: README.md, sections "Browser chat (websocket bridge)" and "OpenAI-compatible API".
+Protocols: docs/bridge.md and docs/openai.md.
 """
 
 from clients.bridge.cli import add_arguments, main

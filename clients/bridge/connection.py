@@ -18,13 +18,14 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from clients.aio import within
+from clients.bridge import protocol as p
 from clients.bridge.frames import Trace, done_frame, error_frame, token_frame
 from clients.bridge.http import token_matches
 from clients.bridge.messages import Auth, Cancel, Generate, ProtocolError, parse_message
 from clients.bridge.websocket import SocketClosed, WebSocket
 from clients.chunk import Chunk
 from clients.grpc_client import GenerationError
-from streaming_backend.wire import INTERNAL, FinishReason
+from streaming_backend.wire import INTERNAL, UNAVAILABLE, FinishReason
 
 if TYPE_CHECKING:
     from clients.bridge.server import Bridge
@@ -102,7 +103,7 @@ class Connection:
             if isinstance(msg, Auth) and token_matches(msg.token, self.cfg.token):
                 self.authed = True
                 return None
-            self.post(error_frame(None, "unauthorized", "send {type: auth, token} first"))
+            self.post(error_frame(None, p.UNAUTHORIZED, "send {type: auth, token} first"))
             return (1008, "authentication required")
         if isinstance(msg, Generate):
             self.start(msg)
@@ -113,13 +114,13 @@ class Connection:
     def start(self, msg: Generate) -> None:
         """Start one generation unless the id is taken, the cap is hit or Triton is down."""
         if msg.gen_id in self.generations:
-            self.post(error_frame(msg.gen_id, "duplicate_id", "a generation with this id runs"))
+            self.post(error_frame(msg.gen_id, p.DUPLICATE_ID, "a generation with this id runs"))
         elif len(self.generations) >= self.cfg.max_concurrent:
             limit = self.cfg.max_concurrent
-            self.post(error_frame(msg.gen_id, "too_many", f"at most {limit} generations at once"))
+            self.post(error_frame(msg.gen_id, p.TOO_MANY, f"at most {limit} generations at once"))
         elif not self.bridge.ready:
             text = f"Triton at {self.cfg.triton_url} is not ready; retry shortly"
-            self.post(error_frame(msg.gen_id, "unavailable", text))
+            self.post(error_frame(msg.gen_id, UNAVAILABLE.code, text))
         else:
             self.generations[msg.gen_id] = asyncio.create_task(self.generate(msg))
 
@@ -169,11 +170,10 @@ class Connection:
 
     def relay(self, gen_id: str, chunk: Chunk, trace: Trace) -> str | None:
         """Forward one chunk as a token frame; its finish reason, if it has one."""
+        trace.observe(chunk)
         if chunk.text or chunk.num_output_tokens:
-            trace.observe(chunk, time.monotonic_ns())
+            trace.relayed(chunk, time.monotonic_ns())
             self.post(token_frame(gen_id, chunk.text, trace.completion_tokens))
-        else:
-            trace.observe_prompt(chunk)
         return chunk.finish_reason
 
     def post(self, frame: dict[str, Any]) -> None:

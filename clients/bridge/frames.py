@@ -1,26 +1,29 @@
-"""Bridge -> client: the outgoing frames, and the timing trace that the `done` frame reports.
+"""Bridge -> client: the outgoing frames (clients/bridge/protocol.py names their words), and the
+timing trace that the `done` frame reports.
 
-No I/O here. Every span of `timing.bridge` and `timing.server` is computed in this file, so the
-TTFT arithmetic of the bridge lives in one place.
+No I/O here. Every span of `timing.bridge` and `timing.server` is computed in this file, from the
+definitions of clients/metrics.py where one exists (TTFT, time to first text).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from clients import metrics
+from clients.bridge import protocol as p
 from clients.chunk import Chunk
-from streaming_backend.wire import ServerTiming
+from streaming_backend.wire import FINISH_REASON, TIMING, ServerTiming
 
 
 def error_frame(gen_id: str | None, code: str, message: str) -> dict[str, Any]:
     """An error message for one generation (or the connection when gen_id is None)."""
-    return {"type": "error", "id": gen_id, "code": code, "message": message}
+    return {p.TYPE: p.ERROR, p.ID: gen_id, p.CODE: code, p.MESSAGE: message}
 
 
 def token_frame(gen_id: str, text: str, n: int) -> dict[str, Any]:
     """A text delta; n = output tokens of this generation so far."""
-    return {"type": "token", "id": gen_id, "text": text, "n": n}
+    return {p.TYPE: p.TOKEN, p.ID: gen_id, p.TEXT: text, p.COUNT: n}
 
 
 @dataclass
@@ -29,42 +32,50 @@ class Trace:
 
     accepted_ns: int  # the generate frame was parsed
     upstream_ns: int = 0  # the request went to Triton
-    first_chunk_ns: int | None = None
+    # the first response, the first with a token and the first with text (at most three chunks):
+    # clients/metrics.py reads the same TTFT and time to first text here as in every response
+    head: list[Chunk] = field(default_factory=list)
     first_out_ns: int | None = None  # the first token frame was queued for the client
-    server_first: ServerTiming | None = None  # `timing` of the first response with tokens
     prompt_tokens: int | None = None
     completion_tokens: int = 0
     relay_ns_total: int = 0  # summed chunk-received -> frame-queued time
     frames: int = 0
 
-    def observe(self, chunk: Chunk, out_ns: int) -> None:
-        """Account one chunk whose token frame was queued at out_ns."""
-        tokens = chunk.tokens
-        self.observe_prompt(chunk)
-        if self.first_chunk_ns is None and tokens:
-            self.first_chunk_ns, self.first_out_ns = chunk.received_ns, out_ns
-            self.server_first = chunk.timing
-        self.completion_tokens += tokens
+    def observe(self, chunk: Chunk) -> None:
+        """Account one response from Triton, relayed or not."""
+        if self.prompt_tokens is None and chunk.num_input_tokens is not None:
+            self.prompt_tokens = chunk.num_input_tokens
+        needed = not self.head
+        needed |= chunk.tokens > 0 and metrics.first_token(self.head) is None
+        needed |= bool(chunk.text) and metrics.first_text(self.head) is None
+        if needed:
+            self.head.append(chunk)
+
+    def relayed(self, chunk: Chunk, out_ns: int) -> None:
+        """Account a chunk whose token frame was queued at out_ns."""
+        if self.first_out_ns is None:
+            self.first_out_ns = out_ns
+        self.completion_tokens += chunk.tokens
         self.relay_ns_total += out_ns - chunk.received_ns
         self.frames += 1
 
-    def observe_prompt(self, chunk: Chunk) -> None:
-        """Keep the prompt's token count from the first response that carries it."""
-        if chunk.num_input_tokens is not None and self.prompt_tokens is None:
-            self.prompt_tokens = chunk.num_input_tokens
+    @property
+    def first_token(self) -> Chunk | None:
+        """The first response carrying a token."""
+        return metrics.first_token(self.head)
 
 
 def done_frame(gen_id: str, finish_reason: str, trace: Trace, now_ns: int) -> dict[str, Any]:
     """The `done` message: finish reason, token usage, server and bridge timings in ms."""
     return {
-        "type": "done",
-        "id": gen_id,
-        "finish_reason": finish_reason,
-        "usage": {
-            "prompt_tokens": trace.prompt_tokens,
-            "completion_tokens": trace.completion_tokens,
+        p.TYPE: p.DONE,
+        p.ID: gen_id,
+        FINISH_REASON: finish_reason,
+        p.USAGE: {
+            p.PROMPT_TOKENS: trace.prompt_tokens,
+            p.COMPLETION_TOKENS: trace.completion_tokens,
         },
-        "timing": {"server": _server_timing(trace), "bridge": _bridge_timing(trace, now_ns)},
+        TIMING: {p.SERVER: _server_timing(trace), p.BRIDGE: _bridge_timing(trace, now_ns)},
     }
 
 
@@ -72,32 +83,38 @@ def _ms(later: int | None, earlier: int | None) -> float | None:
     return None if later is None or earlier is None else round((later - earlier) / 1e6, 3)
 
 
+def _span_ms(span_ns: float | None) -> float | None:
+    return None if span_ns is None else round(span_ns / 1e6, 3)
+
+
 def _server_timing(trace: Trace) -> dict[str, Any]:
     """The first token's server stamps (raw ns, the server's clock) and the spans between."""
-    t = trace.server_first
+    first = trace.first_token
+    t = None if first is None else first.timing
     if t is None:
-        return {"queue_ms": None, "prefill_ms": None, "first_token_ms": None}
+        return dict.fromkeys(p.SERVER_SPANS)
     spans = {
-        "queue_ms": _ms(t.prefill_start_ns, t.queued_ns),
-        "prefill_ms": _ms(t.emitted_ns, t.prefill_start_ns),
-        "first_token_ms": _ms(t.emitted_ns, t.received_ns),
+        p.QUEUE_MS: _ms(t.prefill_start_ns, t.queued_ns),
+        p.PREFILL_MS: _ms(t.emitted_ns, t.prefill_start_ns),
+        p.FIRST_TOKEN_MS: _ms(t.emitted_ns, t.received_ns),
     }
     return spans | asdict(t)  # the raw stamps ride along for benchmarks
 
 
 def _bridge_timing(trace: Trace, now_ns: int) -> dict[str, float | None]:
-    t = trace.server_first
+    first = trace.first_token
+    t = None if first is None else first.timing
     # Server stamp -> bridge receipt, via wall clock so it also holds across machines.
     known = t is not None and t.wall_minus_monotonic_ns != 0  # 0: an older server sent none
     emitted_wall = t.emitted_ns + t.wall_minus_monotonic_ns if known else None
-    first_wall = None
-    if trace.first_chunk_ns is not None:
-        first_wall = trace.first_chunk_ns + ServerTiming.wall_offset_ns()
+    first_wall = None if first is None else first.received_ns + ServerTiming.wall_offset_ns()
     relay_mean = round(trace.relay_ns_total / trace.frames / 1e6, 3) if trace.frames else None
+    sent, head = trace.upstream_ns, trace.head  # no head: nothing came from Triton
     return {
-        "ttft_ms": _ms(trace.first_out_ns, trace.accepted_ns),
-        "upstream_ttft_ms": _ms(trace.first_chunk_ns, trace.upstream_ns),
-        "server_to_bridge_ms": _ms(first_wall, emitted_wall),
-        "relay_mean_ms": relay_mean,
-        "total_ms": _ms(now_ns, trace.accepted_ns),
+        p.FIRST_FRAME_MS: _ms(trace.first_out_ns, trace.accepted_ns),
+        p.UPSTREAM_TTFT_MS: _span_ms(metrics.ttft_ns(sent, head)),
+        p.UPSTREAM_FIRST_TEXT_MS: _span_ms(metrics.time_to_first_text_ns(sent, head)),
+        p.SERVER_TO_BRIDGE_MS: _ms(first_wall, emitted_wall),
+        p.RELAY_MEAN_MS: relay_mean,
+        p.TOTAL_MS: _ms(now_ns, trace.accepted_ns),
     }

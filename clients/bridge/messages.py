@@ -1,6 +1,7 @@
 """Client -> bridge: one websocket text frame in, one message value (or a ProtocolError) out.
 
-No I/O here. A `generate` becomes a GenerateRequest; roles and sampling keys come from the wire
+No I/O here; the protocol's words are clients/bridge/protocol.py's. A `generate` becomes a
+GenerateRequest; roles and sampling keys come from the wire
 contract, so the bridge accepts exactly what the model accepts. Only shapes are checked: the model
 validates values and its message goes back to the client as is.
 """
@@ -11,8 +12,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from clients.bridge import protocol as p
 from clients.grpc_client import GenerateRequest
-from streaming_backend.wire import INVALID_REQUEST, ROLES, SAMPLING_KEYS, STOP
+from streaming_backend.wire import INVALID_REQUEST, MESSAGES, ROLES, SAMPLING_KEYS, STOP
 
 MAX_ID_LENGTH = 128
 
@@ -52,24 +54,24 @@ class Auth:
 def parse_message(raw: str | bytes) -> Generate | Cancel | Auth:
     """Validate one client frame into a message value; ProtocolError says what is wrong."""
     if isinstance(raw, bytes):
-        raise ProtocolError("bad_frame", "binary frames are not supported; send JSON text")
+        raise ProtocolError(p.BAD_FRAME, "binary frames are not supported; send JSON text")
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep JSON
-        raise ProtocolError("bad_frame", f"frame is not valid JSON: {exc}") from None
+        raise ProtocolError(p.BAD_FRAME, f"frame is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise ProtocolError("bad_frame", "frame must be a JSON object with a 'type' field")
+        raise ProtocolError(p.BAD_FRAME, "frame must be a JSON object with a 'type' field")
     _check_text(data)
-    kind = data.get("type")
-    if kind == "auth":
-        token = data.get("token")
+    kind = data.get(p.TYPE)
+    if kind == p.AUTH:
+        token = data.get(p.AUTH_TOKEN)
         if not isinstance(token, str):
-            raise ProtocolError("bad_frame", "auth needs a string 'token'")
+            raise ProtocolError(p.BAD_FRAME, "auth needs a string 'token'")
         return Auth(token)
-    if kind not in ("generate", "cancel"):
-        raise ProtocolError("unknown_type", f"unknown message type {kind!r}", _loose_id(data))
+    if kind not in (p.GENERATE, p.CANCEL):
+        raise ProtocolError(p.UNKNOWN_TYPE, f"unknown message type {kind!r}", _loose_id(data))
     gen_id = _parse_id(data)
-    if kind == "cancel":
+    if kind == p.CANCEL:
         return Cancel(gen_id)
     return Generate(gen_id, _parse_request(data, gen_id))
 
@@ -115,7 +117,7 @@ def _encodable(text: str) -> bool:
 
 def _loose_id(data: dict) -> str | None:
     """The message's id when it is a usable one, for addressing an error to it."""
-    gen_id = data.get("id")
+    gen_id = data.get(p.ID)
     usable = isinstance(gen_id, str) and 0 < len(gen_id) <= MAX_ID_LENGTH and _encodable(gen_id)
     return gen_id if usable else None
 
@@ -123,50 +125,50 @@ def _loose_id(data: dict) -> str | None:
 def _parse_id(data: dict) -> str:
     gen_id = _loose_id(data)
     if gen_id is None:
-        raise ProtocolError("bad_frame", f"'id' must be a string of 1 to {MAX_ID_LENGTH} chars")
+        raise ProtocolError(p.BAD_FRAME, f"'id' must be a string of 1 to {MAX_ID_LENGTH} chars")
     return gen_id
 
 
 def _parse_request(data: dict, gen_id: str) -> GenerateRequest:
     """The GenerateRequest of a generate message (prompt or messages, params)."""
-    prompt, messages = data.get("prompt"), data.get("messages")
+    prompt, messages = data.get(p.PROMPT), data.get(MESSAGES)
     if (prompt is None) == (messages is None):
-        raise ProtocolError("bad_frame", "give exactly one of 'prompt' and 'messages'", gen_id)
+        raise ProtocolError(p.BAD_FRAME, "give exactly one of 'prompt' and 'messages'", gen_id)
     if prompt is not None and not (isinstance(prompt, str) and prompt):
-        raise ProtocolError("bad_frame", "'prompt' must be a non-empty string", gen_id)
+        raise ProtocolError(p.BAD_FRAME, "'prompt' must be a non-empty string", gen_id)
     if messages is not None:
         _check_messages(messages, gen_id)
-    params = _parse_params(data.get("params", {}), gen_id)
+    params = _parse_params(data.get(p.PARAMS, {}), gen_id)
     return GenerateRequest(prompt=prompt, messages=messages, sampling=params, return_timing=True)
 
 
 def _check_messages(messages: Any, gen_id: str) -> None:
     if not isinstance(messages, list) or not messages:
-        raise ProtocolError("bad_frame", "'messages' must be a non-empty list", gen_id)
+        raise ProtocolError(p.BAD_FRAME, "'messages' must be a non-empty list", gen_id)
     for m in messages:
         if not (
             isinstance(m, dict)
-            and set(m) == {"role", "content"}
-            and m["role"] in ROLES
-            and isinstance(m["content"], str)
+            and set(m) == {p.ROLE, p.CONTENT}
+            and m[p.ROLE] in ROLES
+            and isinstance(m[p.CONTENT], str)
         ):
             roles = "|".join(ROLES)
             raise ProtocolError(
-                "bad_frame", f'each message must be {{"role": {roles}, "content": string}}', gen_id
+                p.BAD_FRAME, f'each message must be {{"role": {roles}, "content": string}}', gen_id
             )
 
 
 def _parse_params(params: Any, gen_id: str) -> dict[str, Any]:
     """Shape checks only; the model validates values and its message comes back verbatim."""
     if not isinstance(params, dict):
-        raise ProtocolError("bad_params", "'params' must be an object", gen_id)
+        raise ProtocolError(p.BAD_PARAMS, "'params' must be an object", gen_id)
     unknown = sorted(set(params) - set(SAMPLING_KEYS))
     if unknown:
         allowed = ", ".join(sorted(SAMPLING_KEYS))
-        raise ProtocolError("bad_params", f"unknown params {unknown}; allowed: {allowed}", gen_id)
+        raise ProtocolError(p.BAD_PARAMS, f"unknown params {unknown}; allowed: {allowed}", gen_id)
     for key, value in params.items():
         scalar = isinstance(value, (str, int, float, bool))
         strings = key == STOP and isinstance(value, list)
         if not (scalar or (strings and all(isinstance(s, str) for s in value))):
-            raise ProtocolError("bad_params", f"params.{key} has an unsupported type", gen_id)
+            raise ProtocolError(p.BAD_PARAMS, f"params.{key} has an unsupported type", gen_id)
     return dict(params)

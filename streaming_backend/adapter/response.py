@@ -1,5 +1,5 @@
 """Token events -> wire tensors: the output arrays of one request's responses (one per event when
-streaming, one in all otherwise). No Triton import: model.py wraps the arrays in pb_utils tensors.
+streaming, one in all otherwise). No Triton import: sender.py wraps the arrays in pb_utils tensors.
 """
 
 from __future__ import annotations

@@ -67,12 +67,6 @@ def load_model(
     _post(f"{http_url}/v2/repository/models/{model}/load", body, timeout, headers)
 
 
-def unload_model(http_url: str, model: str, key: str | None, timeout: float) -> None:
-    """POST Triton's repository unload for `model`; raises ControlError on refusal."""
-    headers = {ADMIN_HEADER: key} if key else {}
-    _post(f"{http_url}/v2/repository/models/{model}/unload", {}, timeout, headers)
-
-
 def model_ready(http_url: str, model: str, timeout: float = 2.0) -> bool:
     """GET /v2/models/<model>/ready: True on 200."""
     try:

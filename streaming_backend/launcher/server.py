@@ -39,8 +39,7 @@ from streaming_backend.launcher.repository import make_runtime_repository
 from streaming_backend.paths import default_repository
 from streaming_backend.wire import ADMIN_HEADER, ADMIN_KEY_VARIABLE
 
-LOG_TAIL_LINES = 200
-ERROR_TAIL_LINES = 40
+ERROR_TAIL_LINES = 40  # the log lines a ServerDied quotes
 MAX_EXIT_TIMEOUT_S = 10.0  # stop() adds at most ~4 s to this; the whole stop stays under 15 s
 READY_POLL_S = 0.2
 # Triton closes each client connection after this long (gRPC GOAWAY, jittered +-10 %; open
@@ -130,7 +129,7 @@ class TritonServer:
         self.config = config or ServerConfig()
         self.shm_prefix = f"tokenstream_{os.getpid()}_{secrets.token_hex(4)}"
         self._on_log = on_log
-        self._tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+        self._tail: collections.deque[str] = collections.deque(maxlen=ERROR_TAIL_LINES)
         self._process: subprocess.Popen[str] | None = None
         self._reader: threading.Thread | None = None
         self._runtime_repository: Path | None = None
@@ -163,11 +162,6 @@ class TritonServer:
     def returncode(self) -> int | None:
         """Exit status of tritonserver, None while it runs (or before start())."""
         return self._process.poll() if self._process else None
-
-    @property
-    def log_lines(self) -> list[str]:
-        """The last log lines of the server (at most LOG_TAIL_LINES)."""
-        return list(self._tail)
 
     @property
     def runtime_repository(self) -> Path | None:
@@ -290,10 +284,6 @@ class TritonServer:
         except subprocess.TimeoutExpired:
             return None
 
-    def died_error(self) -> ServerDied:
-        """A ServerDied describing the exit, with the last log lines."""
-        return self._died("unexpectedly")
-
     def stop(self, graceful: bool = True) -> float:
         """Stop the server, its stubs, its shm files and its repository copy; seconds taken.
 
@@ -370,7 +360,7 @@ class TritonServer:
         )
 
     def _tail_text(self) -> str:
-        return "\n".join(list(self._tail)[-ERROR_TAIL_LINES:])
+        return "\n".join(self._tail)
 
     def _remove_runtime_repository(self) -> None:
         if self._runtime_repository is not None:

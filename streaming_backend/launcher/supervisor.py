@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from streaming_backend.launcher.control import ControlError, control, load_model, model_ready
-from streaming_backend.launcher.repository import patch_parameters
+from streaming_backend.launcher.repository import patch_parameters, read_parameters
 from streaming_backend.launcher.server import ServerConfig, ServerDied, TritonServer
 from streaming_backend.launcher.watch import CanaryConfig, Failure, Watch
 from streaming_backend.wire import CHAT_MODEL, CONTROL, CONTROL_DRAIN, CONTROL_END, CONTROL_HEALTH
@@ -280,7 +280,10 @@ class Supervisor:
         new_text = patch_parameters(old_text, {"model": model}) if model else old_text
         # a fresh write changes the file's time, which is how Triton tells that it must reload
         config_path.write_text(new_text.rstrip("\n") + f"\n# reloaded at {time.time():.3f}\n")
-        self._say(f"tokenstream: reloading {name}" + (f" with {model}" if model else ""))
+        # what the runtime config named so far (empty: the bundled default model)
+        served = read_parameters(old_text).get("model") or "the default"
+        change = f": model {served} -> {model}" if model else ""
+        self._say(f"tokenstream: reloading {name}{change}")
         try:
             load_model(server.http_url, name, self.admin_key, RELOAD_TIMEOUT_S)
         except ControlError as error:

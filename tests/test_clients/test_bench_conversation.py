@@ -81,9 +81,7 @@ class ChatTransport:
             if rec.index in self.fail:
                 raise ConnectionResetError("peer went away")
             for text in ("answer ", str(rec.index)):
-                rec.chunks.append(
-                    Chunk(text, 1, 10, None, None, None, False, "", time.monotonic_ns())
-                )
+                rec.chunks.append(Chunk.delta(text, 1, time.monotonic_ns(), num_input_tokens=10))
         finally:
             self.in_flight -= 1
 

@@ -12,7 +12,7 @@ MS = 1_000_000
 
 
 def timeline(sent_ms: int, token_ms: list[int]) -> bench.Timeline:
-    chunks = tuple(Chunk("x", 1, None, None, None, None, False, "", t * MS) for t in token_ms)
+    chunks = tuple(Chunk.delta("x", 1, t * MS) for t in token_ms)
     return bench.Timeline(sent_ms * MS, chunks)
 
 

@@ -39,7 +39,7 @@ def fake_record(i: int, ttft_ms: int = 100, itl_ms: int = 50, tokens: int = 4) -
         emitted_ns=first - 1 * MS,
     )
     chunks = [
-        Chunk("abc", 1, 12, None, None, None, False, str(i), first + k * itl_ms * MS)
+        Chunk.delta("abc", 1, first + k * itl_ms * MS, request_id=str(i), num_input_tokens=12)
         for k in range(tokens)
     ]
     chunks[0] = replace(chunks[0], timing=timing)  # the first token's server stamps

@@ -22,9 +22,7 @@ SAME = ClockMap(same_clock=True)
 
 def rec(sent_ms, responses, finish_reason=None, timing=None, **kw) -> RequestRecord:
     """A record from (recv_ms, tokens, text) triples; the last carries finish_reason."""
-    chunks = [
-        Chunk(text, n, None, None, None, None, False, "r", int(t * MS)) for t, n, text in responses
-    ]
+    chunks = [Chunk.delta(text, n, int(t * MS), request_id="r") for t, n, text in responses]
     if chunks:
         chunks[0] = replace(chunks[0], timing=timing)
         chunks[-1] = replace(chunks[-1], finish_reason=finish_reason)

@@ -175,9 +175,7 @@ class FakeTransport:
                 await asyncio.Event().wait()
             for _ in range(3):
                 await asyncio.sleep(0.001)
-                rec.chunks.append(
-                    Chunk("x", 1, None, None, None, None, False, "", time.monotonic_ns())
-                )
+                rec.chunks.append(Chunk.delta("x", 1, time.monotonic_ns()))
         except asyncio.CancelledError:
             self.cancelled.append(rec.index)
             raise

@@ -205,7 +205,7 @@ async def test_streaming_tokens_then_done(triton_server):
     assert done["usage"]["completion_tokens"] == tokens[-1]["n"] == 12
     assert done["usage"]["prompt_tokens"] > 0
     assert done["timing"]["server"]["first_token_ms"] > 0
-    assert done["timing"]["bridge"]["ttft_ms"] >= done["timing"]["server"]["first_token_ms"]
+    assert done["timing"]["bridge"]["first_frame_ms"] >= done["timing"]["server"]["first_token_ms"]
     assert "\ufffd" not in "".join(f["text"] for f in tokens)
 
 

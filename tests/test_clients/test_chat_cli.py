@@ -23,29 +23,37 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _chunk(text: str, t_ns: int, n: int | None = 1, final=False, reason=None) -> Chunk:
-    return Chunk(text, n, None, None, reason, None, final, "r", t_ns)
+    return Chunk.delta(text, n, t_ns, request_id="r", finish_reason=reason, final=final)
 
 
-def test_measure_ttft_and_decode_rate():
-    """TTFT runs to the first token; the rate is tokens after the first per second after it."""
-    chunks = [_chunk("a", 150_000_000), _chunk("b", 250_000_000), _chunk("c", 350_000_000, n=2)]
+def test_measure_ttft_first_text_and_decode_rate():
+    """TTFT runs to the first response, the first text to the first printable text; the rate is
+    tokens after the first response per second after it."""
+    chunks = [
+        _chunk("", 150_000_000),  # a token whose text is held back (half a character)
+        _chunk("b", 250_000_000),
+        _chunk("c", 350_000_000, n=2),
+    ]
     stats = chat.measure(100_000_000, chunks, "length")
     assert stats.ttft_s == pytest.approx(0.05)
+    assert stats.first_text_s == pytest.approx(0.15)
     assert stats.tokens == 4
     assert stats.decode_tokens_per_s == pytest.approx(3 / 0.2)
 
 
 def test_measure_without_tokens():
-    """An answer with no tokens has no TTFT and no rate."""
-    assert chat.measure(0, [_chunk("", 5, n=0)], "cancelled") == chat.AnswerStats(
-        None, 0, None, "cancelled"
+    """An answer whose only response has no token has a TTFT, but no first text and no rate."""
+    assert chat.measure(0, [_chunk("", 5_000_000, n=0)], "cancelled") == chat.AnswerStats(
+        0.005, None, 0, None, "cancelled"
     )
 
 
 def test_format_stats():
-    """The stats line is one bracketed line."""
-    line = chat.format_stats(chat.AnswerStats(0.0421, 64, 118.25, "length"))
+    """The stats line is one bracketed line; the first text shows only when it came later."""
+    line = chat.format_stats(chat.AnswerStats(0.0421, 0.0419, 64, 118.25, "length"))
     assert line == "[TTFT 42 ms · 118.2 tok/s · 64 tokens · length]"
+    line = chat.format_stats(chat.AnswerStats(0.0421, 0.0484, 64, 118.25, "length"))
+    assert line == "[TTFT 42 ms · first text 48 ms · 118.2 tok/s · 64 tokens · length]"
 
 
 def test_config_from_args_keeps_only_given_options():

@@ -9,7 +9,7 @@ from streaming_backend.wire import ServerTiming
 
 
 def chunk(text: str, n: int | None) -> Chunk:
-    return Chunk(text, n, None, None, None, None, False, "r", 0)
+    return Chunk.delta(text, n, 0, request_id="r")
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ def chunk(t_ms: float, tokens: int | None = 1, text: str = "x", emitted_ms=None)
     timing = None
     if emitted_ms is not None:
         timing = ServerTiming(0, 0, 0, int(emitted_ms * MS))
-    return Chunk(text, tokens, None, None, None, timing, False, "r", int(t_ms * MS))
+    return Chunk.delta(text, tokens, int(t_ms * MS), request_id="r", timing=timing)
 
 
 def ms(value):
@@ -132,3 +132,11 @@ def test_stats_scale_and_single_value():
 def test_throughput_of_an_empty_span_is_none():
     assert m.throughput(10, 2 * m.NS_PER_S) == 5.0
     assert m.throughput(10, 0) is None and m.throughput(10, None) is None
+
+
+def test_span_runs_from_the_first_send_to_the_last_response_of_any_request():
+    """The span starts at the earliest send and ends at the latest response, whichever requests
+    they belong to; requests without a response are left out; none at all give None."""
+    requests = [(5 * MS, [chunk(10), chunk(50)]), (0, [chunk(20), chunk(40)]), (-7 * MS, [])]
+    assert m.span_ns(requests) == 50 * MS
+    assert m.span_ns([(0, [])]) is None and m.span_ns([]) is None

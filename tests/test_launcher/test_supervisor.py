@@ -13,10 +13,11 @@ import urllib.request
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from conftest import stub_pids, supervised_server, wait_for
 from tritonclient.utils import InferenceServerException
 
-from streaming_backend.launcher.control import ControlError, control, unload_model
+from streaming_backend.launcher.control import ControlError, control
 from streaming_backend.launcher.health import metrics_text
 from streaming_backend.launcher.supervisor import (
     RestartBudget,
@@ -178,10 +179,11 @@ def test_plain_clients_cannot_unload_the_model_but_still_infer(supervised) -> No
     """The model-repository API wants the admin key on HTTP and gRPC; inference does not."""
     supervisor, _, _ = supervised
     server = supervisor.server
-    with pytest.raises(ControlError, match="restricted"):
-        unload_model(server.http_url, CHAT_MODEL, key=None, timeout=10)
-    with pytest.raises(ControlError, match="restricted"):
-        unload_model(server.http_url, CHAT_MODEL, key="a wrong key", timeout=10)
+    http = httpclient.InferenceServerClient(server.http_url.removeprefix("http://"))
+    for headers in (None, {ADMIN_HEADER: "a wrong key"}):
+        with pytest.raises(InferenceServerException, match="restricted"):
+            http.unload_model(CHAT_MODEL, headers=headers)
+    http.close()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     with pytest.raises(InferenceServerException, match="restricted"):
         client.unload_model(CHAT_MODEL)
@@ -225,10 +227,10 @@ def test_health_endpoints_tell_ready_live_status_and_metrics(supervised) -> None
 
 @pytest.mark.server
 def test_reload_needs_the_admin_key_and_a_failed_reload_keeps_the_old_model(
-    supervised, tmp_path
+    supervised, tmp_path, tiny_model_dir
 ) -> None:
     """POST /reload without the key is refused; with a model that cannot load, the caller gets
-    the error and the old model goes on serving."""
+    the error and the old model goes on serving. The log names the model it meant to replace."""
     supervisor, url, events = supervised
     assert post(f"{url}/reload", {})[0] == 403
     status, body = post(
@@ -238,6 +240,7 @@ def test_reload_needs_the_admin_key_and_a_failed_reload_keeps_the_old_model(
     assert infer_text(supervisor.server.grpc_url, "Hello")
     assert get(f"{url}/ready")[0] == 200
     assert supervisor.reloads["failed"] == 1
+    assert f"reloading chat: model {tiny_model_dir} -> {tmp_path / 'missing'}" in "\n".join(events)
 
 
 @pytest.mark.server

@@ -1,0 +1,147 @@
+"""Our metric families on Triton's metrics port, fed from the outbox thread.
+
+Names follow vLLM's where one exists. The pb_utils module is not importable outside the model's
+process, so `Metrics` is given its `MetricFamily` class; tests pass a small fake of it. No call
+here ever raises: a failed metrics call is logged, and a stream never ends because of one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from streaming_backend.events import FinishReason, TokenEvent
+
+log = logging.getLogger("tokenstream.model")
+TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0]
+ITL_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5]
+OK, FAILED, CANCELLED, REJECTED = "ok", "failed", "cancelled", "rejected"
+OUTCOMES = (OK, FAILED, CANCELLED, REJECTED)  # labels of tokenstream_requests_total
+
+
+def outcome(event: TokenEvent) -> str:
+    """How a finished stream counts in tokenstream_requests_total."""
+    if event.finish_reason is FinishReason.CANCELLED:
+        return CANCELLED
+    return FAILED if event.error is not None else OK
+
+
+def quietly(call: Callable, *args) -> None:
+    """A metrics call whose failure is logged, never raised: metrics must not end a stream."""
+    try:
+        call(*args)
+    except Exception:  # noqa: BLE001
+        log.exception("a metrics call failed")
+
+
+class Metrics:
+    """The chat model's metrics; `family` is pb_utils.MetricFamily (or a fake of it)."""
+
+    def __init__(self, family, model_name: str, version: str):
+        labels = {"model": model_name, "version": version}
+        # A Metric is unusable once its MetricFamily is garbage-collected: keep the families.
+        self._families = []
+
+        def make(name, doc, kind, **kw):
+            self._families.append(family(name=name, description=doc, kind=kind))
+            return self._families[-1].Metric(labels=labels, **kw)
+
+        self.ttft = make(
+            "tokenstream_time_to_first_token_seconds",
+            "Time from request received to first token emitted",
+            family.HISTOGRAM,
+            buckets=TTFT_BUCKETS,
+        )
+        self.tpot = make(
+            "tokenstream_time_per_output_token_seconds",
+            "Mean inter-token latency of each finished request",
+            family.HISTOGRAM,
+            buckets=ITL_BUCKETS,
+        )
+        self.queue = make(
+            "tokenstream_request_queue_time_seconds",
+            "Time from request received to its prefill start",
+            family.HISTOGRAM,
+            buckets=TTFT_BUCKETS,
+        )
+        self.tokens = make(
+            "tokenstream_generation_tokens_total", "Output tokens generated", family.COUNTER
+        )
+        self.active = make(
+            "tokenstream_active_streams", "Requests accepted and not yet finished", family.GAUGE
+        )
+        self.prompt_tokens = make(
+            "tokenstream_prompt_tokens_total", "Prompt tokens of started requests", family.COUNTER
+        )
+        self.cached_tokens = make(
+            "tokenstream_prefix_cache_reused_tokens_total",
+            "Prompt tokens whose KV came from the prefix cache (not prefilled again)",
+            family.COUNTER,
+        )
+        self.cache_hits = make(
+            "tokenstream_prefix_cache_hits_total",
+            "Started requests that reused a cached prefix",
+            family.COUNTER,
+        )
+        self.waiting = make(
+            "tokenstream_waiting_requests",
+            "Requests accepted and waiting for a slot in the running batch",
+            family.GAUGE,
+        )
+        self.rejected = make(
+            "tokenstream_rejected_requests_total",
+            "Requests refused (invalid or overloaded)",
+            family.COUNTER,
+        )
+        # nv_inference_request_success counts refused and cancelled requests as successes
+        requests = family(
+            name="tokenstream_requests_total",
+            description="Requests by outcome: ok, failed, cancelled, rejected (refused at entry)",
+            kind=family.COUNTER,
+        )
+        self._families.append(requests)
+        self.outcomes = {o: requests.Metric(labels=labels | {"outcome": o}) for o in OUTCOMES}
+        self._reported = {"active": 0, "waiting": 0}  # the gauges' values as last set
+
+    def count(self, outcome: str) -> None:
+        """One more request ended with `outcome` (one of OUTCOMES)."""
+        quietly(self.outcomes[outcome].increment, 1)
+
+    def count_rejected(self) -> None:
+        """One more request refused at entry."""
+        self.count(REJECTED)
+        quietly(self.rejected.increment, 1)
+
+    def set_active(self, active: int) -> None:
+        """The active-streams gauge, set only when the number changed."""
+        self._set_gauge("active", active)
+
+    def set_waiting(self, waiting: int) -> None:
+        """The waiting-requests gauge, set only when the number changed."""
+        self._set_gauge("waiting", waiting)
+
+    def _set_gauge(self, name: str, value: int) -> None:
+        if value != self._reported[name]:
+            quietly(getattr(self, name).set, value)
+            self._reported[name] = value
+
+    def observe(self, event: TokenEvent, received_ns: int, first_emitted_ns: int) -> None:
+        """One event of a stream received at `received_ns` whose first token was emitted at
+        `first_emitted_ns`: TTFT and queue time at the first token, mean ITL at the end."""
+        quietly(self._observe, event, received_ns, first_emitted_ns)
+
+    def _observe(self, event: TokenEvent, received_ns: int, first_emitted_ns: int) -> None:
+        if not event.token_ids:
+            return
+        self.tokens.increment(len(event.token_ids))
+        if event.num_output_tokens == 1:
+            self.prompt_tokens.increment(event.num_input_tokens)
+            if event.cached_tokens:
+                self.cache_hits.increment(1)
+                self.cached_tokens.increment(event.cached_tokens)
+            self.ttft.observe((event.emitted_ns - received_ns) / 1e9)
+            self.queue.observe((event.scheduled_ns - received_ns) / 1e9)
+        elif event.final:
+            self.tpot.observe(
+                (event.emitted_ns - first_emitted_ns) / 1e9 / (event.num_output_tokens - 1)
+            )
