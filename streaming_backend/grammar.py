@@ -175,15 +175,15 @@ def apply_grammar_masks(
 def allowed_tokens(matchers: Sequence[GrammarMatcher], vocab_size: int) -> torch.Tensor:
     """Which tokens each matcher allows next -> bool [R, vocab_size], on the CPU."""
     global _executor
-    import llguidance
-    import llguidance.torch as llg_torch
+    import llguidance  # not llguidance.torch: it runs torch.compile when imported
 
     words = (vocab_size + BITS - 1) // BITS
-    bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)  # [R, W]
+    bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)  # [R, W], contiguous
     if _executor is None:
         _executor = llguidance.LLExecutor()
     pairs = [(m._matcher, row) for row, m in enumerate(matchers)]
-    llg_torch.fill_next_token_bitmask_par(_executor, pairs, bitmask)
+    # every row's mask at once, on llguidance's threads, written straight into the tensor
+    _executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, len(matchers))
     shifts = torch.arange(BITS, dtype=torch.int32)  # [32]
     bits = (bitmask[:, :, None] >> shifts) & 1  # [R, W, 32], token w*32+b is bit b of word w
     return bits.reshape(len(matchers), words * BITS)[:, :vocab_size].bool()
