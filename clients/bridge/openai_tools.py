@@ -60,9 +60,13 @@ class Tools:
         if not self.forced:
             return None
         named = [t for t in self.tools if self.choice in (REQUIRED, t.name)]
-        calls = [_call_schema(t) for t in named]
+        calls, definitions = [], {}
+        for tool in named:
+            parameters, found = _hoist_definitions(tool.name, tool.parameters)
+            calls.append(_call_schema(tool.name, parameters))
+            definitions |= found
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        schema = {**schema, "x-guidance": JSON_STYLE}
+        schema = {**schema, "$defs": definitions, "x-guidance": JSON_STYLE}
         repeat = f'("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}'
         several = self.parallel and self.choice == REQUIRED
         start = f"start: call {repeat}" if several else "start: call"
@@ -90,14 +94,40 @@ def _description(tool: Tool) -> dict[str, Any]:
     return described | ({"description": tool.description} if tool.description else {})
 
 
-def _call_schema(tool: Tool) -> dict[str, Any]:
-    """The JSON schema of one call of `tool`: its name and arguments that fit its parameters."""
+def _call_schema(name: str, parameters: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON schema of one call: the function's name and arguments that fit its parameters."""
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": dict(tool.parameters)},
+        "properties": {"name": {"const": name}, "arguments": dict(parameters)},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+DEFINITION_KEYS = ("$defs", "definitions")
+
+
+def _hoist_definitions(name: str, schema: Any) -> tuple[Any, dict[str, Any]]:
+    """A function's parameters with their $defs moved out (to the call grammar's root, where
+    "#/$defs/..." points), renamed "<function>.<def>" so two functions' defs never clash."""
+    definitions = {}
+    for key in DEFINITION_KEYS:
+        found = schema.get(key) if isinstance(schema, Mapping) else None
+        for def_name, value in (found if isinstance(found, Mapping) else {}).items():
+            definitions[f"{name}.{def_name}"] = value
+    prefixes = {f"#/{key}/": f"#/$defs/{name}." for key in DEFINITION_KEYS}
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, Mapping):
+            out = {k: rewrite(v) for k, v in node.items() if k not in DEFINITION_KEYS}
+            ref = out.get("$ref")
+            for old, new in prefixes.items():
+                if isinstance(ref, str) and ref.startswith(old):
+                    out["$ref"] = new + ref[len(old) :]
+            return out
+        return [rewrite(v) for v in node] if isinstance(node, list) else node
+
+    return rewrite(schema), {k: rewrite(v) for k, v in definitions.items()}
 
 
 # ---- the request: tools, tool_choice, parallel_tool_calls, and the messages ------------------
