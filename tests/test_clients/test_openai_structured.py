@@ -132,9 +132,7 @@ async def test_required_and_named_tool_calls_validate_and_stream(default_server)
         required = await client.chat.completions.create(tool_choice="required", **common)
         named = {"type": "function", "function": {"name": "get_time"}}
         forced = await client.chat.completions.create(tool_choice=named, **common)
-        stream = await client.chat.completions.create(
-            tool_choice="required", stream=True, **common
-        )
+        stream = await client.chat.completions.create(tool_choice="required", stream=True, **common)
         chunks = [c async for c in stream]
     choice = required.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
@@ -205,7 +203,8 @@ async def test_top_logprobs_are_the_models_log_softmax(default_server, default_l
         assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
             best.values.tolist(), abs=2e-3
         )
-        assert [t.token for t in entry.top_logprobs] == [tokenizer.decode([i]) for i in best.indices]
+        tokens = [tokenizer.decode([i]) for i in best.indices]
+        assert [t.token for t in entry.top_logprobs] == tokens
         assert entry.logprob == pytest.approx(best.values[0].item(), abs=2e-3)
         ids.append(int(best.indices[0]))
 
@@ -230,10 +229,8 @@ async def test_n_choices_with_a_seed_are_reproducible(default_server):
 
 async def test_bad_structured_requests_are_400_and_the_server_keeps_serving(default_server):
     """An invalid schema, an unknown tool_choice name, top_logprobs=50: 400 naming the field."""
-    bad_schema = {
-        "type": "json_schema",
-        "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": 7}}}},
-    }
+    schema = {"type": "object", "properties": {"a": {"type": 7}}}
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
     unknown = {"type": "function", "function": {"name": "nope"}}
     async with bridge_to(default_server) as bridge, client_of(bridge) as client:
         errors = []
