@@ -12,7 +12,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from clients.grpc_client import GenerateRequest
-from streaming_backend.wire import INVALID_REQUEST, ROLES, SAMPLING_KEYS, STOP
+from streaming_backend.wire import (
+    GUIDED_CHOICE,
+    GUIDED_JSON,
+    INVALID_REQUEST,
+    ROLES,
+    SAMPLING_KEYS,
+    STOP,
+)
 
 MAX_ID_LENGTH = 128
 
@@ -166,7 +173,8 @@ def _parse_params(params: Any, gen_id: str) -> dict[str, Any]:
         raise ProtocolError("bad_params", f"unknown params {unknown}; allowed: {allowed}", gen_id)
     for key, value in params.items():
         scalar = isinstance(value, (str, int, float, bool))
-        strings = key == STOP and isinstance(value, list)
-        if not (scalar or (strings and all(isinstance(s, str) for s in value))):
+        strings = key in (STOP, GUIDED_CHOICE) and isinstance(value, list)
+        schema = key == GUIDED_JSON and isinstance(value, dict)  # or its JSON text
+        if not (scalar or schema or (strings and all(isinstance(s, str) for s in value))):
             raise ProtocolError("bad_params", f"params.{key} has an unsupported type", gen_id)
     return dict(params)
