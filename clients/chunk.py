@@ -4,6 +4,7 @@ frames) yields Chunks, and the terminal chat, the bridge and the benchmark consu
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from clients.aio import within
@@ -14,6 +15,14 @@ from streaming_backend.wire import INTERNAL, UNAVAILABLE, ServerTiming
 # that queues behind a full engine on a CPU; callers with tighter needs pass their own. Every
 # transport's client uses it (grpc_client, sse_client) and the bridge's upstream.
 DEFAULT_IDLE_TIMEOUT_S = 120.0
+
+
+def parse_logprobs(value) -> tuple[dict, ...] | None:
+    """A Chunk's logprobs from the LOGPROBS output's JSON text (or its decoded list)."""
+    if value is None or value == "" or value == b"":
+        return None
+    entries = json.loads(value) if isinstance(value, (str, bytes)) else value
+    return tuple(entries)
 
 
 def parse_timing(value) -> ServerTiming | None:
@@ -38,6 +47,8 @@ class Chunk:
     final: bool = False
     request_id: str = ""
     received_ns: int  # time.monotonic_ns() when the response reached this process
+    # return_logprobs: per token {"token_id", "logprob", "token", "top_logprobs"?} (wire.LOGPROBS)
+    logprobs: tuple[dict, ...] | None = None
 
     @classmethod
     def delta(

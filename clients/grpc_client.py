@@ -26,6 +26,7 @@ from clients.chunk import (
     Chunk,
     GenerationError,
     idle_error,
+    parse_logprobs,
     parse_timing,
     within_idle_timeout,
 )
@@ -37,6 +38,7 @@ from streaming_backend.wire import (
     ENABLE_EMPTY_FINAL,
     FINAL_RESPONSE,
     FINISH_REASON,
+    LOGPROBS,
     NUM_INPUT_TOKENS,
     NUM_OUTPUT_TOKENS,
     OUTPUT_IDS,
@@ -150,6 +152,7 @@ def parse_result(result: grpcclient.InferResult, received_ns: int | None = None)
         final=response.parameters[FINAL_RESPONSE].bool_param,
         request_id=response.id,
         received_ns=time.monotonic_ns() if received_ns is None else received_ns,
+        logprobs=parse_logprobs(_first_string(result, LOGPROBS)),
     )
 
 

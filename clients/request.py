@@ -14,6 +14,7 @@ from streaming_backend.wire import (
     INPUT_IDS,
     MESSAGES,
     RETURN_FINISH_REASON,
+    RETURN_LOGPROBS,
     RETURN_NUM_INPUT_TOKENS,
     RETURN_NUM_OUTPUT_TOKENS,
     RETURN_OUTPUT_IDS,
@@ -38,6 +39,7 @@ class GenerateRequest:
     return_num_input_tokens: bool = True
     return_num_output_tokens: bool = True
     return_output_ids: bool = False
+    return_logprobs: bool = False  # each token's logprob (and top_logprobs when asked)
     return_timing: bool = False
 
     def __post_init__(self) -> None:
@@ -70,6 +72,7 @@ def request_inputs(request: GenerateRequest) -> dict[str, str | bool | tuple[int
         RETURN_NUM_INPUT_TOKENS: request.return_num_input_tokens,
         RETURN_NUM_OUTPUT_TOKENS: request.return_num_output_tokens,
         RETURN_OUTPUT_IDS: request.return_output_ids,
+        RETURN_LOGPROBS: request.return_logprobs,
         RETURN_TIMING: request.return_timing,
     }
     return inputs

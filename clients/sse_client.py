@@ -21,6 +21,7 @@ from clients.chunk import (
     DEFAULT_IDLE_TIMEOUT_S,
     Chunk,
     GenerationError,
+    parse_logprobs,
     parse_timing,
     within_idle_timeout,
 )
@@ -28,6 +29,7 @@ from clients.request import GenerateRequest, request_inputs
 from streaming_backend.wire import (
     CHAT_MODEL,
     FINISH_REASON,
+    LOGPROBS,
     NUM_INPUT_TOKENS,
     NUM_OUTPUT_TOKENS,
     OUTPUT_IDS,
@@ -88,6 +90,7 @@ def event_chunk(event: Mapping, received_ns: int, request_id: str = "") -> Chunk
         final=finish_reason is not None,
         request_id=request_id,
         received_ns=received_ns,
+        logprobs=parse_logprobs(event.get(LOGPROBS)),
     )
 
 

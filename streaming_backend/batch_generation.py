@@ -137,6 +137,7 @@ class _Sampled:
     cum_log_prob: float = 0.0
     done: bool = False
     rows: int = 1
+    grammar: None = None  # the dialogue model takes no grammar
 
     # the logits pipeline's view of this row (streaming_backend.logits.Row)
     @property
@@ -256,9 +257,9 @@ def _sample(
 ) -> tuple[list[int], list[float]]:
     """One token per sampling row (logits [N, V]) and its log-prob under the raw model."""
     choice = NextTokenChooser.for_rows(groups, eos_ids, logits.device).choose(
-        logits.clone(), groups, logprobs=True
+        logits, groups, logprobs=True
     )
-    return choice.ids, choice.logprobs
+    return choice.ids, [picked for picked, _ in choice.logprobs]
 
 
 @dataclass(frozen=True)
@@ -269,6 +270,7 @@ class _BeamRow:
     prompt_ids: tuple[int, ...]
     output_ids: list[int]
     generator: None = None  # beams draw nothing
+    grammar: None = None  # the dialogue model takes no grammar
 
 
 def _beam_log_probs(

@@ -29,7 +29,8 @@ from streaming_backend.errors import (
     Overloaded,
     StreamingError,
 )
-from streaming_backend.events import FinishReason, TokenEvent
+from streaming_backend.events import FinishReason, LogprobDetail, TokenEvent, TokenLogprob
+from streaming_backend.grammar import GrammarCompiler, GrammarMatcher
 from streaming_backend.loading import LoadedModel
 from streaming_backend.logits import NextTokenChooser
 from streaming_backend.settings import SamplingSettings
@@ -102,6 +103,7 @@ class _Stream:
     scheduled_ns: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     ended: bool = False  # its final event went out: it must never get a second one
+    grammar: GrammarMatcher | None = None  # constrained decoding (guided_*): its token mask
 
     @property
     def total_tokens(self) -> int:
@@ -125,6 +127,8 @@ class Engine:
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="streaming-engine", daemon=True)
         self._vocab_size = int(loaded.model.get_input_embeddings().weight.shape[0])
+        # grammar: compiles guided_* settings into per-request matchers (streaming_backend.grammar)
+        self._grammars = GrammarCompiler(loaded.tokenizer, self._vocab_size, loaded.eos_ids)
 
     # ---- public API (any thread) -------------------------------------------------------------
 
@@ -173,6 +177,7 @@ class Engine:
     ) -> StreamHandle:
         """Queue a request; raises InvalidRequest, Overloaded or EngineStopped at once."""
         settings = self._resolve(list(prompt_ids), settings or SamplingSettings())
+        grammar = self._grammars.matcher(settings)  # grammar: InvalidRequest if it won't compile
         handle = StreamHandle(request_id or f"req-{next(self._ids)}", sink)
         stream = _Stream(
             handle=handle,
@@ -183,7 +188,17 @@ class Engine:
             generator=sampling.new_generator(settings.seed),
             detokenizer=IncrementalDetokenizer(self.loaded.tokenizer),
             matcher=StopStringMatcher(settings.stop),
+            grammar=grammar,
         )
+        try:
+            self._enqueue(stream)
+        except StreamingError:
+            self._release(stream)  # grammar: a refused request keeps no matcher
+            raise
+        return handle
+
+    def _enqueue(self, stream: _Stream) -> None:
+        """Add a stream to the waiting queue; EngineStopped or Overloaded when it cannot wait."""
         with self._cond:
             if self._stopping or not self._thread.is_alive():
                 raise EngineStopped("the engine is not running")
@@ -196,7 +211,6 @@ class Engine:
                 )
             self._waiting.append(stream)
             self._cond.notify()
-        return handle
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """End every stream with a CANCELLED (shutdown) event and stop the thread."""
@@ -330,7 +344,8 @@ class Engine:
     ) -> None:
         """Choose one token per row of logits [N, V]; hand out events; retire finished rows."""
         wants_logprobs = any(s.logprobs for s in streams)
-        choice = chooser.choose(logits, streams, logprobs=wants_logprobs)
+        top = max((s.settings.top_logprobs for s in streams if s.logprobs), default=0)
+        choice = chooser.choose(logits, streams, logprobs=wants_logprobs, top_logprobs=top)
         emitted_ns = self._last_emit_ns = time.monotonic_ns()
         done = []
         for row, stream in enumerate(streams):
@@ -339,7 +354,9 @@ class Engine:
                     raise NonFiniteLogits(
                         "the model produced NaN or infinite logits (float16 overflow? try bfloat16)"
                     )
-                lp = (choice.logprobs[row],) if stream.logprobs else None
+                lp = None
+                if choice.logprobs is not None and stream.logprobs:
+                    lp = self._logprob_detail(stream, choice.ids[row], *choice.logprobs[row])
                 if self._advance(stream, choice.ids[row], lp, emitted_ns):
                     done.append(stream)
             except Exception as exc:  # one stream's failure must not end the others
@@ -347,10 +364,23 @@ class Engine:
                 self._fail([stream], exc)
         self._steps.remove(done)
 
+    def _logprob_detail(
+        self, stream: _Stream, token: int, logprob: float, top: tuple[tuple[int, float], ...]
+    ) -> LogprobDetail:
+        """A token's logprob with its text and its top_logprobs alternatives (finite ones)."""
+        decode = self.loaded.tokenizer.decode
+        alternatives = tuple(
+            TokenLogprob(i, decode([i]), p)
+            for i, p in top[: stream.settings.top_logprobs]
+            if p > float("-inf")
+        )
+        return LogprobDetail(TokenLogprob(token, decode([token]), logprob), alternatives)
+
     def _advance(
-        self, stream: _Stream, token: int, logprobs: tuple[float, ...] | None, emitted_ns: int
+        self, stream: _Stream, token: int, logprobs: LogprobDetail | None, emitted_ns: int
     ) -> bool:
         """Add one token to a stream and send its event; True when the stream is done."""
+        grammar_done = self._grammar_accept(stream, token)
         stream.output_ids.append(token)
         text = stream.matcher.feed(stream.detokenizer.add([token]))
         done, reason = check_stop(
@@ -361,8 +391,10 @@ class Engine:
             context_length=self.loaded.context_length,
             eos_ids=self.loaded.eos_ids,
             ignore_eos=stream.settings.ignore_eos,
-            stop_matched=stream.matcher.matched,
+            stop_matched=stream.matcher.matched or grammar_done,
         )
+        if done:
+            self._release(stream)
         if done and not stream.matcher.matched:
             text += stream.matcher.feed(stream.detokenizer.flush())
             text += "" if stream.matcher.matched else stream.matcher.flush()
@@ -378,7 +410,7 @@ class Engine:
         text: str,
         token_ids: tuple[int, ...],
         emitted_ns: int,
-        logprobs: tuple[float, ...] | None = None,
+        logprobs: LogprobDetail | None = None,
         reason: FinishReason | None = None,
         error: StreamingError | None = None,
     ) -> TokenEvent:
@@ -392,7 +424,8 @@ class Engine:
             scheduled_ns=stream.scheduled_ns,
             emitted_ns=emitted_ns,
             cached_tokens=stream.cached_tokens,
-            logprobs=logprobs,
+            logprobs=None if logprobs is None else (logprobs.chosen.logprob,),
+            logprob_details=None if logprobs is None else (logprobs,),
             finish_reason=reason,
             error=error,
         )
@@ -405,6 +438,7 @@ class Engine:
         Text held back because it might begin a stop string is dropped, not flushed: the stream
         did not end normally, and a CANCELLED or ERROR final reaches the client as an error.
         """
+        self._release(stream)
         if stream.ended:
             return
         stream.ended = True
@@ -413,6 +447,21 @@ class Engine:
             stream.handle.sink.put(event)
         except Exception:
             log.exception("could not deliver the final event of %s", stream.handle.request_id)
+
+    @staticmethod
+    def _grammar_accept(stream: _Stream, token: int) -> bool:
+        """grammar: advance a constrained stream's matcher; True once its grammar is complete."""
+        if stream.grammar is None:
+            return False
+        if not stream.grammar.accept(token):
+            raise StreamingError(f"the grammar rejected token {token}: {stream.grammar.error()}")
+        return stream.grammar.done
+
+    @staticmethod
+    def _release(stream: _Stream) -> None:
+        """grammar: free a stream's matcher once the stream ends."""
+        if stream.grammar is not None:
+            stream.grammar.release()
 
     def _fail(self, streams: list[_Stream], exc: Exception) -> None:
         """End streams with an error event carrying a StreamingError."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from streaming_backend.errors import StreamingError
 from streaming_backend.wire import FinishReason
 
-__all__ = ["FinishReason", "TokenEvent"]
+__all__ = ["FinishReason", "LogprobDetail", "TokenEvent", "TokenLogprob"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class TokenEvent:
     emitted_ns: int  # when this event's token existed
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not recomputed)
     logprobs: tuple[float, ...] | None = None  # log-probability of each of token_ids, when asked
+    logprob_details: tuple[LogprobDetail, ...] | None = None  # texts and top_logprobs, when asked
     finish_reason: FinishReason | None = None
     error: StreamingError | None = None
 
@@ -31,3 +32,20 @@ class TokenEvent:
     def final(self) -> bool:
         """True on the stream's last event."""
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's text and log-probability (the text alone may be part of a character)."""
+
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class LogprobDetail:
+    """One generated token with its most likely alternatives (top_logprobs), best first."""
+
+    chosen: TokenLogprob
+    top: tuple[TokenLogprob, ...] = ()

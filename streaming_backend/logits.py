@@ -4,11 +4,17 @@
 new one when rows join or leave) and holds the rows' sampling settings as tensors. Each step it
 runs the same stages for every caller, the streaming engine and the dialogue model alike:
 
-    finite check -> repetition penalty -> EOS ban before min_tokens -> temperature, top-k, top-p
-    -> the draw (one uniform per row from the row's own generator) -> logprobs of the choice
+    finite check -> repetition penalty -> EOS ban before min_tokens -> grammar mask (guided_*)
+    -> temperature, top-k, top-p -> the draw (one uniform per row from the row's own generator)
+    -> logprobs of the choice and its top alternatives
 
 and brings the ids, finite flags and logprobs to the host in one transfer. A row that needs no
-stage (penalty 1, min_tokens reached) costs that stage nothing.
+stage (penalty 1, min_tokens reached, no grammar) costs that stage nothing; a batch in which no
+row has a grammar never touches the grammar code.
+
+Logprobs are of the distribution the sampler starts from: after the penalty, the EOS ban and
+the grammar mask, before temperature, top-k and top-p. Without those they are the model's own
+log-softmax.
 """
 
 from __future__ import annotations
@@ -19,17 +25,22 @@ from typing import Protocol
 
 import torch
 
+from streaming_backend import logprobs as lp
 from streaming_backend import sampling
+from streaming_backend.grammar import GrammarMatcher, apply_grammar_masks
 from streaming_backend.settings import SamplingSettings
+
+TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 
 
 class Row(Protocol):
-    """What the pipeline reads of a row: its settings, generator and tokens so far."""
+    """What the pipeline reads of a row: its settings, generator, tokens so far and grammar."""
 
     settings: SamplingSettings
     generator: torch.Generator
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
+    grammar: GrammarMatcher | None  # None: unconstrained
 
 
 @dataclass(frozen=True)
@@ -38,7 +49,8 @@ class Choice:
 
     ids: list[int]
     finite: list[bool]  # False: the row's logits held NaN or inf (it was drawn from zeros)
-    logprobs: list[float] | None  # each choice's log-probability, when asked for
+    # per row (the choice's logprob, its top_logprobs alternatives), when asked for
+    logprobs: list[tuple[float, TopLogprobs]] | None
 
 
 class NextTokenChooser:
@@ -66,8 +78,8 @@ class NextTokenChooser:
         return len(self.penalties)
 
     def process(self, logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
-        """The logits processors, in place where possible: repetition penalty, then EOS banned
-        on rows short of min_tokens -> logits [B, V]."""
+        """The logits processors, in place where possible: repetition penalty, EOS banned on
+        rows short of min_tokens, then each grammar's mask -> logits [B, V]."""
         self._check(rows)
         penalised = [
             (r, penalty, _seen(row))
@@ -80,15 +92,18 @@ class NextTokenChooser:
             for r, (row, least) in enumerate(zip(rows, self.min_tokens))
             if len(row.output_ids) < least
         ]
-        return sampling.suppress_tokens(logits, early, self.eos_ids)
+        logits = sampling.suppress_tokens(logits, early, self.eos_ids)
+        return apply_grammar_masks(logits, [row.grammar for row in rows])
 
-    def choose(self, logits: torch.Tensor, rows: Sequence[Row], logprobs: bool = False) -> Choice:
-        """One token per row of logits [B, V]: the whole pipeline and one host transfer.
-
-        Logprobs are of the model's raw distribution (before penalties and temperature), as the
-        OpenAI API and vLLM report them.
-        """
-        raw = logits
+    def choose(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[Row],
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+    ) -> Choice:
+        """One token per row of logits [B, V]: the whole pipeline and one host transfer; with
+        `logprobs`, each choice's logprob and the `top_logprobs` most likely alternatives."""
         # NaN or inf (fp16 overflow, a broken device) would be sampled as some token: such a row
         # is drawn from zeros instead and reported, so its stream can fail alone
         finite = torch.isfinite(logits).all(-1)  # [B]
@@ -98,12 +113,13 @@ class NextTokenChooser:
         # float64 holds every id exactly: ids, flags and logprobs come back in one copy
         columns = [chosen.double(), finite.double()]
         if logprobs:
-            columns.append(sampling.token_logprobs(raw, chosen).double())
+            picked = lp.chosen_and_top(logits, chosen, top_logprobs)
+            columns += [c.double() for c in lp.host_columns(*picked)]
         host = torch.stack(columns).tolist()
         return Choice(
             ids=[int(i) for i in host[0]],
             finite=[bool(f) for f in host[1]],
-            logprobs=host[2] if logprobs else None,
+            logprobs=lp.rows_from_host(host, 2, top_logprobs) if logprobs else None,
         )
 
     def _check(self, rows: Sequence[Row]) -> None:

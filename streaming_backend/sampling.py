@@ -187,8 +187,3 @@ def _draw_without_syncs(probs, params: BatchSampling, uniforms: torch.Tensor) ->
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     truncated = _draw_truncated(sorted_probs, order, params.top_k, params.top_p, uniforms)
     return torch.where(plain, draw(probs, uniforms), truncated)
-
-
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each chosen id under the model's raw distribution -> [B]."""
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[:, None]).squeeze(-1)

@@ -14,6 +14,9 @@ from streaming_backend.errors import InvalidRequest
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_SEED = 2**63 - 1
+MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
+MAX_GRAMMAR_CHARS = 100_000  # the text of one guided_* value (a schema, a regex, a grammar)
+MAX_CHOICES = 1024
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,18 @@ class SamplingSettings:
     seed: int | None = None  # None = a fresh random seed
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    top_logprobs: int = 0  # alternatives per token when logprobs are returned
+    # constrained decoding (at most one): streaming_backend.grammar turns it into a token mask
+    guided_json: str | None = None  # a JSON schema, as canonical JSON text
+    guided_json_object: bool = False
+    guided_regex: str | None = None
+    guided_choice: tuple[str, ...] | None = None
+    guided_grammar: str | None = None
+
+    @property
+    def constrained(self) -> bool:
+        """True when a guided_* key constrains the output."""
+        return any(getattr(self, key) for key in wire.GUIDED_KEYS)
 
     @property
     def greedy(self) -> bool:
@@ -53,6 +68,12 @@ class SamplingSettings:
             )
         parsed = {key: _PARSERS[key](key, value) for key, value in values.items()}
         settings = cls(**parsed)
+        guided = [key for key in wire.GUIDED_KEYS if getattr(settings, key)]
+        if len(guided) > 1:
+            raise InvalidRequest(
+                f"sampling_parameters: give at most one of {', '.join(wire.GUIDED_KEYS)}; "
+                f"got {', '.join(guided)}"
+            )
         if settings.max_tokens is not None and settings.min_tokens > settings.max_tokens:
             raise InvalidRequest(
                 f"sampling_parameters.min_tokens ({settings.min_tokens}) must not exceed "
@@ -164,6 +185,48 @@ def _boolean(key: str, value: Any) -> bool:
     raise InvalidRequest(f"sampling_parameters.{key} must be true or false, got {value!r}")
 
 
+def _top_logprobs(key: str, value: Any) -> int:
+    return int(_in_range(key, _integer(key, value), 0, MAX_TOP_LOGPROBS))
+
+
+def _text(key: str, value: Any) -> str:
+    """A non-empty string of at most MAX_GRAMMAR_CHARS (a regex, a grammar)."""
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"sampling_parameters.{key} must be a non-empty string")
+    if len(value) > MAX_GRAMMAR_CHARS:
+        raise InvalidRequest(f"sampling_parameters.{key}: at most {MAX_GRAMMAR_CHARS} characters")
+    return value
+
+
+def _json_schema(key: str, value: Any) -> str:
+    """A JSON schema (an object, or its JSON text) -> canonical JSON text (one cache key)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as exc:
+            raise InvalidRequest(f"sampling_parameters.{key} is not valid JSON: {exc}") from None
+    if not isinstance(value, (dict, bool)):
+        raise InvalidRequest(f"sampling_parameters.{key} must be a JSON schema (an object)")
+    return _text(key, json.dumps(value, sort_keys=True, ensure_ascii=False))
+
+
+def _choice(key: str, value: Any) -> tuple[str, ...]:
+    """A non-empty list of non-empty strings (a JSON list inside a string is accepted too)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            value = None
+    if not isinstance(value, (list, tuple)) or not value:
+        raise InvalidRequest(f"sampling_parameters.{key} must be a non-empty list of strings")
+    if len(value) > MAX_CHOICES or not all(isinstance(c, str) and c for c in value):
+        raise InvalidRequest(
+            f"sampling_parameters.{key} must hold 1 to {MAX_CHOICES} non-empty strings"
+        )
+    _text(key, "".join(value))  # bounds the total size
+    return tuple(value)
+
+
 _PARSERS = {
     wire.TEMPERATURE: _temperature,
     wire.TOP_P: _top_p,
@@ -174,4 +237,10 @@ _PARSERS = {
     wire.SEED: _seed,
     wire.STOP: _stop,
     wire.IGNORE_EOS: _boolean,
+    wire.TOP_LOGPROBS: _top_logprobs,
+    wire.GUIDED_JSON: _json_schema,
+    wire.GUIDED_JSON_OBJECT: _boolean,
+    wire.GUIDED_REGEX: _text,
+    wire.GUIDED_CHOICE: _choice,
+    wire.GUIDED_GRAMMAR: _text,
 }

@@ -65,7 +65,7 @@ TEXT_OUTPUT = "text_output"  # STRING: the new text (a delta when streaming)
 FINISH_REASON = "finish_reason"  # STRING: a FinishReason value, on the last response
 NUM_INPUT_TOKENS = "num_input_tokens"  # UINT32
 NUM_OUTPUT_TOKENS = "num_output_tokens"  # UINT32: tokens in this response (not a running total)
-LOGPROBS = "logprobs"  # STRING: JSON [{"token_id", "logprob"}]
+LOGPROBS = "logprobs"  # STRING: JSON [{"token_id", "logprob", "token", "top_logprobs"?}]
 CUMULATIVE_LOGPROB = "cumulative_logprob"  # FP32
 OUTPUT_IDS = "output_ids"  # INT64: token ids of this response
 TIMING = "timing"  # STRING: ServerTiming as JSON
@@ -94,6 +94,14 @@ MIN_TOKENS = "min_tokens"
 SEED = "seed"
 STOP = "stop"
 IGNORE_EOS = "ignore_eos"
+TOP_LOGPROBS = "top_logprobs"  # 0-20 alternatives per token in LOGPROBS (with return_logprobs)
+# constrained decoding as vLLM names it; at most one per request (streaming_backend.grammar)
+GUIDED_JSON = "guided_json"  # a JSON schema (an object or its JSON text)
+GUIDED_JSON_OBJECT = "guided_json_object"  # true: any JSON object
+GUIDED_REGEX = "guided_regex"  # a regular expression the whole output matches
+GUIDED_CHOICE = "guided_choice"  # a list of strings: the output is one of them
+GUIDED_GRAMMAR = "guided_grammar"  # a Lark grammar (llguidance's dialect; GBNF is converted)
+GUIDED_KEYS = (GUIDED_JSON, GUIDED_JSON_OBJECT, GUIDED_REGEX, GUIDED_CHOICE, GUIDED_GRAMMAR)
 SAMPLING_KEYS = (
     TEMPERATURE,
     TOP_P,
@@ -104,6 +112,8 @@ SAMPLING_KEYS = (
     SEED,
     STOP,
     IGNORE_EOS,
+    TOP_LOGPROBS,
+    *GUIDED_KEYS,
 )
 
 # ---- chat messages ------------------------------------------------------------------------------

@@ -14,7 +14,15 @@ from typing import Any
 
 from clients.bridge import protocol as p
 from clients.grpc_client import GenerateRequest
-from streaming_backend.wire import INVALID_REQUEST, MESSAGES, ROLES, SAMPLING_KEYS, STOP
+from streaming_backend.wire import (
+    GUIDED_CHOICE,
+    GUIDED_JSON,
+    INVALID_REQUEST,
+    MESSAGES,
+    ROLES,
+    SAMPLING_KEYS,
+    STOP,
+)
 
 MAX_ID_LENGTH = 128
 
@@ -168,7 +176,8 @@ def _parse_params(params: Any, gen_id: str) -> dict[str, Any]:
         raise ProtocolError(p.BAD_PARAMS, f"unknown params {unknown}; allowed: {allowed}", gen_id)
     for key, value in params.items():
         scalar = isinstance(value, (str, int, float, bool))
-        strings = key == STOP and isinstance(value, list)
-        if not (scalar or (strings and all(isinstance(s, str) for s in value))):
+        strings = key in (STOP, GUIDED_CHOICE) and isinstance(value, list)
+        schema = key == GUIDED_JSON and isinstance(value, dict)  # or its JSON text
+        if not (scalar or schema or (strings and all(isinstance(s, str) for s in value))):
             raise ProtocolError(p.BAD_PARAMS, f"params.{key} has an unsupported type", gen_id)
     return dict(params)

@@ -16,7 +16,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -35,17 +36,18 @@ from clients.bridge.openai_request import ApiRequest, check_model, parse_chat, p
 from clients.bridge.openai_response import (
     SSE_DONE,
     Answer,
+    delta_chunks,
     finish_chunk,
     model_card,
     models_list,
     role_chunk,
     sse,
-    text_chunk,
     usage_chunk,
     whole_response,
 )
+from clients.bridge.openai_tools import ToolCallParser
 from clients.chunk import Chunk, GenerationError
-from streaming_backend.wire import INTERNAL, UNAVAILABLE
+from streaming_backend.wire import GUIDED_KEYS, INTERNAL, UNAVAILABLE
 
 if TYPE_CHECKING:
     from clients.bridge.server import Bridge
@@ -159,33 +161,50 @@ class OpenAIApi:
             self.tasks.discard(task)
 
     async def _generate(self, request: web.Request, api: ApiRequest) -> web.StreamResponse:
-        """One gRPC stream for this request; leaving this function cancels it upstream."""
-        answer = Answer(api.kind, api.model, api.include_usage)
-        chunks = self.bridge.client.generate(api.request, f"oai-{uuid.uuid4().hex[:12]}")
-        async with contextlib.aclosing(chunks):
-            first = await _next(chunks)
+        """One gRPC stream per choice; leaving this function cancels them upstream.
+
+        Choice 0 starts first: once its first token came, its prompt is prefilled and the
+        other choices reuse it from the prefix cache instead of computing it again.
+        """
+        parser = ToolCallParser(frozenset(t.name for t in api.tools.tools)) if api.tools else None
+        first = Answer(api.kind, api.model, api.include_usage, logprobs=api.logprobs is not None)
+        first.tools = parser
+        answers = [first, *(first.choice(i) for i in range(1, api.n))]
+        async with contextlib.AsyncExitStack() as stack:
+            streams = []
+            for choice_request in api.choice_requests():
+                chunks = self.bridge.client.generate(choice_request, f"oai-{uuid.uuid4().hex[:12]}")
+                streams.append(await stack.enter_async_context(contextlib.aclosing(chunks)))
+            try:
+                firsts = [await _next(streams[0])]
+                firsts += await _all([_next(s) for s in streams[1:]])
+            except ApiError as exc:
+                raise _grammar_param(exc, api) from None
+            merged = await stack.enter_async_context(contextlib.aclosing(_merged(streams, firsts)))
             if api.stream:
-                return await self._stream(request, answer, first, chunks)
-            return await _collect(answer, first, chunks)
+                return await self._stream(request, answers, merged)
+            return await _collect(answers, merged)
 
     async def _stream(
-        self, request: web.Request, answer: Answer, chunk: Chunk | None, chunks: AsyncIterator
+        self, request: web.Request, answers: Sequence[Answer], merged: AsyncIterator
     ) -> web.StreamResponse:
         """Server-sent events: role, one event per token, finish, usage if asked, [DONE]."""
         response = web.StreamResponse(headers={**http.SECURITY_HEADERS, **SSE_HEADERS})
         await response.prepare(request)
         try:
-            opening = role_chunk(answer)
-            if opening is not None:
-                await response.write(sse(opening))
-            while chunk is not None:
-                text = answer.add(chunk)
-                if text:
-                    await response.write(sse(text_chunk(answer, text)))
-                chunk = await _next(chunks)
-            await response.write(sse(finish_chunk(answer)))
-            if answer.include_usage:
-                await response.write(sse(usage_chunk(answer)))
+            for answer in answers:
+                opening = role_chunk(answer)
+                if opening is not None:
+                    await response.write(sse(opening))
+            async for index, chunk in merged:
+                answer = answers[index]
+                if chunk is None:
+                    await response.write(sse(finish_chunk(answer)))
+                    continue
+                for payload in delta_chunks(answer, answer.add(chunk)):
+                    await response.write(sse(payload))
+            if answers[0].include_usage:
+                await response.write(sse(usage_chunk(answers)))
         except ConnectionError:
             return response  # the client went away (its handler is being cancelled too)
         except ApiError as exc:  # the generation failed midway: tell the client in the stream
@@ -201,12 +220,64 @@ class OpenAIApi:
         return response
 
 
-async def _collect(answer: Answer, chunk: Chunk | None, chunks: AsyncIterator) -> web.Response:
-    """The non-streamed answer: every chunk, then one JSON body."""
-    while chunk is not None:
-        answer.add(chunk)
-        chunk = await _next(chunks)
-    return http.json_response(200, whole_response(answer))
+async def _collect(answers: Sequence[Answer], merged: AsyncIterator) -> web.Response:
+    """The non-streamed answer: every chunk of every choice, then one JSON body."""
+    async for index, chunk in merged:
+        if chunk is not None:
+            answers[index].add(chunk)
+    return http.json_response(200, whole_response(answers))
+
+
+async def _merged(
+    streams: Sequence[AsyncIterator[Chunk]], firsts: Sequence[Chunk | None]
+) -> AsyncIterator[tuple[int, Chunk | None]]:
+    """(choice index, chunk) as each choice's chunks arrive; (index, None) when it ends."""
+    if len(streams) == 1:  # one choice: no task per chunk
+        chunk = firsts[0]
+        while chunk is not None:
+            yield 0, chunk
+            chunk = await _next(streams[0])
+        yield 0, None
+        return
+    pending: dict[asyncio.Future, int] = {}
+    try:
+        for index, chunk in enumerate(firsts):
+            yield index, chunk
+            if chunk is not None:
+                pending[asyncio.ensure_future(_next(streams[index]))] = index
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.get):
+                index = pending.pop(task)
+                chunk = task.result()  # a failed choice fails the answer (ApiError)
+                yield index, chunk
+                if chunk is not None:
+                    pending[asyncio.ensure_future(_next(streams[index]))] = index
+    finally:
+        await _cancel(pending)
+
+
+async def _all(awaitables: Sequence[Awaitable]) -> list:
+    """Await all together; if one fails, cancel the others and raise its error."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        await _cancel(tasks)
+
+
+async def _cancel(tasks) -> None:
+    """Cancel tasks still running and wait until they have ended."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _grammar_param(error: ApiError, api: ApiRequest) -> ApiError:
+    """A grammar's error names the OpenAI field it came from (response_format, tool_choice)."""
+    if error.param in GUIDED_KEYS and api.grammar_param is not None:
+        return replace(error, param=api.grammar_param)
+    return error
 
 
 async def _next(chunks: AsyncIterator[Chunk]) -> Chunk | None:

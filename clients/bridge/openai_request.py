@@ -8,12 +8,17 @@ the answer and is not implemented is refused, never ignored.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from clients.bridge.openai_errors import ApiError, invalid
+from clients.bridge.openai_tools import Tools, parse_tool_calls, parse_tools, render_messages
 from clients.request import GenerateRequest
 from streaming_backend.wire import (
+    GUIDED_GRAMMAR,
+    GUIDED_JSON,
+    GUIDED_JSON_OBJECT,
+    GUIDED_KEYS,
     IGNORE_EOS,
     MAX_TOKENS,
     MIN_TOKENS,
@@ -23,6 +28,7 @@ from streaming_backend.wire import (
     STOP,
     TEMPERATURE,
     TOP_K,
+    TOP_LOGPROBS,
     TOP_P,
 )
 
@@ -33,35 +39,36 @@ SAMPLING_SAME_NAME = (TEMPERATURE, TOP_P, SEED, TOP_K, MIN_TOKENS, IGNORE_EOS, R
 TOKEN_LIMITS = (MAX_TOKENS, "max_completion_tokens")
 # Keys that would change the answer, with the only values we can honour (None: absent).
 ONLY_DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1),
     "frequency_penalty": (None, 0, 0.0),
     "presence_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True, False),
 }
-CHAT_ONLY_DEFAULTS = {
-    **ONLY_DEFAULTS,
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "response_format": (None, {"type": "text"}),
-}
+CHAT_ONLY_DEFAULTS = ONLY_DEFAULTS
 COMPLETION_ONLY_DEFAULTS = {
     **ONLY_DEFAULTS,
-    "logprobs": (None, 0),
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
 }
+CHAT_FEATURES = ("n", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice")
+CHAT_FEATURES += ("parallel_tool_calls",)
+COMPLETION_FEATURES = ("n", "logprobs")
+MAX_N = 16  # choices per request
+MAX_TOP_LOGPROBS = 20
 # Keys that do not change the answer (who asked, what to store): accepted and not used.
 METADATA_KEYS = ("user", "metadata", "store", "service_tier")
 COMMON_KEYS = ("model", "stream", "stream_options", STOP, *TOKEN_LIMITS, *SAMPLING_SAME_NAME)
-CHAT_KEYS = frozenset((*COMMON_KEYS, "messages", *CHAT_ONLY_DEFAULTS, *METADATA_KEYS))
-COMPLETION_KEYS = frozenset((*COMMON_KEYS, "prompt", *COMPLETION_ONLY_DEFAULTS, *METADATA_KEYS))
+COMMON_KEYS += GUIDED_KEYS  # vLLM's extras: guided decoding in the Triton dialect's names
+CHAT_KEYS = frozenset(
+    (*COMMON_KEYS, "messages", *CHAT_ONLY_DEFAULTS, *CHAT_FEATURES, *METADATA_KEYS)
+)
+COMPLETION_KEYS = frozenset(
+    (*COMMON_KEYS, "prompt", *COMPLETION_ONLY_DEFAULTS, *COMPLETION_FEATURES, *METADATA_KEYS)
+)
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
+MESSAGE_KEYS = frozenset(("role", "content", "name", "tool_calls", "tool_call_id"))
 
 
 @dataclass(frozen=True)
@@ -73,14 +80,39 @@ class ApiRequest:
     request: GenerateRequest
     stream: bool
     include_usage: bool
+    n: int = 1  # choices
+    logprobs: int | None = None  # top_logprobs per token; None: no logprobs
+    tools: Tools | None = None
+    grammar_param: str | None = None  # the OpenAI field a grammar came from (its errors' param)
+
+    def choice_requests(self) -> list[GenerateRequest]:
+        """One GenerateRequest per choice; with a seed, choice i draws with seed + i."""
+        seed = self.request.sampling.get(SEED)
+        if self.n == 1 or seed is None:
+            return [self.request] * self.n
+        return [
+            replace(self.request, sampling={**self.request.sampling, SEED: seed + i})
+            for i in range(self.n)
+        ]
 
 
 def parse_chat(body: Any, served_model: str) -> ApiRequest:
     """Validate a /v1/chat/completions body."""
     body = _object(body)
     _check_keys(body, CHAT_KEYS, CHAT_ONLY_DEFAULTS)
-    messages = _messages(body.get("messages"))
-    return _api_request(CHAT, body, served_model, messages=messages)
+    tools = parse_tools(body)
+    messages = render_messages(_messages(body.get("messages")), tools)
+    top = _chat_logprobs(body)
+    guided = _response_format(body.get("response_format"))
+    param = "response_format" if guided else None
+    grammar = tools.grammar() if tools is not None else None
+    if grammar is not None:
+        if guided:
+            message = "response_format cannot be combined with a required or named tool_choice"
+            raise invalid(message, "response_format")
+        guided, param = {GUIDED_GRAMMAR: grammar}, "tool_choice"
+    extra = {"tools": tools, "grammar_param": param}
+    return _api_request(CHAT, body, served_model, top, guided, extra, messages=messages)
 
 
 def parse_completion(body: Any, served_model: str) -> ApiRequest:
@@ -88,7 +120,10 @@ def parse_completion(body: Any, served_model: str) -> ApiRequest:
     body = _object(body)
     _check_keys(body, COMPLETION_KEYS, COMPLETION_ONLY_DEFAULTS)
     prompt, input_ids = _prompt(body.get("prompt"))
-    return _api_request(COMPLETION, body, served_model, prompt=prompt, input_ids=input_ids)
+    top = _bounded(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    return _api_request(
+        COMPLETION, body, served_model, top, {}, {}, prompt=prompt, input_ids=input_ids
+    )
 
 
 def check_model(model: Any, served_model: str) -> str:
@@ -106,12 +141,73 @@ def check_model(model: Any, served_model: str) -> str:
     return model
 
 
-def _api_request(kind: str, body: Mapping, served_model: str, **prompt: Any) -> ApiRequest:
+def _api_request(
+    kind: str,
+    body: Mapping,
+    served_model: str,
+    top: int | None,
+    guided: Mapping[str, Any],
+    extra: Mapping[str, Any],
+    **prompt: Any,
+) -> ApiRequest:
     model = check_model(body.get("model"), served_model)
     stream = _flag(body, "stream")
     include_usage = _include_usage(body.get("stream_options"), stream)
-    request = GenerateRequest(**prompt, sampling=_sampling(body), return_timing=False)
-    return ApiRequest(kind, model, request, stream, include_usage)
+    sampling = _sampling(body)
+    given = [key for key in GUIDED_KEYS if body.get(key) is not None]
+    if given and guided:
+        raise invalid(f"{given[0]} cannot be combined with {extra['grammar_param']}", given[0])
+    sampling |= {key: body[key] for key in given} | dict(guided)
+    if top:
+        sampling[TOP_LOGPROBS] = top
+    n = _bounded(body, "n", 1, MAX_N) or 1
+    if n > 1 and SEED in sampling and not _is_int(sampling[SEED]):
+        raise invalid("seed must be an integer", SEED)
+    request = GenerateRequest(
+        **prompt, sampling=sampling, return_timing=False, return_logprobs=top is not None
+    )
+    return ApiRequest(kind, model, request, stream, include_usage, n, top, **extra)
+
+
+def _bounded(body: Mapping, key: str, low: int, high: int) -> int | None:
+    """An integer option in [low, high]; None when absent."""
+    value = body.get(key)
+    if value is None:
+        return None
+    if not _is_int(value) or not low <= value <= high:
+        raise invalid(f"{key} must be an integer from {low} to {high}, got {value!r}", key)
+    return value
+
+
+def _chat_logprobs(body: Mapping) -> int | None:
+    """Chat's logprobs (true/false) and top_logprobs (0-20, only with logprobs true)."""
+    wanted = _flag(body, "logprobs")
+    top = _bounded(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _response_format(value: Any) -> dict[str, Any]:
+    """response_format -> the guided_* sampling key it becomes ({} for text)."""
+    if value is None:
+        return {}
+    kind = value.get("type") if isinstance(value, Mapping) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {GUIDED_JSON_OBJECT: True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, Mapping) else None
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
+            raise invalid("response_format.json_schema needs a name", "response_format")
+        if schema is not None and not isinstance(schema, Mapping):
+            raise invalid("response_format.json_schema.schema must be an object", "response_format")
+        # strict or not, the schema is enforced: the grammar admits only what it validates
+        return {GUIDED_JSON: dict(schema) if schema is not None else {"type": "object"}}
+    message = 'response_format.type must be "text", "json_object" or "json_schema"'
+    raise invalid(message, "response_format")
 
 
 def _object(body: Any) -> Mapping[str, Any]:
@@ -176,24 +272,33 @@ def _sampling(body: Mapping) -> dict[str, Any]:
     return sampling
 
 
-def _messages(messages: Any) -> list[dict[str, str]]:
-    """OpenAI chat messages -> [{"role", "content"}] with text content."""
+def _messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI chat messages -> [{"role", "content", "tool_calls"?}] with text content."""
     if not isinstance(messages, list) or not messages:
         raise invalid("messages must be a non-empty list", "messages")
     return [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
 
 
-def _message(message: Any, where: str) -> dict[str, str]:
+def _message(message: Any, where: str) -> dict[str, Any]:
     if not isinstance(message, Mapping):
         raise invalid(f"{where} must be an object with role and content", where)
-    extra = sorted(set(message) - {"role", "content"})
+    extra = sorted(set(message) - MESSAGE_KEYS)
     if extra:
         raise invalid(f"{where}.{extra[0]} is not supported by this server", f"{where}.{extra[0]}")
     role = ROLE_ALIASES.get(message.get("role"), message.get("role"))
     if role not in ROLES:
         roles = ", ".join((*ROLES, *ROLE_ALIASES))
         raise invalid(f"{where}.role must be one of {roles}", f"{where}.role")
-    return {"role": role, "content": _content(message.get("content"), f"{where}.content")}
+    calls = message.get("tool_calls")
+    if calls is not None and role != "assistant":
+        raise invalid(f"{where}.tool_calls: only assistant messages make calls", where)
+    content = message.get("content")
+    if calls and content is None:  # an assistant message that only calls tools
+        content = ""
+    parsed = {"role": role, "content": _content(content, f"{where}.content")}
+    if calls:
+        parsed["tool_calls"] = parse_tool_calls(calls, f"{where}.tool_calls")
+    return parsed
 
 
 def _content(content: Any, where: str) -> str:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from streaming_backend.adapter.request import ModelRequest
-from streaming_backend.events import TokenEvent
+from streaming_backend.events import LogprobDetail, TokenEvent
 from streaming_backend.wire import (
     CUMULATIVE_LOGPROB,
     FINISH_REASON,
@@ -42,6 +42,7 @@ class ResponseBuilder:
     _texts: list[str] = field(default_factory=list)
     _ids: list[int] = field(default_factory=list)
     _logprobs: list[float] = field(default_factory=list)
+    _details: list[LogprobDetail] = field(default_factory=list)
     _cumulative: float = 0.0
 
     def outputs(self, event: TokenEvent) -> dict[str, np.ndarray] | None:
@@ -49,18 +50,22 @@ class ResponseBuilder:
         if event.logprobs:
             self._cumulative += sum(event.logprobs)
         if self.request.stream:
-            return self._build(event, event.text, event.token_ids, event.logprobs or ())
+            details = event.logprob_details or ()
+            return self._build(event, event.text, event.token_ids, event.logprobs or (), details)
         self._texts.append(event.text)
         self._ids.extend(event.token_ids)
         self._logprobs.extend(event.logprobs or ())
+        self._details.extend(event.logprob_details or ())
         if not event.final:
             return None
         text = "".join(self._texts)
         if not self.request.exclude_input:
             text = self.prompt_text + text
-        return self._build(event, text, tuple(self._ids), tuple(self._logprobs))
+        return self._build(
+            event, text, tuple(self._ids), tuple(self._logprobs), tuple(self._details)
+        )
 
-    def _build(self, event, text, ids, logprobs) -> dict[str, np.ndarray]:
+    def _build(self, event, text, ids, logprobs, details=()) -> dict[str, np.ndarray]:
         out = {TEXT_OUTPUT: np.array([text.encode("utf-8")], dtype=np.object_)}
         want = self.request.wants
         if want(RETURN_FINISH_REASON) and event.final:
@@ -73,6 +78,8 @@ class ResponseBuilder:
             out[OUTPUT_IDS] = np.array(ids, dtype=np.int64)
         if want(RETURN_LOGPROBS):
             entries = [{"token_id": t, "logprob": p} for t, p in zip(ids, logprobs)]
+            for entry, detail in zip(entries, details):
+                entry.update(_detail(detail))
             out[LOGPROBS] = np.array([json.dumps(entries).encode()], dtype=np.object_)
         if want(RETURN_CUMULATIVE_LOGPROB):
             out[CUMULATIVE_LOGPROB] = np.array([self._cumulative], dtype=np.float32)
@@ -89,3 +96,9 @@ class ResponseBuilder:
             wall_minus_monotonic_ns=ServerTiming.wall_offset_ns(),
             cached_tokens=event.cached_tokens,
         ).to_json()
+
+
+def _detail(detail: LogprobDetail) -> dict:
+    """A LOGPROBS entry's token text and, when asked, its top_logprobs alternatives."""
+    top = [{"token_id": t.token_id, "token": t.token, "logprob": t.logprob} for t in detail.top]
+    return {"token": detail.chosen.token} | ({"top_logprobs": top} if top else {})

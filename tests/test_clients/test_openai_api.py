@@ -192,7 +192,7 @@ async def test_bad_requests_get_openai_errors(triton_server):
                 model=MODEL, messages=MESSAGES, frequency_penalty=0.5
             )
         with pytest.raises(openai.BadRequestError) as n:
-            await client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2)
+            await client.chat.completions.create(model=MODEL, messages=MESSAGES, n=17)
         bad_json = await raw(bridge, "POST", "/v1/chat/completions", "{oops")
         no_path = await raw(bridge, "GET", "/v1/embeddings")
         wrong_method = await raw(bridge, "GET", "/v1/chat/completions")

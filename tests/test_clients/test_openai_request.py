@@ -83,25 +83,54 @@ def test_defaults_send_no_sampling_and_no_stream():
     assert (parsed.stream, parsed.include_usage, parsed.request.sampling) == (False, False, {})
 
 
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
 @pytest.mark.parametrize(
     ("body", "param", "status"),
     [
         (chat(model="gpt-4o"), "model", 404),
         ({"messages": [{"role": "user", "content": "hi"}]}, "model", 400),
-        (chat(n=2), "n", 400),
-        (chat(logprobs=True), "logprobs", 400),
+        (chat(n=0), "n", 400),
+        (chat(n=17), "n", 400),
+        (chat(logprobs="yes"), "logprobs", 400),
         (chat(top_logprobs=3), "top_logprobs", 400),
+        (chat(logprobs=True, top_logprobs=50), "top_logprobs", 400),
         (chat(frequency_penalty=0.5), "frequency_penalty", 400),
         (chat(presence_penalty=1), "presence_penalty", 400),
-        (chat(tools=[{"type": "function"}]), "tools", 400),
-        (chat(response_format={"type": "json_object"}), "response_format", 400),
+        (chat(tools=[{"type": "function"}]), "tools[0].function", 400),
+        (chat(response_format={"type": "xml"}), "response_format", 400),
+        (chat(response_format={"type": "json_schema", "json_schema": {}}), "response_format", 400),
+        (chat(tool_choice="required"), "tool_choice", 400),
+        (chat(tools=[TOOL], tool_choice="sometimes"), "tool_choice", 400),
+        (
+            chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "nope"}}),
+            "tool_choice",
+            400,
+        ),
+        (chat(tools=[TOOL, TOOL]), "tools", 400),
+        (chat(tools=[TOOL], parallel_tool_calls="no"), "parallel_tool_calls", 400),
+        (
+            chat(tools=[TOOL], tool_choice="required", response_format={"type": "json_object"}),
+            "response_format",
+            400,
+        ),
+        (chat(guided_regex="a", response_format={"type": "json_object"}), "guided_regex", 400),
+        (chat(messages=[{"role": "user", "content": "x", "tool_calls": []}]), "messages[0]", 400),
         (chat(bogus=1), "bogus", 400),
         (chat(stream_options={"include_usage": True}), "stream_options", 400),
         (chat(stop=["a", 1]), "stop", 400),
         (chat(max_tokens=3, max_completion_tokens=4), "max_tokens", 400),
         (chat(messages=[]), "messages", 400),
         (chat(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role", 400),
-        (chat(messages=[{"role": "user", "content": "x", "name": "a"}]), "messages[0].name", 400),
+        (chat(messages=[{"role": "user", "content": "x", "age": 3}]), "messages[0].age", 400),
         (
             chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
             "messages[0].content[0]",
@@ -131,7 +160,8 @@ def test_completion_prompts():
     for bad in ("", ["a", "b"], [1, "a"], None, 5):
         assert refusal(parse_completion, {"model": MODEL, "prompt": bad}).param == "prompt"
     assert refusal(parse_completion, {"model": MODEL, "prompt": "x", "echo": True}).param == "echo"
-    assert refusal(parse_completion, {"model": MODEL, "prompt": "x", "logprobs": 2}).status == 400
+    bad_logprobs = {"model": MODEL, "prompt": "x", "logprobs": 21}
+    assert refusal(parse_completion, bad_logprobs).param == "logprobs"
 
 
 @pytest.mark.parametrize(

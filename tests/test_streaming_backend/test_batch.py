@@ -18,6 +18,7 @@ class Row:
     output_ids: list[int] = field(default_factory=list)
     prompt_ids: list[int] = field(default_factory=lambda: [1])
     generator: torch.Generator = field(default_factory=torch.Generator)
+    grammar: None = None
 
 
 def _cache(values: list[float], lengths: list[int]) -> Prefill:

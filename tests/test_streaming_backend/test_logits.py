@@ -21,21 +21,37 @@ class Row:
     prompt_ids: list[int] = field(default_factory=lambda: [3])
     output_ids: list[int] = field(default_factory=list)
     generator: torch.Generator = field(default_factory=lambda: sampling.new_generator(7))
+    grammar: None = None
 
 
 def choose(rows, logits, **kwargs):
     return NextTokenChooser.for_rows(rows, [EOS]).choose(logits, rows, **kwargs)
 
 
-def test_greedy_rows_take_the_argmax_and_logprobs_are_the_raw_log_softmax():
-    """Logprobs are of the model's distribution before penalties and temperature."""
+def test_greedy_rows_take_the_argmax_and_logprobs_are_the_log_softmax():
+    """Without processors the logprobs are the model's log-softmax, with the top alternatives
+    most likely first; temperature does not change them."""
     logits = torch.tensor([[0.0, 1.0, 3.0, 2.0, 0.0, 0.0], [5.0, 1.0, 0.0, 0.0, 0.0, 9.0]])
-    rows = [Row(SamplingSettings(temperature=0)), Row(SamplingSettings(temperature=0))]
-    choice = choose(rows, logits.clone(), logprobs=True)
-    assert choice.ids == [2, 5] and choice.finite == [True, True]
-    expected = torch.log_softmax(logits, -1)[[0, 1], [2, 5]].tolist()
-    assert choice.logprobs == pytest.approx(expected)
+    rows = [Row(SamplingSettings(temperature=0)), Row(SamplingSettings(temperature=0.3))]
+    choice = choose(rows, logits.clone(), logprobs=True, top_logprobs=2)
+    assert choice.ids[0] == 2 and choice.finite == [True, True]
+    table = torch.log_softmax(logits, -1)
+    (first, top), (second, _) = choice.logprobs
+    assert first == pytest.approx(table[0, 2].item())
+    assert second == pytest.approx(table[1, choice.ids[1]].item())
+    assert [i for i, _ in top] == [2, 3]
+    assert [v for _, v in top] == pytest.approx(table[0, [2, 3]].tolist())
     assert choose(rows, logits.clone()).logprobs is None
+
+
+def test_logprobs_follow_the_processors():
+    """A penalised row's logprobs are of the penalised distribution, the one it is drawn from."""
+    logits = torch.tensor([[0.0, 0.0, 0.0, 2.0, 1.9, 0.0]])
+    row = Row(SamplingSettings(temperature=0, repetition_penalty=2.0), prompt_ids=[3])
+    ((picked, _),) = choose([row], logits.clone(), logprobs=True).logprobs
+    processed = logits.clone()
+    processed[0, 3] = 1.0
+    assert picked == pytest.approx(torch.log_softmax(processed, -1)[0, 4].item())
 
 
 def test_eos_is_banned_until_min_tokens():

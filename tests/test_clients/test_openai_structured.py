@@ -1,0 +1,258 @@
+"""Structured outputs, tool calls, logprobs and n > 1 on the OpenAI API: the official `openai`
+SDK against a real bridge and tritonserver serving the default model (SmolLM2-135M-Instruct)."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+from typing import Annotated
+
+import openai
+import pydantic
+import pytest
+import torch
+from bridge_support import bridge_to
+from conftest import chat_prompts, start_server
+
+from streaming_backend.prompts import encode_prompt
+
+pytestmark = pytest.mark.server
+
+MODEL = "chat"
+
+
+class Colour(str, enum.Enum):
+    red = "red"
+    green = "green"
+    blue = "blue"
+
+
+class Summary(pydantic.BaseModel):
+    """What the model is asked to fill in: a string, an integer, an enum and a list."""
+
+    topic: str = pydantic.Field(max_length=24)
+    words: int = pydantic.Field(ge=0, le=500)
+    colour: Colour
+    tags: list[Annotated[str, pydantic.Field(max_length=12)]] = pydantic.Field(
+        min_length=1, max_length=3
+    )
+
+
+class WeatherArgs(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=30)
+    unit: Colour  # any enum will do: the grammar must keep the model inside it
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": WeatherArgs.model_json_schema(),
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Get the local time in a time zone",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 20}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+@pytest.fixture(scope="module")
+def default_server(default_model_dir):
+    """The default model behind a real tritonserver (float32, so logprobs compare exactly)."""
+    server = start_server(default_model_dir, max_streams=8, queue_limit=64)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def default_loaded(default_model_dir):
+    from streaming_backend.loading import load_model
+
+    return load_model(str(default_model_dir), dtype="float32", device="cpu")
+
+
+def client_of(bridge) -> openai.AsyncOpenAI:
+    base = f"http://127.0.0.1:{bridge.port}/v1"
+    return openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=300)
+
+
+def ask_summary(chat: list[dict]) -> list[dict]:
+    request = "Summarise the conversation above as JSON: topic, words, colour, tags."
+    return [*chat, {"role": "user", "content": request}]
+
+
+async def test_parse_a_pydantic_model_for_every_shipped_chat(default_server):
+    """SDK parse: every shipped chat gives a valid Summary, whole and streamed alike."""
+    chats = chat_prompts()
+    async with bridge_to(default_server) as bridge, client_of(bridge) as client:
+
+        async def whole(chat):
+            completion = await client.chat.completions.parse(
+                model=MODEL, messages=ask_summary(chat), response_format=Summary, max_tokens=400
+            )
+            return completion.choices[0]
+
+        async def streamed(chat):
+            async with client.chat.completions.stream(
+                model=MODEL, messages=ask_summary(chat), response_format=Summary, max_tokens=400
+            ) as stream:
+                deltas = [e.delta async for e in stream if e.type == "content.delta"]
+                final = await stream.get_final_completion()
+            return deltas, final.choices[0]
+
+        wholes = await asyncio.gather(*(whole(c) for c in chats))
+        streams = await asyncio.gather(*(streamed(c) for c in chats))
+    for choice in wholes:
+        assert choice.finish_reason == "stop", choice.message.content
+        assert isinstance(choice.message.parsed, Summary)
+    for deltas, choice in streams:
+        assert len(deltas) > 5 and "".join(deltas) == choice.message.content
+        assert isinstance(choice.message.parsed, Summary)
+
+
+async def test_required_and_named_tool_calls_validate_and_stream(default_server):
+    """tool_choice required / named: arguments always validate; streamed deltas reassemble to
+    the whole answer's call; finish_reason is tool_calls."""
+    async with bridge_to(default_server) as bridge, client_of(bridge) as client:
+        common = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=120, seed=1)
+        required = await client.chat.completions.create(tool_choice="required", **common)
+        named = {"type": "function", "function": {"name": "get_time"}}
+        forced = await client.chat.completions.create(tool_choice=named, **common)
+        stream = await client.chat.completions.create(tool_choice="required", stream=True, **common)
+        chunks = [c async for c in stream]
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        if call.function.name == "get_weather":
+            WeatherArgs.model_validate_json(call.function.arguments)
+        else:
+            assert set(json.loads(call.function.arguments)) == {"zone"}
+    (time_call,) = forced.choices[0].message.tool_calls
+    assert time_call.function.name == "get_time"
+    assert set(json.loads(time_call.function.arguments)) == {"zone"}
+    calls: dict[int, dict] = {}
+    for chunk in chunks:
+        for delta in chunk.choices[0].delta.tool_calls or ():
+            call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+            call["name"] += delta.function.name or ""
+            call["arguments"] += delta.function.arguments or ""
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    expected = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == expected
+
+
+async def test_a_tool_result_yields_text(default_server):
+    """The round trip: the assistant's call and the tool's result in history give an answer."""
+    async with bridge_to(default_server) as bridge, client_of(bridge) as client:
+        first = await client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            tools=[WEATHER],
+            tool_choice="required",
+            parallel_tool_calls=False,  # exactly one call
+            max_tokens=80,
+        )
+        message = first.choices[0].message
+        (call,) = message.tool_calls
+        result = {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 degrees C."}
+        history = [*ASK, message.model_dump(exclude_none=True), result]
+        answer = await client.chat.completions.create(
+            model=MODEL, messages=history, tools=[WEATHER], tool_choice="none", max_tokens=40
+        )
+    reply = answer.choices[0]
+    assert reply.message.content and not reply.message.tool_calls
+    assert reply.finish_reason in ("stop", "length")
+
+
+async def test_top_logprobs_are_the_models_log_softmax(default_server, default_loaded):
+    """logprobs with top_logprobs=3: sorted, and equal to the model's own log-softmax."""
+    messages = chat_prompts()[0]
+    async with bridge_to(default_server) as bridge, client_of(bridge) as client:
+        whole = await client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+            top_logprobs=3,
+        )  # fmt: skip
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+            top_logprobs=3, stream=True,
+        )  # fmt: skip
+        streamed = [e for c in [c async for c in stream] if c.choices and c.choices[0].logprobs
+                    for e in c.choices[0].logprobs.content]  # fmt: skip
+    entries = whole.choices[0].logprobs.content
+    assert len(entries) == 6 and [e.token for e in streamed] == [e.token for e in entries]
+    tokenizer, model = default_loaded.tokenizer, default_loaded.model
+    ids = encode_prompt(tokenizer, messages=messages)
+    for entry in entries:
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+        expected = torch.log_softmax(logits, -1)
+        best = expected.topk(3)
+        assert [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
+            best.values.tolist(), abs=2e-3
+        )
+        tokens = [tokenizer.decode([i]) for i in best.indices]
+        assert [t.token for t in entry.top_logprobs] == tokens
+        assert entry.logprob == pytest.approx(best.values[0].item(), abs=2e-3)
+        ids.append(int(best.indices[0]))
+
+
+async def test_n_choices_with_a_seed_are_reproducible(default_server):
+    """n=3 with a seed: three indexed choices, the same on a second request and when streamed."""
+    kwargs = dict(model=MODEL, messages=ASK, max_tokens=16, n=3, seed=11, temperature=1.0)
+    async with bridge_to(default_server) as bridge, client_of(bridge) as client:
+        first = await client.chat.completions.create(**kwargs)
+        again = await client.chat.completions.create(**kwargs)
+        stream = await client.chat.completions.create(stream=True, **kwargs)
+        texts = ["", "", ""]
+        async for chunk in stream:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.delta.content or ""
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    contents = [c.message.content for c in first.choices]
+    assert contents == [c.message.content for c in again.choices] == texts
+    assert len(set(contents)) > 1  # each choice draws with its own seed
+    assert 3 <= first.usage.completion_tokens <= 3 * 16  # every choice's tokens, the prompt once
+
+
+async def test_bad_structured_requests_are_400_and_the_server_keeps_serving(default_server):
+    """An invalid schema, an unknown tool_choice name, top_logprobs=50: 400 naming the field."""
+    schema = {"type": "object", "properties": {"a": {"type": 7}}}
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    unknown = {"type": "function", "function": {"name": "nope"}}
+    async with bridge_to(default_server) as bridge, client_of(bridge) as client:
+        errors = []
+        for extra in (
+            {"response_format": bad_schema},
+            {"response_format": bad_schema, "stream": True},
+            {"tools": [WEATHER], "tool_choice": unknown},
+            {"logprobs": True, "top_logprobs": 50},
+        ):
+            with pytest.raises(openai.BadRequestError) as error:
+                await client.chat.completions.create(model=MODEL, messages=ASK, **extra)
+            errors.append(error.value)
+        ok = await client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=30, response_format={"type": "json_object"}
+        )
+    params = [e.param for e in errors]
+    assert params == ["response_format", "response_format", "tool_choice", "top_logprobs"]
+    assert all(e.status_code == 400 and e.type == "invalid_request_error" for e in errors)
+    assert "does not compile" in errors[0].message
+    assert ok.choices[0].finish_reason in ("stop", "length")

@@ -1,0 +1,153 @@
+"""Constrained decoding on the tiny random model: per-row masks, isolation, errors, release."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from conftest import wait_for
+
+from streaming_backend.engine import Engine, EngineConfig
+from streaming_backend.errors import InvalidRequest
+from streaming_backend.events import FinishReason
+from streaming_backend.grammar import GrammarMatcher, apply_grammar_masks
+from streaming_backend.prompts import encode_prompt
+from streaming_backend.settings import SamplingSettings
+
+COLOURS = {
+    "type": "object",
+    "properties": {"colour": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+    "required": ["colour", "ok"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(params=("compact", "hf"))
+def engine(tiny_loaded, request):
+    config = EngineConfig(max_streams=8, queue_limit=8, forward=request.param)
+    with Engine(tiny_loaded, config) as eng:
+        yield eng
+
+
+def _prompt(loaded, text: str = "Answer:") -> list[int]:
+    return encode_prompt(loaded.tokenizer, text=text)
+
+
+def _sampled(**keys) -> SamplingSettings:
+    return SamplingSettings.parse({"temperature": 1.0, "seed": 7, "max_tokens": 60, **keys})
+
+
+def test_every_kind_of_grammar_shapes_the_output(engine, tiny_loaded):
+    """A random model's sampled output still matches each grammar, and ends with STOP."""
+    cases = {
+        "json": (_sampled(guided_json=COLOURS), lambda t: set(json.loads(t)) == {"colour", "ok"}),
+        "object": (_sampled(guided_json_object=True), None),
+        "regex": (_sampled(guided_regex=r"(yes|no), [0-9]{2}"), None),
+        "choice": (_sampled(guided_choice=["alpha", 'be"ta']), lambda t: t in ("alpha", 'be"ta')),
+        "lark": (_sampled(guided_grammar='start: "x" ("y" | "z")~2'), None),
+    }
+    handles = {n: engine.submit(_prompt(tiny_loaded), s) for n, (s, _) in cases.items()}
+    for name, handle in handles.items():
+        events = list(handle)
+        text = "".join(e.text for e in events)
+        assert events[-1].finish_reason is FinishReason.STOP, (name, text)
+        check = cases[name][1]
+        if name == "regex":
+            assert re.fullmatch(r"(yes|no), [0-9]{2}", text), text
+        elif name == "lark":
+            assert re.fullmatch(r"x[yz]{2}", text), text
+        elif name == "object":
+            assert isinstance(json.loads(text), dict), text
+        else:
+            assert check(text), (name, text)
+
+
+def test_rows_with_and_without_a_grammar_share_a_batch(engine, tiny_loaded):
+    """An unconstrained greedy row gives the same tokens beside constrained rows as alone."""
+    free = SamplingSettings(temperature=0, max_tokens=16, ignore_eos=True)
+    alone = list(engine.submit(_prompt(tiny_loaded, "Hello"), free))
+    constrained = [engine.submit(_prompt(tiny_loaded), _sampled(guided_json=COLOURS))]
+    beside = engine.submit(_prompt(tiny_loaded, "Hello"), free)
+    constrained.append(engine.submit(_prompt(tiny_loaded), _sampled(guided_regex="[ab]{30}")))
+    assert [e.token_ids for e in beside] == [e.token_ids for e in alone]
+    texts = ["".join(e.text for e in h) for h in constrained]
+    assert set(json.loads(texts[0])) == {"colour", "ok"}
+    assert re.fullmatch("[ab]{30}", texts[1])
+
+
+def test_a_bad_grammar_fails_its_request_alone(engine, tiny_loaded):
+    """A schema, regex or grammar that does not compile is an InvalidRequest naming the key."""
+    bad = {
+        "guided_json": {"type": "object", "properties": {"a": {"type": "nonsense"}}},
+        "guided_regex": "(unclosed",
+        "guided_grammar": "start: (",
+    }
+    for key, value in bad.items():
+        with pytest.raises(InvalidRequest, match=f"sampling_parameters.{key}"):
+            engine.submit(_prompt(tiny_loaded), _sampled(**{key: value}))
+    assert engine.submit(_prompt(tiny_loaded), _sampled(guided_choice=["ok"])).text() == "ok"
+
+
+def test_cancelling_a_constrained_stream_frees_its_slot_and_matcher(engine, tiny_loaded):
+    """A cancelled constrained stream ends CANCELLED and its matcher is released."""
+    before = GrammarMatcher.live
+    settings = SamplingSettings.parse({"guided_regex": "[a-z ]{200}", "max_tokens": 200})
+    handle = engine.submit(_prompt(tiny_loaded), settings)
+    events = iter(handle)
+    next(events)
+    assert GrammarMatcher.live == before + 1
+    handle.cancel()
+    assert list(events)[-1].finish_reason is FinishReason.CANCELLED
+    wait_for(lambda: engine.live_streams == 0)
+    assert GrammarMatcher.live == before
+
+
+def test_masks_cost_nothing_without_grammars():
+    """All-None matchers leave the logits untouched (the same tensor, same values)."""
+    logits = torch.randn(3, 10)
+    copy = logits.clone()
+    assert apply_grammar_masks(logits, [None, None, None]) is logits
+    assert torch.equal(logits, copy)
+
+
+def test_top_logprobs_are_sorted_and_the_models_log_softmax(engine, tiny_loaded):
+    """top_logprobs: k alternatives, best first, equal to the model's log-softmax."""
+    prompt = _prompt(tiny_loaded, "Hello there")
+    settings = SamplingSettings(temperature=0, max_tokens=3, ignore_eos=True, top_logprobs=5)
+    events = list(engine.submit(prompt, settings, logprobs=True))
+    ids = list(prompt)
+    model = tiny_loaded.model
+    for event in events:
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+        expected = torch.log_softmax(logits, -1)
+        (detail,) = event.logprob_details
+        top = detail.top
+        assert len(top) == 5
+        assert [t.logprob for t in top] == sorted((t.logprob for t in top), reverse=True)
+        for t in top:
+            assert t.logprob == pytest.approx(expected[t.token_id].item(), abs=1e-3)
+            assert t.token == tiny_loaded.tokenizer.decode([t.token_id])
+        assert top[0].token_id == event.token_ids[0]  # greedy: the chosen one is the best
+        assert detail.chosen.logprob == pytest.approx(expected.max().item(), abs=1e-3)
+        ids.append(event.token_ids[0])
+
+
+def test_settings_take_one_grammar_and_bounded_top_logprobs():
+    """Two guided keys, top_logprobs over 20, a non-schema: clear InvalidRequest messages."""
+    with pytest.raises(InvalidRequest, match="at most one of"):
+        SamplingSettings.parse({"guided_regex": "a", "guided_choice": ["a"]})
+    with pytest.raises(InvalidRequest, match="top_logprobs must be in"):
+        SamplingSettings.parse({"top_logprobs": 50})
+    with pytest.raises(InvalidRequest, match="guided_json must be a JSON schema"):
+        SamplingSettings.parse({"guided_json": "[1, 2]"})
+    with pytest.raises(InvalidRequest, match="guided_choice"):
+        SamplingSettings.parse({"guided_choice": []})
+    parsed = SamplingSettings.parse({"guided_json": '{"type": "object"}'})
+    assert (
+        parsed.guided_json
+        == SamplingSettings.parse({"guided_json": {"type": "object"}}).guided_json
+    )
+    assert parsed.constrained and not SamplingSettings().constrained
