@@ -1,0 +1,155 @@
+// Model output as safe Markdown, rendered while it streams.
+//
+// Every answer is untrusted text. It goes through marked (with raw HTML turned back into text and
+// images turned into links), then DOMPurify (no script, no event handler, only http(s)/mailto
+// links), and only then into the page; the bridge's Content-Security-Policy is the last wall.
+// Streaming: the answer is split into top-level blocks; a block followed by another one is final
+// and is rendered once, only the last (still growing) block is rendered again on each frame.
+"use strict";
+
+const { Marked } = globalThis.marked;
+const { DOMPurify, hljs } = globalThis;
+
+const SAFE_HREF = /^(https?:|mailto:)/i;
+const LANGUAGE = /^[\w+#.-]{1,32}/;  // what a fence's info string may name, e.g. "c++", "objective-c"
+
+// Tags an answer never needs; DOMPurify already drops script, iframe and friends.
+const FORBID_TAGS = ["style", "form", "input", "textarea", "select", "img", "svg", "math",
+                     "video", "audio", "source", "picture", "link", "meta", "base"];
+
+function escapeHtml(text) {
+  return text.replace(/[&<>"']/g, (c) => `&#${c.charCodeAt(0)};`);
+}
+
+/** The language a code fence names ("" when none), in the shape a class name can hold. */
+function fenceLanguage(lang) {
+  const match = (lang || "").trim().match(LANGUAGE);
+  return match ? match[0].toLowerCase() : "";
+}
+
+function highlighted(code, language) {
+  if (!language || !hljs.getLanguage(language)) return escapeHtml(code);
+  return hljs.highlight(code, { language, ignoreIllegals: true }).value;
+}
+
+/** The HTML of one code block: its language, a copy button and the highlighted code. */
+function codeBlockHtml(code, lang) {
+  const language = fenceLanguage(lang);
+  const cls = language ? ` language-${language}` : "";
+  return `<div class="code-block"><div class="code-head"><span class="code-lang">` +
+    `${escapeHtml(language || "text")}</span><button type="button" class="copy-code">Copy</button>` +
+    `</div><pre><code class="hljs${cls}">${highlighted(code, language)}</code></pre></div>`;
+}
+
+const renderer = {
+  code: ({ text, lang }) => codeBlockHtml(text.replace(/\n$/, ""), lang),
+  html: ({ text }) => escapeHtml(text),  // raw HTML in an answer is shown as the text it is
+  image: ({ href, text }) => `<a href="${escapeHtml(href || "")}">[image: ${escapeHtml(text)}]</a>`,
+};
+
+const md = new Marked({ gfm: true, breaks: false, renderer });
+
+DOMPurify.addHook("afterSanitizeAttributes", (node) => {
+  if (node.tagName !== "A") return;
+  const href = node.getAttribute("href") || "";
+  if (!SAFE_HREF.test(href)) node.removeAttribute("href");
+  else {
+    node.setAttribute("target", "_blank");
+    node.setAttribute("rel", "noopener noreferrer nofollow");
+  }
+});
+
+/** Sanitised DOM nodes of an HTML string made by marked. */
+function sanitize(html) {
+  return DOMPurify.sanitize(html, {
+    RETURN_DOM_FRAGMENT: true,
+    FORBID_TAGS,
+    FORBID_ATTR: ["style", "id", "name"],
+  });
+}
+
+/** The <code> of a node whose only content is one code block, else null. */
+function soleCode(node) {
+  const only = node.childElementCount === 1 ? node.firstElementChild : null;
+  return only && only.classList.contains("code-block") ? only.querySelector("code") : null;
+}
+
+function normalize(text) {
+  return text.replace(/\r\n?/g, "\n");  // as marked's lexer does; the same length for a prefix
+}
+
+/** Render a whole Markdown text into `container` at once (a stored answer). */
+export function renderMarkdown(container, text) {
+  container.replaceChildren(sanitize(md.parse(normalize(text))));
+}
+
+/** An answer's view while it streams: `append` text as it arrives, `render` once per frame. */
+export class StreamView {
+  constructor(container) {
+    this.container = container;
+    this.text = "";
+    this.frozenEnd = 0;       // offset in the normalised text where the unfinished blocks start
+    this.live = null;         // the element holding the unfinished blocks
+    this.liveHtml = "";
+    this.rendered = 0;        // characters of the text now on screen
+  }
+
+  append(text) {
+    this.text += text;
+  }
+
+  /** Bring the screen up to date with the text received so far. */
+  render() {
+    if (this.rendered === this.text.length) return;
+    const source = normalize(this.text);
+    const tokens = md.lexer(source.slice(this.frozenEnd));
+    let last = tokens.length - 1;
+    while (last > 0 && tokens[last].type === "space") last -= 1;
+    const done = tokens.slice(0, Math.max(last, 0));
+    const raw = done.map((t) => t.raw).join("");
+    if (source.startsWith(raw, this.frozenEnd)) {
+      this.freeze(done, tokens.links);
+      this.frozenEnd += raw.length;
+      this.renderLive(tokens.slice(done.length), tokens.links);
+    } else {
+      this.renderLive(tokens, tokens.links);  // never seen; safe: nothing is frozen by mistake
+    }
+    this.rendered = this.text.length;
+  }
+
+  /** Blocks that are final: rendered once, placed before the live element. */
+  freeze(tokens, links) {
+    if (!tokens.length) return;
+    const html = md.parser(Object.assign(tokens, { links }));
+    const block = document.createElement("div");
+    block.className = "md-block";
+    block.append(sanitize(html));
+    this.container.insertBefore(block, this.live);
+    if (this.live) this.clearLive();
+  }
+
+  /** The unfinished last block, rendered again; a growing code block keeps its frame. */
+  renderLive(tokens, links) {
+    const html = md.parser(Object.assign(tokens, { links }));
+    if (html === this.liveHtml) return;
+    if (!this.live) {
+      this.live = document.createElement("div");
+      this.live.className = "md-block live";
+      this.container.append(this.live);
+    }
+    const fragment = sanitize(html);
+    const code = soleCode(this.live);
+    const fresh = soleCode(fragment);
+    if (code && fresh && code.className === fresh.className) {
+      code.replaceChildren(...fresh.childNodes);
+    } else {
+      this.live.replaceChildren(fragment);
+    }
+    this.liveHtml = html;
+  }
+
+  clearLive() {
+    this.live.replaceChildren();
+    this.liveHtml = "";
+  }
+}

@@ -1,0 +1,329 @@
+"""The chat page's rendering, safety and conversations in headless Chromium: the page is served by a
+real bridge (its files, its Content-Security-Policy) and its websocket answered by a scripted model
+that says exactly the given texts, as the bridge's own frames."""
+
+from __future__ import annotations
+
+import pytest
+from bridge_support import running_bridge
+from page_support import (
+    DESKTOP,
+    PAUSE,
+    PHONE,
+    SCREENSHOTS,
+    ScriptedModel,
+    needs_chromium,
+    open_page,
+)
+
+pytestmark = [pytest.mark.browser, needs_chromium]
+
+CODE = '''def add(a: int, b: int) -> int:
+    """Add two numbers."""
+    return a + b'''
+
+MARKDOWN_HEAD = """# Adding numbers
+
+Here is **bold**, *emphasis*, `inline code` and a [link](https://example.com/docs).
+
+- one
+- two
+
+| name | value |
+|------|-------|
+| a    | 1     |
+
+```python
+def add(a: int, b: int) -> int:
+"""
+MARKDOWN_TAIL = '''    """Add two numbers."""
+    return a + b
+```
+
+That is all.
+'''
+
+# Everything an untrusted answer could try; 198.51.100.7 is a documentation address (RFC 5737).
+HOSTILE = """Look: <img src=x onerror="window.__pwned='img'">
+<script>window.__pwned='script'</script>
+
+<svg onload="window.__pwned='svg'"></svg><iframe src="javascript:window.__pwned='iframe'"></iframe>
+
+[click me](javascript:window.__pwned='link') and [data](data:text/html,<script>1</script>)
+
+![remote](http://198.51.100.7/pixel.png) <img src="http://198.51.100.7/img.png">
+
+<a href="javascript:void(window.__pwned='a')" onclick="window.__pwned='onclick'">raw link</a>
+<style>body { display: none }</style><details open ontoggle="window.__pwned='toggle'">x</details>
+
+```html
+<script>window.__pwned='code'</script>
+```
+"""
+
+# Any of these in the page's log means untrusted markup got through.
+UNSAFE_NODES = """() => {
+  const log = document.getElementById('log');
+  const bad = [...log.querySelectorAll('script, img, iframe, svg, style, object, embed, details')]
+    .map((e) => e.tagName);
+  for (const el of log.querySelectorAll('*')) {
+    for (const attr of el.attributes) {
+      if (attr.name.startsWith('on')) bad.push(`${el.tagName} ${attr.name}`);
+    }
+  }
+  for (const a of log.querySelectorAll('a[href]')) {
+    if (!/^(https?:|mailto:)/.test(a.getAttribute('href'))) bad.push(`href ${a.href}`);
+  }
+  return bad;
+}"""
+
+# Records the text of each answer at the moment the page marks it done (before any repaint).
+RECORD_DONE_TEXT = """() => {
+  window.__doneText = [];
+  new MutationObserver((records) => {
+    for (const r of records) for (const node of r.addedNodes) {
+      if (node.matches && node.matches('.msg.assistant[data-state="done"]')) {
+        window.__doneText.push(node.querySelector('.text').innerText);
+      }
+    }
+  }).observe(document.getElementById('log'), { childList: true });
+}"""
+
+
+async def send(page, text: str) -> None:
+    """Type a question and press Enter."""
+    await page.fill("#prompt", text)
+    await page.press("#prompt", "Enter")
+
+
+async def wait_answers(page, count: int, state: str = "done") -> None:
+    """Until `count` answers in the log are in `state`."""
+    selector = f'.msg.assistant[data-state="{state}"]'
+    await page.wait_for_function(
+        f"() => document.querySelectorAll('{selector}').length === {count} && "
+        "!document.querySelector('.msg.assistant[data-state=\"streaming\"]')"
+    )
+
+
+async def log_texts(page) -> list[tuple[str, str]]:
+    """The conversation on screen: (role, text) of each message."""
+    pairs = await page.evaluate(
+        """() => [...document.querySelectorAll('#log .msg')].map((m) =>
+             [m.classList.contains('user') ? 'user' : 'assistant',
+              m.querySelector('.text').innerText.trim()])"""
+    )
+    return [tuple(pair) for pair in pairs]
+
+
+@pytest.fixture
+async def bridge():
+    """A bridge that serves the page (no Triton behind it: the scripted model answers)."""
+    async with running_bridge() as running:
+        yield running
+
+
+async def test_markdown_renders_while_it_streams(bridge):
+    """Headings, emphasis, links, lists, tables render; an open code fence is already a
+    highlighted <pre><code class="language-python"> that grows; finished blocks are not rebuilt;
+    the copy buttons copy the code and the whole answer."""
+    model = ScriptedModel([[MARKDOWN_HEAD, PAUSE, MARKDOWN_TAIL]])
+    async with open_page(bridge, DESKTOP, on_page=model.attach) as seen:
+        page = seen.page
+        await page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+        await send(page, "Write a Python function that adds two numbers")
+        await page.wait_for_function(
+            "() => document.querySelector('pre > code.language-python')?.textContent"
+            ".includes('def add')"
+        )
+        answer = page.locator(".msg.assistant")
+        assert await answer.get_attribute("data-state") == "streaming"
+        assert await answer.locator("h1").inner_text() == "Adding numbers"
+        assert await answer.locator("ul > li").all_inner_texts() == ["one", "two"]
+        assert await answer.locator("table td").all_inner_texts() == ["a", "1"]
+        assert await answer.locator("strong").inner_text() == "bold"
+        assert await answer.locator("em").inner_text() == "emphasis"
+        assert await answer.locator("p > code").inner_text() == "inline code"
+        link = answer.locator('a[href="https://example.com/docs"]')
+        assert await link.get_attribute("rel") == "noopener noreferrer nofollow"
+        await page.evaluate("document.querySelector('.msg.assistant h1').__kept = true")
+
+        model.resume.set()
+        await wait_answers(page, 1)
+        code = answer.locator("pre > code.language-python")
+        assert await code.inner_text() == CODE
+        assert await code.locator(".hljs-keyword").first.inner_text() == "def"
+        assert await answer.locator(".code-lang").inner_text() == "python"
+        assert await page.evaluate("document.querySelector('.msg.assistant h1').__kept === true")
+        assert (await answer.locator(".text > .md-block").last.inner_text()) == "That is all."
+
+        await answer.locator(".copy-code").click()
+        assert await page.evaluate("navigator.clipboard.readText()") == CODE
+        await answer.locator(".copy-answer").click()
+        assert await page.evaluate("navigator.clipboard.readText()") == (
+            MARKDOWN_HEAD + MARKDOWN_TAIL
+        )
+        await page.screenshot(path=SCREENSHOTS / "tokenstream-page-code.png")
+
+
+async def test_hostile_answer_runs_nothing_and_loads_nothing(bridge):
+    """Raw HTML in an answer is shown as text; no script, event handler, javascript: or data:
+    link survives, no remote image is requested, while streaming, after, and after a reload."""
+    model = ScriptedModel([HOSTILE])
+    async with open_page(bridge, DESKTOP, on_page=model.attach) as seen:
+        page = seen.page
+        await send(page, "Say something nasty")
+        await wait_answers(page, 1)
+        for _ in range(2):
+            for link in await page.locator("#log a").all():
+                await link.click(modifiers=["Alt"])  # Alt: no new tab for http links
+            await page.wait_for_timeout(300)  # time for an onerror or onload to fire, if any
+            assert await page.evaluate("window.__pwned") is None
+            assert await page.evaluate(UNSAFE_NODES) == []
+            text = await page.locator(".msg.assistant .text").inner_text()
+            assert "<script>window.__pwned='script'</script>" in text
+            assert '<img src="http://198.51.100.7/img.png">' in text
+            await page.reload()  # the stored answer is rendered by the same code
+            await page.wait_for_selector('.msg.assistant[data-state="done"]')
+        foreign = [u for u in seen.requests if not u.startswith(seen.url + "/")]
+        assert foreign == [] and not [u for u in seen.requests if "pixel" in u or "/x" in u]
+
+
+async def test_conversations_survive_reload_and_switch(bridge):
+    """Each conversation is kept in the browser: a reload shows it again, the list switches
+    between them with the right history, titles come from the first question, delete removes."""
+    model = ScriptedModel(["Answer **one**", "Answer two", "Answer three"])
+    async with open_page(bridge, PHONE, on_page=model.attach) as seen:
+        page = seen.page
+        await send(page, "First question")
+        await wait_answers(page, 1)
+        await send(page, "Second question")
+        await wait_answers(page, 2)
+        assert model.messages(1) == [
+            ("user", "First question"),
+            ("assistant", "Answer **one**"),
+            ("user", "Second question"),
+        ]
+        await page.click("#toggle-list")
+        await page.click("#new-chat")
+        await send(page, "Third question\nwith a second line")
+        await wait_answers(page, 1)
+        assert model.messages(2) == [("user", "Third question\nwith a second line")]
+
+        await page.reload()
+        await page.wait_for_selector('#status[data-state="open"]')
+        assert await log_texts(page) == [
+            ("user", "Third question\nwith a second line"),
+            ("assistant", "Answer three"),
+        ]
+        titles = await page.locator(".chat-item").all_inner_texts()
+        assert titles == ["Third question", "First question"]
+
+        await page.click("#toggle-list")
+        await page.click('.chat-item:text("First question")')
+        assert await log_texts(page) == [
+            ("user", "First question"),
+            ("assistant", "Answer one"),
+            ("user", "Second question"),
+            ("assistant", "Answer two"),
+        ]
+        assert await page.locator(".msg.assistant strong").inner_text() == "one"
+        assert await page.locator("#chat-title").inner_text() == "First question"
+
+        await page.click("#toggle-list")
+        await page.click('.chat-item:text("Third question") + .delete-chat')
+        assert await page.locator(".chat-item").all_inner_texts() == ["First question"]
+        await page.reload()
+        await page.wait_for_selector('#status[data-state="open"]')
+        assert await page.locator(".chat-item").all_inner_texts() == ["First question"]
+        await page.screenshot(path=SCREENSHOTS / "tokenstream-page-phone.png")
+
+
+async def test_regenerate_replaces_and_edit_truncates(bridge):
+    """Regenerate asks again with the same conversation and replaces the last answer; editing an
+    earlier question drops what followed it and the conversation continues from the edit."""
+    model = ScriptedModel(["A1", "A2", "A2 again", "A1 after the edit"])
+    async with open_page(bridge, DESKTOP, on_page=model.attach) as seen:
+        page = seen.page
+        await send(page, "Q1")
+        await wait_answers(page, 1)
+        await send(page, "Q2")
+        await wait_answers(page, 2)
+        assert await page.locator(".msg.assistant").first.locator(".regenerate").is_hidden()
+
+        await page.locator(".msg.assistant").last.locator(".regenerate").click()
+        await page.wait_for_function(
+            "() => document.querySelector('.msg.assistant:last-child .text')?.innerText"
+            " === 'A2 again'"
+        )
+        await wait_answers(page, 2)
+        assert model.messages(2) == model.messages(1)
+        assert await log_texts(page) == [
+            ("user", "Q1"),
+            ("assistant", "A1"),
+            ("user", "Q2"),
+            ("assistant", "A2 again"),
+        ]
+
+        await page.locator(".msg.user").first.locator(".edit").click()
+        await page.fill(".msg.user .editor textarea", "Q1, edited")
+        await page.press(".msg.user .editor textarea", "Enter")
+        await wait_answers(page, 1)
+        assert model.messages(3) == [("user", "Q1, edited")]
+        expected = [("user", "Q1, edited"), ("assistant", "A1 after the edit")]
+        assert await log_texts(page) == expected
+        await page.reload()
+        await page.wait_for_selector('#status[data-state="open"]')
+        assert await log_texts(page) == expected
+
+
+async def test_error_shown_inline_with_retry(bridge):
+    """An error ends the answer in place with its message and a Retry that asks again with the
+    same conversation (the failed turn is not sent twice)."""
+    model = ScriptedModel([("error", "unavailable", "the model is restarting"), "Recovered"])
+    async with open_page(bridge, DESKTOP, on_page=model.attach) as seen:
+        page = seen.page
+        await send(page, "Hello")
+        error = page.locator('.msg.assistant[data-state="error"] .error')
+        await error.wait_for()
+        assert await error.inner_text() == "error (unavailable): the model is restarting"
+        await page.click(".msg.assistant .retry")
+        await wait_answers(page, 1)
+        assert model.messages(1) == model.messages(0) == [("user", "Hello")]
+        assert await log_texts(page) == [("user", "Hello"), ("assistant", "Recovered")]
+
+
+async def test_escape_stops_the_answer(bridge):
+    """Esc sends a cancel; the partial answer stays, marked cancelled; Shift+Enter is a new line."""
+    model = ScriptedModel([["Partial ", PAUSE, "never shown"]])
+    async with open_page(bridge, DESKTOP, on_page=model.attach) as seen:
+        page = seen.page
+        await page.fill("#prompt", "line one")
+        await page.press("#prompt", "Shift+Enter")
+        await page.type("#prompt", "line two")
+        assert await page.input_value("#prompt") == "line one\nline two"
+        await page.press("#prompt", "Enter")
+        await page.wait_for_function(
+            "() => document.querySelector('.msg.assistant .text')?.innerText.includes('Partial')"
+        )
+        await page.keyboard.press("Escape")
+        await wait_answers(page, 1, state="cancelled")
+        assert len(model.cancels) == 1 and model.cancels[0] == model.requests[0]["id"]
+        assert await log_texts(page) == [("user", "line one\nline two"), ("assistant", "Partial")]
+        assert "cancelled" in await page.locator(".msg.assistant .stats").inner_text()
+
+
+async def test_two_thousand_tokens_are_all_on_screen_when_done_arrives(bridge):
+    """2,000 token frames sent as fast as the test can send them, then done: when the page marks
+    the answer done, every token is on screen, in order."""
+    words = [f"w{i:04d} " for i in range(2000)]
+    model = ScriptedModel(["".join(words)], chars_per_token=6)
+    assert len(model.tokens("".join(words))) == 2000
+    async with open_page(bridge, DESKTOP, on_page=model.attach) as seen:
+        page = seen.page
+        await page.evaluate(RECORD_DONE_TEXT)
+        await send(page, "Count")
+        await wait_answers(page, 1)
+        shown = await page.evaluate("window.__doneText")
+        assert len(shown) == 1 and shown[0].split() == [w.strip() for w in words]
+        stats = await page.locator(".msg.assistant .stats").inner_text()
+        assert "2000 tokens" in stats
