@@ -87,13 +87,13 @@ function onToken(answer, frame) {
 }
 
 function onDone(answer, frame) {
-  renderAnswer(answer);
+  renderAnswer(answer, true);
   const state = frame.finish_reason === "cancelled" ? "cancelled" : "done";
   finishAnswer(answer, { state, stats: formatStats(answer, frame) });
 }
 
 function fail(answer, code, message) {
-  renderAnswer(answer);
+  renderAnswer(answer, true);
   finishAnswer(answer, { state: "error", error: `error (${code}): ${message}` });
 }
 
@@ -123,10 +123,12 @@ function scheduleRender() {
   });
 }
 
-function renderAnswer(answer) {
+/** Show what arrived of the answer; `last`: all of it arrived (highlight what is left). */
+function renderAnswer(answer, last = false) {
   const log = $("log");
   const atBottom = log.scrollHeight - log.scrollTop - log.clientHeight < 40;
-  answer.view.render();
+  if (last) answer.view.finish();
+  else answer.view.render();
   answer.el.dataset.rendered = answer.view.rendered;
   if (atBottom) log.scrollTop = log.scrollHeight;
 }
@@ -478,8 +480,22 @@ function initToken() {
   });
 }
 
+// The settings kept across reloads (not the access token: that stays with the tab).
+const SETTINGS = ["temperature", "top-p", "max-tokens", "system"];
+
+function initSettings() {
+  const stored = store.loadSettings();
+  for (const id of SETTINGS) {
+    if (typeof stored[id] === "string") $(id).value = stored[id];
+    $(id).addEventListener("input", () => {
+      store.saveSettings(Object.fromEntries(SETTINGS.map((key) => [key, $(key).value])));
+    });
+  }
+}
+
 function init() {
   initToken();
+  initSettings();
   $("composer").addEventListener("submit", (event) => {
     event.preventDefault();
     const text = $("prompt").value.trim();

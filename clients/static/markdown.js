@@ -68,12 +68,6 @@ function sanitize(html) {
   });
 }
 
-/** The <code> of a node whose only content is one code block, else null. */
-function soleCode(node) {
-  const only = node.childElementCount === 1 ? node.firstElementChild : null;
-  return only && only.classList.contains("code-block") ? only.querySelector("code") : null;
-}
-
 function normalize(text) {
   return text.replace(/\r\n?/g, "\n");  // as marked's lexer does; the same length for a prefix
 }
@@ -83,7 +77,8 @@ export function renderMarkdown(container, text) {
   container.replaceChildren(sanitize(md.parse(normalize(text))));
 }
 
-/** An answer's view while it streams: `append` text as it arrives, `render` once per frame. */
+/** An answer's view while it streams: `append` text as it arrives, `render` once per frame,
+ * `finish` at the end. */
 export class StreamView {
   constructor(container) {
     this.container = container;
@@ -91,6 +86,7 @@ export class StreamView {
     this.frozenEnd = 0;       // offset in the normalised text where the unfinished blocks start
     this.live = null;         // the element holding the unfinished blocks
     this.liveHtml = "";
+    this.liveCode = null;     // a LiveCode while the unfinished block is one code block
     this.rendered = 0;        // characters of the text now on screen
   }
 
@@ -117,6 +113,12 @@ export class StreamView {
     this.rendered = this.text.length;
   }
 
+  /** The answer is complete: render what is left, highlighting included. */
+  finish() {
+    this.render();
+    if (this.liveCode) this.liveCode.highlight();
+  }
+
   /** Blocks that are final: rendered once, placed before the live element. */
   freeze(tokens, links) {
     if (!tokens.length) return;
@@ -128,28 +130,72 @@ export class StreamView {
     if (this.live) this.clearLive();
   }
 
-  /** The unfinished last block, rendered again; a growing code block keeps its frame. */
+  /** The unfinished last block, rendered again (a code block grows in place, see LiveCode). */
   renderLive(tokens, links) {
-    const html = md.parser(Object.assign(tokens, { links }));
-    if (html === this.liveHtml) return;
     if (!this.live) {
       this.live = document.createElement("div");
       this.live.className = "md-block live";
       this.container.append(this.live);
     }
-    const fragment = sanitize(html);
-    const code = soleCode(this.live);
-    const fresh = soleCode(fragment);
-    if (code && fresh && code.className === fresh.className) {
-      code.replaceChildren(...fresh.childNodes);
-    } else {
-      this.live.replaceChildren(fragment);
+    const blocks = tokens.filter((t) => t.type !== "space");
+    if (blocks.length === 1 && blocks[0].type === "code") {
+      this.renderLiveCode(blocks[0]);
+      return;
     }
+    const html = md.parser(Object.assign(tokens, { links }));
+    if (html === this.liveHtml) return;
+    this.live.replaceChildren(sanitize(html));
     this.liveHtml = html;
+    this.liveCode = null;
+  }
+
+  renderLiveCode(token) {
+    const language = fenceLanguage(token.lang);
+    if (!this.liveCode || this.liveCode.language !== language) {
+      this.live.replaceChildren(sanitize(codeBlockHtml("", language)));
+      this.liveCode = new LiveCode(this.live.querySelector("code"), language);
+      this.liveHtml = "";
+    }
+    // "\n`" or "\n``" at the end is most likely the closing fence on its way: not shown.
+    this.liveCode.show(token.text.replace(/\n`{1,2}$/, ""));
   }
 
   clearLive() {
     this.live.replaceChildren();
     this.liveHtml = "";
+    this.liveCode = null;
+  }
+}
+
+/** A code block that grows: new text is appended as plain text every frame; the whole block is
+ * highlighted again only now and then, so that a long block costs little per frame. */
+class LiveCode {
+  constructor(codeEl, language) {
+    this.codeEl = codeEl;
+    this.language = language;
+    this.text = "";
+    this.highlightedLength = 0;
+    this.tail = document.createTextNode("");   // the text not highlighted yet
+    this.codeEl.append(this.tail);
+    this.nextHighlightAt = 0;
+  }
+
+  show(text) {
+    if (!text.startsWith(this.text)) this.nextHighlightAt = 0;  // not an extension: redo it
+    this.text = text;
+    if (performance.now() >= this.nextHighlightAt) this.highlight();
+    else this.tail.data = text.slice(this.highlightedLength);
+  }
+
+  /** Highlight the whole text; the next time waits ten times as long as this one took. */
+  highlight() {
+    const start = performance.now();
+    const html = codeBlockHtml(this.text, this.language);
+    const fresh = sanitize(html).querySelector("code");
+    this.tail.data = "";
+    this.codeEl.replaceChildren(...fresh.childNodes, this.tail);
+    this.highlightedLength = this.text.length;
+    const took = performance.now() - start;
+    this.nextHighlightAt = performance.now() + Math.max(100, 10 * took);
   }
 }

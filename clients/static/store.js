@@ -84,3 +84,23 @@ export function modelMessages(chat, system) {
   });
   return out.map((m) => ({ role: m.role, content: m.content }));
 }
+
+const SETTINGS_KEY = "tokenstream-settings";
+
+/** The settings form's stored values: {input id: value}. */
+export function loadSettings() {
+  try {
+    const data = JSON.parse(localStorage.getItem(SETTINGS_KEY) || "{}");
+    return data && typeof data === "object" ? data : {};
+  } catch {
+    return {};
+  }
+}
+
+export function saveSettings(values) {
+  try {
+    localStorage.setItem(SETTINGS_KEY, JSON.stringify(values));
+  } catch (err) {
+    console.warn("tokenstream: settings not saved", err);
+  }
+}
