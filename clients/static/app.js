@@ -100,6 +100,7 @@ function fail(answer, code, message) {
 /** Keep the finished answer in its conversation and show it with its actions. */
 function finishAnswer(answer, fields) {
   const message = { role: "assistant", content: answer.view.text, ...fields };
+  refresh();
   const chat = store.findChat(page.store, answer.chatId);
   page.current = null;
   if (chat) {
@@ -203,6 +204,14 @@ function currentChat() {
   return store.findChat(page.store, page.store.currentId);
 }
 
+/** Read the store again before changing it: another tab may have changed it meanwhile (this tab
+ * keeps showing its own conversation). */
+function refresh() {
+  const currentId = page.store.currentId;
+  page.store = store.loadStore();
+  if (store.findChat(page.store, currentId)) page.store.currentId = currentId;
+}
+
 function saveChat(chat) {
   store.touch(page.store, chat);
   persist();
@@ -231,11 +240,18 @@ function renderList() {
   $("chat-list").replaceChildren(...items);
 }
 
-/** Show the current conversation's messages. */
-function showChat() {
+// Shown after a question whose answer never came: the page was closed while it streamed.
+const UNANSWERED = {
+  role: "assistant", content: "", state: "error",
+  error: "no answer: the page was closed or reloaded while it came",
+};
+
+/** Show the current conversation's messages; `answering`: its last question is being answered. */
+function showChat(answering = false) {
   const chat = currentChat();
   const messages = chat ? chat.messages : [];
   const els = messages.map((m, i) => (m.role === "user" ? userEl(m, i) : assistantEl(m, i)));
+  if (!answering && messages.at(-1)?.role === "user") els.push(assistantEl(UNANSWERED, -1));
   if (!els.length) els.push(div("empty", "Ask anything. Enter sends, Shift+Enter starts a new line, Esc stops."));
   $("log").replaceChildren(...els);
   $("log").scrollTop = $("log").scrollHeight;
@@ -254,6 +270,9 @@ function abandon() {
 
 function switchTo(id) {
   abandon();
+  refresh();
+  const left = currentChat();
+  if (left && left.id !== id && !left.messages.length) store.deleteChat(page.store, left.id);
   page.store.currentId = id;
   persist();
   showChat();
@@ -262,6 +281,7 @@ function switchTo(id) {
 
 function startNewChat() {
   abandon();
+  refresh();
   const chat = currentChat();
   if (!chat || chat.messages.length) store.newChat(page.store);  // reuse an empty one
   persist();
@@ -272,6 +292,7 @@ function startNewChat() {
 
 function removeChat(id) {
   if (page.current && page.current.chatId === id) abandon();
+  refresh();
   store.deleteChat(page.store, id);
   persist();
   showChat();
@@ -325,8 +346,11 @@ function startAnswer(chat) {
 /** Send a new question in the current conversation (a new one when there is none). */
 function send(text) {
   if (!connected()) return false;
+  refresh();
   const chat = currentChat() || store.newChat(page.store);
-  if (!chat.messages.length) $("log").replaceChildren();  // the empty-chat hint
+  const last = chat.messages.at(-1);
+  if (!last) $("log").replaceChildren();  // the empty-chat hint
+  else if (last.role === "user") $("log").lastElementChild.remove();  // its "no answer" notice
   chat.messages.push({ role: "user", content: text });
   saveChat(chat);
   $("log").append(userEl(chat.messages.at(-1), chat.messages.length - 1));
@@ -335,23 +359,26 @@ function send(text) {
   return true;
 }
 
-/** Replace the last answer (or the failed one) with a new one. */
+/** Replace the last answer (or the failed one, or the missing one) with a new one. */
 function regenerate() {
+  if (page.current || !connected()) return;
+  refresh();
   const chat = currentChat();
-  if (page.current || !chat || chat.messages.at(-1)?.role !== "assistant" || !connected()) return;
-  chat.messages.pop();
+  if (!chat || !chat.messages.length) return;
+  if (chat.messages.at(-1).role === "assistant") chat.messages.pop();
   saveChat(chat);
-  $("log").lastElementChild.remove();
+  $("log").lastElementChild.remove();  // the answer replaced, or the "no answer" notice
   startAnswer(chat);
 }
 
 /** Replace question `index` with `text`: what followed it is dropped, the model answers anew. */
 function editQuestion(index, text) {
+  refresh();
   const chat = currentChat();
   if (page.current || !chat || chat.messages[index]?.role !== "user" || !connected()) return;
   chat.messages = [...chat.messages.slice(0, index), { role: "user", content: text }];
   saveChat(chat);
-  showChat();
+  showChat(true);
   startAnswer(chat);
 }
 
@@ -449,11 +476,10 @@ function toggleList() {
 
 /** Another tab changed the stored conversations: show them, unless an answer streams here. */
 function onStorage(event) {
-  if (!store.isStoreEvent(event) || page.current) return;
-  const currentId = page.store.currentId;
-  page.store = store.loadStore();
-  if (store.findChat(page.store, currentId)) page.store.currentId = currentId;
-  showChat();
+  if (!store.isStoreEvent(event)) return;
+  refresh();
+  if (page.current || document.querySelector(".editor")) renderList();  // not under the user
+  else showChat();
 }
 
 // ------------------------------------------------------------------ wiring

@@ -174,8 +174,12 @@ async def test_hostile_answer_runs_nothing_and_loads_nothing(bridge):
         await send(page, "Say something nasty")
         await wait_answers(page, 1)
         for _ in range(2):
-            for link in await page.locator("#log a").all():
-                await link.click(modifiers=["Alt"])  # Alt: no new tab for http links
+            disarmed = await page.locator("#log a:not([href])").all()  # javascript:, data:
+            assert len(disarmed) == 2
+            for link in disarmed:
+                await link.click()
+            image = page.locator("#log a", has_text="[image: remote]")
+            assert await image.get_attribute("href") == "http://198.51.100.7/pixel.png"
             await page.wait_for_timeout(300)  # time for an onerror or onload to fire, if any
             assert await page.evaluate("window.__pwned") is None
             assert await page.evaluate(UNSAFE_NODES) == []
@@ -327,3 +331,53 @@ async def test_two_thousand_tokens_are_all_on_screen_when_done_arrives(bridge):
         assert len(shown) == 1 and shown[0].split() == [w.strip() for w in words]
         stats = await page.locator(".msg.assistant .stats").inner_text()
         assert "2000 tokens" in stats
+
+
+async def test_reload_mid_answer_offers_retry(bridge):
+    """A question whose answer was still streaming when the page reloaded is kept, with a notice
+    and a Retry that answers it."""
+    model = ScriptedModel([["Half an ans", PAUSE, "wer"], "A whole answer"])
+    async with open_page(bridge, DESKTOP, on_page=model.attach) as seen:
+        page = seen.page
+        await send(page, "Tell me")
+        await model.paused.wait()
+        await page.reload()
+        await page.wait_for_selector('#status[data-state="open"]')
+        notice = page.locator('.msg.assistant[data-state="error"] .error')
+        assert "no answer" in await notice.inner_text()
+        await page.click(".msg.assistant .retry")
+        await wait_answers(page, 1)
+        assert model.messages(1) == [("user", "Tell me")]
+        assert await log_texts(page) == [("user", "Tell me"), ("assistant", "A whole answer")]
+
+
+async def test_two_tabs_keep_each_others_conversations(bridge):
+    """A second tab lists the first tab's conversation as soon as it is stored; a conversation
+    each tab adds is kept, none overwrites the other's."""
+    model = ScriptedModel(["From tab one", "From tab two", "Tab one again"])
+    async with open_page(bridge, DESKTOP, on_page=model.attach) as seen:
+        one = seen.page
+        two = await one.context.new_page()
+        await model.attach(two)
+        await two.goto(seen.url + "/")
+        await two.wait_for_selector('#status[data-state="open"]')
+
+        await send(one, "Question in tab one")
+        await wait_answers(one, 1)
+        await two.wait_for_function("() => document.querySelectorAll('.chat-item').length === 1")
+        await two.click("#new-chat")
+        await send(two, "Question in tab two")
+        await wait_answers(two, 1)
+        await send(one, "Second question in tab one")
+        await wait_answers(one, 2)
+
+        titles = ["Question in tab one", "Question in tab two"]  # the latest changed first
+        assert await one.locator(".chat-item").all_inner_texts() == titles
+        await one.reload()
+        await one.wait_for_selector('#status[data-state="open"]')
+        assert await one.locator(".chat-item").all_inner_texts() == titles
+        await one.click('.chat-item:text("Question in tab two")')
+        assert await log_texts(one) == [
+            ("user", "Question in tab two"),
+            ("assistant", "From tab two"),
+        ]
