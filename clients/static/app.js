@@ -1,7 +1,6 @@
 // tokenstream chat page: talks to the bridge's websocket (/ws) with JSON messages.
 // Protocol: the bridge's frames (clients/bridge/messages.py in, frames.py out). No build step; the
 // libraries under vendor/ are loaded by index.html before this module.
-"use strict";
 
 import { renderMarkdown, StreamView } from "./markdown.js";
 import * as store from "./store.js";
@@ -240,6 +239,8 @@ function renderList() {
   $("chat-list").replaceChildren(...items);
 }
 
+const EMPTY_HINT = "Ask anything. Enter sends, Shift+Enter starts a new line, Esc stops.";
+
 // Shown after a question whose answer never came: the page was closed while it streamed.
 const UNANSWERED = {
   role: "assistant", content: "", state: "error",
@@ -252,11 +253,12 @@ function showChat(answering = false) {
   const messages = chat ? chat.messages : [];
   const els = messages.map((m, i) => (m.role === "user" ? userEl(m, i) : assistantEl(m, i)));
   if (!answering && messages.at(-1)?.role === "user") els.push(assistantEl(UNANSWERED, -1));
-  if (!els.length) els.push(div("empty", "Ask anything. Enter sends, Shift+Enter starts a new line, Esc stops."));
+  if (!els.length) els.push(div("empty", EMPTY_HINT));
   $("log").replaceChildren(...els);
   $("log").scrollTop = $("log").scrollHeight;
   $("chat-title").textContent = chat ? chat.title : "New chat";
-  document.title = chat && chat.messages.length ? `${chat.title} · tokenstream` : "tokenstream chat";
+  const named = chat && chat.messages.length;
+  document.title = named ? `${chat.title} · tokenstream` : "tokenstream chat";
   renderList();
 }
 
@@ -269,6 +271,8 @@ function abandon() {
 }
 
 function switchTo(id) {
+  closeList();
+  if (id === page.store.currentId) return;  // the one shown: an answer streaming there goes on
   abandon();
   refresh();
   const left = currentChat();
@@ -276,7 +280,6 @@ function switchTo(id) {
   page.store.currentId = id;
   persist();
   showChat();
-  closeList();
 }
 
 function startNewChat() {
@@ -411,7 +414,8 @@ function openEditor(msgEl) {
 }
 
 function stop() {
-  if (page.current && page.ws) page.ws.send(JSON.stringify({ type: "cancel", id: page.current.id }));
+  if (!page.current || !page.ws) return;
+  page.ws.send(JSON.stringify({ type: "cancel", id: page.current.id }));
 }
 
 function setBusy(busy) {

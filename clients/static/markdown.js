@@ -5,13 +5,13 @@
 // links), and only then into the page; the bridge's Content-Security-Policy is the last wall.
 // Streaming: the answer is split into top-level blocks; a block followed by another one is final
 // and is rendered once, only the last (still growing) block is rendered again on each frame.
-"use strict";
 
 const { Marked } = globalThis.marked;
 const { DOMPurify, hljs } = globalThis;
 
 const SAFE_HREF = /^(https?:|mailto:)/i;
-const LANGUAGE = /^[\w+#.-]{1,32}/;  // what a fence's info string may name, e.g. "c++", "objective-c"
+// What a fence's info string may name, e.g. "c++", "objective-c", "python3".
+const LANGUAGE = /^[\w+#.-]{1,32}/;
 
 // Tags an answer never needs; DOMPurify already drops script, iframe and friends.
 const FORBID_TAGS = ["style", "form", "input", "textarea", "select", "img", "svg", "math",
@@ -36,9 +36,10 @@ function highlighted(code, language) {
 function codeBlockHtml(code, lang) {
   const language = fenceLanguage(lang);
   const cls = language ? ` language-${language}` : "";
-  return `<div class="code-block"><div class="code-head"><span class="code-lang">` +
-    `${escapeHtml(language || "text")}</span><button type="button" class="copy-code">Copy</button>` +
-    `</div><pre><code class="hljs${cls}">${highlighted(code, language)}</code></pre></div>`;
+  const head = `<span class="code-lang">${escapeHtml(language || "text")}</span>` +
+    `<button type="button" class="copy-code">Copy</button>`;
+  return `<div class="code-block"><div class="code-head">${head}</div>` +
+    `<pre><code class="hljs${cls}">${highlighted(code, language)}</code></pre></div>`;
 }
 
 const renderer = {

@@ -3,7 +3,6 @@
 // One JSON value under one key: {version, currentId, chats: [{id, title, updatedAt, messages}]},
 // newest first. A message is {role: "user", content} or {role: "assistant", content, state, stats,
 // error}: state is "done", "cancelled" or "error".
-"use strict";
 
 const KEY = "tokenstream-chats";
 const VERSION = 1;
