@@ -18,8 +18,10 @@ from page_support import (
 
 pytestmark = [pytest.mark.browser, needs_chromium]
 
-CODE = '''def add(a: int, b: int) -> int:
+LONG_LINE = "    total = " + " + ".join(f"term_{i}" for i in range(30))  # wider than a phone
+CODE = f'''def add(a: int, b: int) -> int:
     """Add two numbers."""
+{LONG_LINE}
     return a + b'''
 
 MARKDOWN_HEAD = """# Adding numbers
@@ -36,7 +38,8 @@ Here is **bold**, *emphasis*, `inline code` and a [link](https://example.com/doc
 ```python
 def add(a: int, b: int) -> int:
 """
-MARKDOWN_TAIL = '''    """Add two numbers."""
+MARKDOWN_TAIL = f'''    """Add two numbers."""
+{LONG_LINE}
     return a + b
 ```
 
@@ -163,6 +166,8 @@ async def test_markdown_renders_while_it_streams(bridge):
             MARKDOWN_HEAD + MARKDOWN_TAIL
         )
         await page.screenshot(path=SCREENSHOTS / "tokenstream-page-code.png")
+        await page.set_viewport_size(PHONE)  # the long line scrolls inside its block
+        assert not await page.evaluate("document.documentElement.scrollWidth > innerWidth")
 
 
 async def test_hostile_answer_runs_nothing_and_loads_nothing(bridge):
