@@ -75,7 +75,18 @@ function normalize(text) {
 
 /** Render a whole Markdown text into `container` at once (a stored answer). */
 export function renderMarkdown(container, text) {
-  container.replaceChildren(sanitize(md.parse(normalize(text))));
+  try {
+    container.replaceChildren(sanitize(md.parse(normalize(text))));
+  } catch (err) {
+    console.warn("tokenstream: Markdown rendering failed, showing plain text", err);
+    showPlain(container, text);
+  }
+}
+
+/** The text as it is, line breaks kept. */
+function showPlain(container, text) {
+  container.classList.add("plain");
+  container.textContent = text;
 }
 
 /** An answer's view while it streams: `append` text as it arrives, `render` once per frame,
@@ -89,6 +100,7 @@ export class StreamView {
     this.liveHtml = "";
     this.liveCode = null;     // a LiveCode while the unfinished block is one code block
     this.rendered = 0;        // characters of the text now on screen
+    this.plain = false;       // true after the Markdown renderer failed on this answer
   }
 
   append(text) {
@@ -98,6 +110,19 @@ export class StreamView {
   /** Bring the screen up to date with the text received so far. */
   render() {
     if (this.rendered === this.text.length) return;
+    try {
+      if (this.plain) showPlain(this.container, this.text);
+      else this.renderBlocks();
+    } catch (err) {  // a parser bug must not lose the answer: from now on, it is plain text
+      console.warn("tokenstream: Markdown rendering failed, showing plain text", err);
+      this.plain = true;
+      this.liveCode = null;
+      showPlain(this.container, this.text);
+    }
+    this.rendered = this.text.length;
+  }
+
+  renderBlocks() {
     const source = normalize(this.text);
     const tokens = md.lexer(source.slice(this.frozenEnd));
     let last = tokens.length - 1;
@@ -111,7 +136,6 @@ export class StreamView {
     } else {
       this.renderLive(tokens, tokens.links);  // never seen; safe: nothing is frozen by mistake
     }
-    this.rendered = this.text.length;
   }
 
   /** The answer is complete: render what is left, highlighting included. */

@@ -386,3 +386,27 @@ async def test_two_tabs_keep_each_others_conversations(bridge):
             ("user", "Question in tab two"),
             ("assistant", "From tab two"),
         ]
+
+
+BREAK_MARKED = "() => { marked.Lexer.prototype.lex = () => { throw new Error('a parser bug'); }; }"
+
+
+async def test_renderer_failure_shows_plain_text(bridge):
+    """Should the Markdown parser throw, the answer is still shown, as plain text with its line
+    breaks: while it streams, and when a stored conversation is shown again."""
+    model = ScriptedModel(["# Not a heading\n\n<b>as is</b>"])
+    async with open_page(bridge, DESKTOP, on_page=model.attach) as seen:
+        page = seen.page
+        for again in (False, True):
+            await page.evaluate(BREAK_MARKED)
+            if again:  # the stored answer, rendered anew by switching away and back
+                await page.click("#new-chat")
+                await page.click('.chat-item:text("Hello")')
+            else:
+                await send(page, "Hello")
+            await wait_answers(page, 1)
+            text = page.locator(".msg.assistant .text.plain")
+            assert await text.inner_text() == "# Not a heading\n\n<b>as is</b>"
+            assert await page.locator(".msg.assistant h1, .msg.assistant b").count() == 0
+            await page.reload()
+            await page.wait_for_selector('#status[data-state="open"]')
