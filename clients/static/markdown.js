@@ -46,6 +46,7 @@ const renderer = {
   code: ({ text, lang }) => codeBlockHtml(text.replace(/\n$/, ""), lang),
   html: ({ text }) => escapeHtml(text),  // raw HTML in an answer is shown as the text it is
   image: ({ href, text }) => `<a href="${escapeHtml(href || "")}">[image: ${escapeHtml(text)}]</a>`,
+  checkbox: ({ checked }) => (checked ? "☑ " : "☐ "),  // a task list's box, as text: no <input>
 };
 
 const md = new Marked({ gfm: true, breaks: false, renderer });

@@ -31,6 +31,11 @@ Here is **bold**, *emphasis*, `inline code` and a [link](https://example.com/doc
 - one
 - two
 
+Tasks:
+
+- [x] done
+- [ ] to do
+
 | name | value |
 |------|-------|
 | a    | 1     |
@@ -141,7 +146,8 @@ async def test_markdown_renders_while_it_streams(bridge):
         answer = page.locator(".msg.assistant")
         assert await answer.get_attribute("data-state") == "streaming"
         assert await answer.locator("h1").inner_text() == "Adding numbers"
-        assert await answer.locator("ul > li").all_inner_texts() == ["one", "two"]
+        items = ["one", "two", "☑ done", "☐ to do"]  # a task list's boxes as text
+        assert await answer.locator("ul > li").all_inner_texts() == items
         assert await answer.locator("table td").all_inner_texts() == ["a", "1"]
         assert await answer.locator("strong").inner_text() == "bold"
         assert await answer.locator("em").inner_text() == "emphasis"
