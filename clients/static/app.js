@@ -438,9 +438,10 @@ async function copyText(text, btn) {
     document.execCommand("copy");
     area.remove();
   }
-  const label = btn.textContent;
+  btn.dataset.label ??= btn.textContent;
   btn.textContent = "Copied";
-  setTimeout(() => { btn.textContent = label; }, 1200);
+  clearTimeout(btn.copiedTimer);
+  btn.copiedTimer = setTimeout(() => { btn.textContent = btn.dataset.label; }, 1200);
 }
 
 function onLogClick(event) {
@@ -450,8 +451,9 @@ function onLogClick(event) {
   const chat = currentChat();
   if (btn.classList.contains("copy-code")) {
     copyText(btn.closest(".code-block").querySelector("code").textContent, btn);
-  } else if (btn.classList.contains("copy-answer") && chat) {
-    copyText(chat.messages[Number(msgEl.dataset.index)].content, btn);
+  } else if (btn.classList.contains("copy-answer")) {
+    const message = chat && chat.messages[Number(msgEl.dataset.index)];
+    if (message) copyText(message.content, btn);
   } else if (btn.classList.contains("regenerate") || btn.classList.contains("retry")) {
     regenerate();
   } else if (btn.classList.contains("edit")) {
@@ -496,6 +498,13 @@ function sendKey(event) {
   return true;
 }
 
+// The message box grows with its text, up to a third of the window.
+function fitPrompt() {
+  const box = $("prompt");
+  box.style.height = "auto";
+  box.style.height = `${Math.min(box.scrollHeight + 2, innerHeight / 3)}px`;
+}
+
 function initToken() {
   // A token in the URL fragment (#token=...) never reaches a server log; keep it for the tab only.
   const fromHash = new URLSearchParams(location.hash.slice(1)).get("token");
@@ -529,8 +538,12 @@ function init() {
   $("composer").addEventListener("submit", (event) => {
     event.preventDefault();
     const text = $("prompt").value.trim();
-    if (text && !page.current && send(text)) $("prompt").value = "";
+    if (text && !page.current && send(text)) {
+      $("prompt").value = "";
+      fitPrompt();
+    }
   });
+  $("prompt").addEventListener("input", fitPrompt);
   $("prompt").addEventListener("keydown", (event) => {
     if (sendKey(event)) $("composer").requestSubmit();
   });
