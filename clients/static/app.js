@@ -470,6 +470,16 @@ function onListClick(event) {
   else if (btn.classList.contains("delete-chat")) removeChat(btn.dataset.id);
 }
 
+/** The ↓ button shows while the log is scrolled up from its end. */
+function onLogScroll() {
+  const log = $("log");
+  $("to-bottom").hidden = log.scrollHeight - log.scrollTop - log.clientHeight < 80;
+}
+
+function toBottom() {
+  $("log").scrollTo({ top: $("log").scrollHeight, behavior: "smooth" });
+}
+
 function closeList() {
   document.body.classList.remove("list-open");
   $("toggle-list").setAttribute("aria-expanded", "false");
@@ -556,6 +566,8 @@ function init() {
   $("toggle-list").addEventListener("click", toggleList);
   $("scrim").addEventListener("click", closeList);
   $("log").addEventListener("click", onLogClick);
+  $("log").addEventListener("scroll", onLogScroll, { passive: true });
+  $("to-bottom").addEventListener("click", toBottom);
   $("chat-list").addEventListener("click", onListClick);
   window.addEventListener("storage", onStorage);
   showChat();

@@ -329,7 +329,7 @@ async def test_escape_stops_the_answer(bridge):
 
 async def test_two_thousand_tokens_are_all_on_screen_when_done_arrives(bridge):
     """2,000 token frames sent as fast as the test can send them, then done: when the page marks
-    the answer done, every token is on screen, in order."""
+    the answer done, every token is on screen, in order, and the log has followed it to its end."""
     words = [f"w{i:04d} " for i in range(2000)]
     model = ScriptedModel(["".join(words)], chars_per_token=6)
     assert len(model.tokens("".join(words))) == 2000
@@ -342,6 +342,15 @@ async def test_two_thousand_tokens_are_all_on_screen_when_done_arrives(bridge):
         assert len(shown) == 1 and shown[0].split() == [w.strip() for w in words]
         stats = await page.locator(".msg.assistant .stats").inner_text()
         assert "2000 tokens" in stats
+
+        # The log followed the answer to its end; scrolled up, the ↓ button brings it back.
+        at_end = "(log) => log.scrollHeight - log.scrollTop - log.clientHeight < 80"
+        assert await page.eval_on_selector("#log", at_end)
+        assert await page.is_hidden("#to-bottom")
+        await page.evaluate("document.getElementById('log').scrollTop = 0")
+        await page.click("#to-bottom")
+        await page.wait_for_selector("#to-bottom", state="hidden")
+        assert await page.eval_on_selector("#log", at_end)
 
 
 async def test_reload_mid_answer_offers_retry(bridge):
