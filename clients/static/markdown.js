@@ -101,7 +101,7 @@ export class StreamView {
     this.liveHtml = "";
     this.liveCode = null;     // a LiveCode while the unfinished block is one code block
     this.rendered = 0;        // characters of the text now on screen
-    this.plain = false;       // true after the Markdown renderer failed on this answer
+    this.plain = false;       // true while the answer is shown as plain text (the renderer failed)
   }
 
   append(text) {
@@ -112,31 +112,41 @@ export class StreamView {
   render() {
     if (this.rendered === this.text.length) return;
     try {
-      if (this.plain) showPlain(this.container, this.text);
-      else this.renderBlocks();
-    } catch (err) {  // a parser bug must not lose the answer: from now on, it is plain text
+      if (this.plain) this.restart();
+      this.renderBlocks();
+    } catch (err) {  // a parser bug must not lose the answer: plain text until a render works
       console.warn("tokenstream: Markdown rendering failed, showing plain text", err);
       this.plain = true;
-      this.liveCode = null;
       showPlain(this.container, this.text);
     }
     this.rendered = this.text.length;
   }
 
+  /** Start again from an empty container (after plain text was shown). */
+  restart() {
+    this.container.classList.remove("plain");
+    this.container.replaceChildren();
+    Object.assign(this, { plain: false, frozenEnd: 0, live: null, liveHtml: "", liveCode: null });
+  }
+
+  /** Freeze the blocks that are complete, render the rest as the live block.
+   *
+   * Which blocks are complete is decided on complete lines only: a line still arriving can turn
+   * out to continue the block before it ("*" is a list item until "**bold**" arrives).
+   */
   renderBlocks() {
     const source = normalize(this.text);
-    const tokens = md.lexer(source.slice(this.frozenEnd));
-    let last = tokens.length - 1;
-    while (last > 0 && tokens[last].type === "space") last -= 1;
-    const done = tokens.slice(0, Math.max(last, 0));
+    const lineEnd = Math.max(source.lastIndexOf("\n") + 1, this.frozenEnd);
+    const settled = md.lexer(source.slice(this.frozenEnd, lineEnd));
+    let last = settled.length - 1;
+    while (last > 0 && settled[last].type === "space") last -= 1;
+    const done = settled.slice(0, Math.max(last, 0));
     const raw = done.map((t) => t.raw).join("");
-    if (source.startsWith(raw, this.frozenEnd)) {
-      this.freeze(done, tokens.links);
+    if (source.startsWith(raw, this.frozenEnd)) {  // else freeze nothing: never seen, but safe
+      this.freeze(done);
       this.frozenEnd += raw.length;
-      this.renderLive(tokens.slice(done.length), tokens.links);
-    } else {
-      this.renderLive(tokens, tokens.links);  // never seen; safe: nothing is frozen by mistake
     }
+    this.renderLive(md.lexer(source.slice(this.frozenEnd)));
   }
 
   /** The answer is complete: render what is left, highlighting included. */
@@ -146,9 +156,9 @@ export class StreamView {
   }
 
   /** Blocks that are final: rendered once, placed before the live element. */
-  freeze(tokens, links) {
+  freeze(tokens) {
     if (!tokens.length) return;
-    const html = md.parser(Object.assign(tokens, { links }));
+    const html = md.parser(tokens);
     const block = document.createElement("div");
     block.className = "md-block";
     block.append(sanitize(html));
@@ -157,7 +167,7 @@ export class StreamView {
   }
 
   /** The unfinished last block, rendered again (a code block grows in place, see LiveCode). */
-  renderLive(tokens, links) {
+  renderLive(tokens) {
     if (!this.live) {
       this.live = document.createElement("div");
       this.live.className = "md-block live";
@@ -168,7 +178,7 @@ export class StreamView {
       this.renderLiveCode(blocks[0]);
       return;
     }
-    const html = md.parser(Object.assign(tokens, { links }));
+    const html = md.parser(tokens);
     if (html === this.liveHtml) return;
     this.live.replaceChildren(sanitize(html));
     this.liveHtml = html;
@@ -180,7 +190,7 @@ export class StreamView {
     if (!this.liveCode || this.liveCode.language !== language) {
       this.live.replaceChildren(sanitize(codeBlockHtml("", language)));
       this.liveCode = new LiveCode(this.live.querySelector("code"), language);
-      this.liveHtml = "";
+      this.liveHtml = null;  // whatever replaces the code block is rendered
     }
     // "\n`" or "\n``" at the end is most likely the closing fence on its way: not shown.
     this.liveCode.show(token.text.replace(/\n`{1,2}$/, ""));

@@ -425,3 +425,69 @@ async def test_renderer_failure_shows_plain_text(bridge):
             assert await page.locator(".msg.assistant h1, .msg.assistant b").count() == 0
             await page.reload()
             await page.wait_for_selector('#status[data-state="open"]')
+
+
+# Texts whose prefixes read differently from the whole: "*" is a list item and "#" a heading
+# until the rest of their line arrives, a line under a paragraph can make it a heading or a table,
+# a quote or a list item takes lazy lines.
+TRAPS = [
+    "Intro line\n#hashtag, not a heading\n- item\n**bold** goes on with the item\n",
+    "> quoted\n**bold** lazy line of the quote\n1. first\n*emphasis* goes on with it\n",
+    "Intro line\n**bold** continues the paragraph\n- a list\n* and *not* a list\n",
+    "> quoted\nlazy line of the quote\n> more\n\nAfter the quote\n# a heading\n1. one\n10. ten\n",
+    "Title\n=====\nSub\n---\n\n| a | b |\n|---|---|\n| 1 | 2 |\ntext after the table\n",
+    "```python\nx = '```'\n```\n~~~\ntilde fence\n~~~\n    indented code\n\nend `code` here\n",
+    "- [x] done\n- [ ] to do\n\n  continued item\n\n<div>raw</div> &amp; *emph*\n",
+]
+
+# The same text streamed into the page's StreamView a character at a time (rendering after each)
+# and rendered at once by renderMarkdown: the elements (but the block wrappers) and the text.
+STREAM_VS_ONCE = """async (text) => {
+  const { StreamView, renderMarkdown } = await import('/markdown.js');
+  const shape = (root) => [...root.querySelectorAll('*')]
+    .filter((el) => !el.classList.contains('md-block'))
+    .map((el) => el.tagName + '.' + el.className).join(' ') + '|' + root.textContent;
+  const streamed = document.createElement('div');
+  const view = new StreamView(streamed);
+  for (const ch of text) { view.append(ch); view.render(); }
+  view.finish();
+  const once = document.createElement('div');
+  renderMarkdown(once, text);
+  return [shape(streamed), shape(once)];
+}"""
+
+
+async def test_streamed_rendering_ends_as_rendering_at_once(bridge):
+    """Rendering a character at a time ends with the same elements and text as rendering the
+    whole answer at once, for texts whose prefixes read differently from the whole."""
+    async with open_page(bridge, DESKTOP, on_page=ScriptedModel([]).attach) as seen:
+        for text in TRAPS:
+            streamed, once = await seen.page.evaluate(STREAM_VS_ONCE, text)
+            assert streamed == once, text
+
+
+# A StreamView whose parser throws on one render shows plain text, and Markdown again once a
+# render works.
+FAIL_THEN_RECOVER = """async () => {
+  const { StreamView } = await import('/markdown.js');
+  const box = document.createElement('div');
+  const view = new StreamView(box);
+  const lex = marked.Lexer.prototype.lex;
+  view.append('**bold** and\\n');
+  marked.Lexer.prototype.lex = () => { throw new Error('a parser bug'); };
+  view.render();
+  const failed = [box.className, box.innerHTML];
+  marked.Lexer.prototype.lex = lex;
+  view.append('*more*');
+  view.render();
+  return [...failed, box.className, box.querySelectorAll('strong, em').length, box.textContent];
+}"""
+
+
+async def test_plain_text_fallback_recovers(bridge):
+    """After a render that failed (plain text), the next render that works shows Markdown again,
+    the whole answer once."""
+    async with open_page(bridge, DESKTOP, on_page=ScriptedModel([]).attach) as seen:
+        got = await seen.page.evaluate(FAIL_THEN_RECOVER)
+        assert got[:2] == ["plain", "**bold** and\n"]
+        assert got[2:] == ["", 2, "bold and\nmore\n"]
