@@ -56,7 +56,7 @@ async def test_page_static_files_and_404():
         assert status == 200 and headers["Content-Type"].startswith("text/html")
         assert b'src="app.js"' in body and "default-src 'self'" in csp
         assert "unsafe" not in csp and "script-src" not in csp and "style-src" not in csp
-        for path in ("/app.js", "/markdown.js", "/store.js", "/vendor/marked.min.js"):
+        for path in ("/app.js", "/markdown.js", "/store.js", "/view.js", "/vendor/marked.min.js"):
             status, headers, _ = await http_get(bridge, path)
             assert status == 200 and headers["Content-Type"].startswith("text/javascript"), path
         assert (await http_get(bridge, "/style.css"))[0] == 200
