@@ -1,7 +1,7 @@
 """The bridge's one aiohttp application: which path goes where, and the checks every request
 passes first (the Host header, plain JSON for 404 and 405).
 
-  /                       the chat page (and /app.js, /style.css)
+  /                       the chat page (and its scripts, styles and vendor/ libraries)
   /healthz                200 when Triton and the model are ready, else 503
   /ws                     the websocket protocol (server.py, connection.py)
   /v1/...                 the OpenAI-compatible API (openai_api.py)

@@ -18,16 +18,34 @@ from aiohttp import web
 WS_PATH = "/ws"
 HEALTH_PATH = "/healthz"
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
-STATIC_FILES = {
-    "/": ("index.html", "text/html; charset=utf-8"),
-    "/index.html": ("index.html", "text/html; charset=utf-8"),
-    "/app.js": ("app.js", "text/javascript; charset=utf-8"),
-    "/style.css": ("style.css", "text/css; charset=utf-8"),
+STATIC_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
 }
-# The page loads only its own files and talks only to its own origin's websocket.
+
+
+def _static_files() -> dict[str, tuple[str, str]]:
+    """URL path -> (file under STATIC_DIR, content type): the page's files and vendored libraries.
+
+    Only files of the types above are served (not the vendored libraries' license texts).
+    """
+    files = {"/": ("index.html", STATIC_TYPES[".html"])}
+    for file in sorted(STATIC_DIR.rglob("*")):
+        if file.is_file() and file.suffix in STATIC_TYPES:
+            name = file.relative_to(STATIC_DIR).as_posix()
+            files["/" + name] = (name, STATIC_TYPES[file.suffix])
+    return files
+
+
+STATIC_FILES = _static_files()
+# The page loads only its own files (no inline script or style, no remote image even if a model's
+# answer names one), talks only to its own origin's websocket, and cannot be framed.
 SECURITY_HEADERS = {
     "Content-Security-Policy": (
-        "default-src 'self'; connect-src 'self'; base-uri 'none'; frame-ancestors 'none'"
+        "default-src 'self'; connect-src 'self'; object-src 'none'; "
+        "form-action 'self'; base-uri 'none'; frame-ancestors 'none'"
     ),
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",

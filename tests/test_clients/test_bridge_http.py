@@ -48,15 +48,19 @@ def test_host_allowed_only_loopback_names_on_loopback(host_header, bind, ok):
 
 
 async def test_page_static_files_and_404():
-    """/ serves the chat page with a CSP; its scripts and styles load; other paths are 404."""
+    """/ serves the chat page with a strict CSP (nothing inline, nothing from elsewhere); its
+    scripts, styles and vendored libraries load (not their license texts); other paths are 404."""
     async with running_bridge() as bridge:
         status, headers, body = await http_get(bridge, "/")
+        csp = headers["Content-Security-Policy"]
         assert status == 200 and headers["Content-Type"].startswith("text/html")
-        assert (
-            b'src="app.js"' in body and "default-src 'self'" in headers["Content-Security-Policy"]
-        )
-        assert (await http_get(bridge, "/app.js"))[1]["Content-Type"].startswith("text/javascript")
+        assert b'src="app.js"' in body and "default-src 'self'" in csp
+        assert "unsafe" not in csp and "script-src" not in csp and "style-src" not in csp
+        for path in ("/app.js", "/markdown.js", "/store.js", "/view.js", "/vendor/marked.min.js"):
+            status, headers, _ = await http_get(bridge, path)
+            assert status == 200 and headers["Content-Type"].startswith("text/javascript"), path
         assert (await http_get(bridge, "/style.css"))[0] == 200
+        assert (await http_get(bridge, "/vendor/LICENSE.marked.txt"))[0] == 404
         assert (await http_get(bridge, "/v2/repository/index"))[0] == 404  # no model control
         assert (await http_get(bridge, "/../pyproject.toml"))[0] == 404
 

@@ -3,38 +3,21 @@
 from __future__ import annotations
 
 import shutil
-import socket
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
 from conftest import start_server
+from page_support import ask, chat_page, needs_chromium
 
-from clients import bridge as br
+pytestmark = [pytest.mark.server, pytest.mark.browser, needs_chromium]
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
-PHONE = {"width": 390, "height": 844}
-
-pytestmark = [
-    pytest.mark.server,
-    pytest.mark.browser,
-    pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium package"),
-]
-
-# Records the answer's text length once per animation frame: how the user saw it grow.
+# Records, once per animation frame, how many characters of the answer were rendered: how the user
+# saw it grow (its text on screen may shrink for a moment, as when `**` turns into bold).
 SAMPLE_RENDERS = """() => {
   window.__lengths = [];
   const sample = () => {
-    const el = document.querySelector('.msg.assistant:last-of-type .text');
-    if (el) window.__lengths.push(el.textContent.length);
+    const el = document.querySelector('.msg.assistant[data-state="streaming"]');
+    if (el && el.dataset.rendered) window.__lengths.push(Number(el.dataset.rendered));
     requestAnimationFrame(sample);
   };
   requestAnimationFrame(sample);
@@ -52,43 +35,6 @@ def paced_server(tiny_model_dir):
         server.stop()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@asynccontextmanager
-async def chat_page(triton_server, viewport=None):
-    """A bridge to the real server and a Chromium page open on its chat page."""
-    from playwright.async_api import async_playwright
-
-    cfg = br.BridgeConfig(triton_url=triton_server.grpc_url, port=0, health_interval_s=0.5)
-    async with br.Bridge(cfg) as bridge, async_playwright() as pw:
-        browser = await pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = await browser.new_page(viewport=viewport or PHONE)
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            await page.goto(f"http://127.0.0.1:{bridge.port}/")
-            await page.wait_for_selector('#status[data-state="open"]')
-            yield page
-            assert not errors, f"JavaScript errors: {errors}"
-        finally:
-            await browser.close()
-
-
-async def ask(page, text: str, max_tokens: int, top_p: str = "0.95") -> None:
-    """Send `text` greedily: a sampled answer of the random model could end early at EOS."""
-    await page.click("#settings summary")
-    await page.fill("#temperature", "0")
-    await page.fill("#max-tokens", str(max_tokens))
-    await page.fill("#top-p", top_p)
-    await page.click("#settings summary")
-    await page.fill("#prompt", text)
-    await page.press("#prompt", "Enter")
-
-
 async def test_answer_grows_then_stop_ends_it(paced_server, tmp_path):
     """The answer grows over several renders; Stop ends it as cancelled with TTFT and tok/s."""
     async with chat_page(paced_server) as page:
@@ -101,25 +47,30 @@ async def test_answer_grows_then_stop_ends_it(paced_server, tmp_path):
         await page.wait_for_selector('.msg.assistant[data-state="cancelled"]')
         lengths = await page.evaluate("window.__lengths")
         stats = await answer.locator(".stats").inner_text()
-        text = await answer.locator(".text").inner_text()
         await page.screenshot(path=tmp_path / "chat-stopped.png", full_page=True)
         shutil.copy(tmp_path / "chat-stopped.png", Path("/tmp/tokenstream-chat-stopped.png"))
 
         assert len(set(lengths)) >= 4 and lengths == sorted(lengths)  # grew, never shrank
         assert "TTFT" in stats and "tok/s" in stats and "cancelled" in stats
-        assert "200 tokens" not in stats and text
-        assert await page.locator(".msg.user").first.inner_text() == "你好！Tell me a story 🙂"
+        assert "200 tokens" not in stats
+        # kept, with its Copy button (the random model's text may be blank lines: nothing to see)
+        assert await answer.locator(".copy-answer").count() == 1
+        question = page.locator(".msg.user .text").first
+        assert await question.inner_text() == "你好！Tell me a story 🙂"
         assert await page.is_enabled("#send") and not await page.is_enabled("#stop")
         overflow = await page.evaluate("document.documentElement.scrollWidth > innerWidth")
         assert not overflow, "the page is wider than a phone screen"
 
 
-async def test_second_turn_and_server_error_shown(triton_server, tmp_path):
-    """A finished turn is kept; a value the server refuses shows its message in the answer."""
+async def test_second_turn_error_reload_and_retry(triton_server, tmp_path):
+    """A finished turn is kept; a value the server refuses shows its message in the answer; a
+    reload shows both again as they were; Retry with a valid value answers in place."""
     async with chat_page(triton_server, viewport={"width": 1000, "height": 700}) as page:
         await ask(page, "Hi", max_tokens=6)
         await page.wait_for_selector('.msg.assistant[data-state="done"]')
-        assert "6 tokens" in await page.locator(".msg.assistant .stats").first.inner_text()
+        first = page.locator(".msg.assistant").first
+        assert "6 tokens" in await first.locator(".stats").inner_text()
+        first_text = await first.locator(".text").inner_text()
 
         await ask(page, "Again", max_tokens=6, top_p="2")
         error = page.locator('.msg.assistant[data-state="error"] .error')
@@ -128,3 +79,16 @@ async def test_second_turn_and_server_error_shown(triton_server, tmp_path):
         await page.screenshot(path=tmp_path / "chat-error.png")
         shutil.copy(tmp_path / "chat-error.png", Path("/tmp/tokenstream-chat-error.png"))
         assert "invalid_request" in message and "top_p" in message
+
+        await page.reload()
+        await page.wait_for_selector('#status[data-state="open"]')
+        assert await first.locator(".text").inner_text() == first_text
+        assert await error.inner_text() == message
+        await page.click("#settings summary")
+        await page.fill("#top-p", "0.95")
+        await page.click(".msg.assistant .retry")
+        await page.wait_for_function(
+            "() => document.querySelectorAll('.msg.assistant[data-state=\"done\"]').length === 2"
+        )
+        assert await page.locator(".msg.user .text").all_inner_texts() == ["Hi", "Again"]
+        assert "6 tokens" in await page.locator(".msg.assistant .stats").last.inner_text()

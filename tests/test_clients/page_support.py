@@ -1,0 +1,165 @@
+"""Helpers shared by the chat page's browser tests: headless Chromium (Debian's chromium) on a
+bridge's page, and a scripted model that answers the page's websocket with exactly given texts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from clients import bridge as br
+from clients.bridge import frames
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+PHONE = {"width": 390, "height": 844}
+DESKTOP = {"width": 1100, "height": 800}
+SCREENSHOTS = Path("/tmp")  # where the tests leave their screenshots for people to look at
+
+needs_chromium = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium package")
+
+
+@dataclass
+class Browser:
+    """A page on the bridge, the JavaScript errors and console errors it raised, and every URL
+    it requested."""
+
+    page: object
+    url: str
+    errors: list[str] = field(default_factory=list)
+    requests: list[str] = field(default_factory=list)
+
+
+@asynccontextmanager
+async def open_page(bridge, viewport=None, color_scheme="light", on_page=None):
+    """Chromium on the bridge's chat page, once the page's websocket is open.
+
+    `on_page(page)` runs before the page loads (to route its websocket). The test fails if the
+    page raised a JavaScript error or logged a console error (a Content-Security-Policy
+    violation is one).
+    """
+    from playwright.async_api import async_playwright
+
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            context = await browser.new_context(
+                viewport=viewport or PHONE, color_scheme=color_scheme
+            )
+            page = await context.new_page()
+            seen = Browser(page, f"http://127.0.0.1:{bridge.port}")
+            page.on("pageerror", lambda exc: seen.errors.append(str(exc)))
+            page.on("console", lambda m: m.type == "error" and seen.errors.append(m.text))
+            page.on("request", lambda r: seen.requests.append(r.url))
+            if on_page is not None:
+                await on_page(page)
+            await page.goto(seen.url + "/")
+            await page.wait_for_selector('#status[data-state="open"]')
+            yield seen
+            assert not seen.errors, f"JavaScript errors: {seen.errors}"
+        finally:
+            await browser.close()
+
+
+@asynccontextmanager
+async def chat_page(triton_server, viewport=None):
+    """A bridge to the real server and a Chromium page open on its chat page."""
+    cfg = br.BridgeConfig(triton_url=triton_server.grpc_url, port=0, health_interval_s=0.5)
+    async with br.Bridge(cfg) as bridge, open_page(bridge, viewport) as seen:
+        yield seen.page
+
+
+async def ask(page, text: str, max_tokens: int, top_p: str = "0.95") -> None:
+    """Send `text` greedily: a sampled answer of the random model could end early at EOS."""
+    await page.click("#settings summary")
+    await page.fill("#temperature", "0")
+    await page.fill("#max-tokens", str(max_tokens))
+    await page.fill("#top-p", top_p)
+    await page.click("#settings summary")
+    await page.fill("#prompt", text)
+    await page.press("#prompt", "Enter")
+
+
+PAUSE = object()  # in a scripted answer: stop there until ScriptedModel.resume is set
+
+
+class ScriptedModel:
+    """Stands in for the bridge's websocket (Playwright routes it): each `generate` the page
+    sends is answered with the next of `answers`, as the bridge's frames, a few characters per
+    token frame and as fast as they can be sent.
+
+    An answer is a text, a list of texts and PAUSE, or ("error", code, message). The page's
+    generate frames are kept in `requests`, its cancels in `cancels`; a cancel ends a paused
+    answer there, as `cancelled`.
+    """
+
+    def __init__(self, answers, chars_per_token: int = 3):
+        self.answers = list(answers)
+        self.chars_per_token = chars_per_token
+        self.requests: list[dict] = []
+        self.cancels: list[str] = []
+        self.resume = asyncio.Event()
+        self.paused = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+
+    async def attach(self, page) -> None:
+        """Route the page's websocket to this model (before the page loads)."""
+        await page.route_web_socket(lambda url: url.endswith("/ws"), self._connected)
+
+    def _connected(self, ws) -> None:
+        ws.on_message(lambda message: self._on_message(ws, message))
+
+    def _on_message(self, ws, message) -> None:
+        frame = json.loads(message)
+        if frame["type"] == "cancel":
+            self.cancels.append(frame["id"])
+            self.resume.set()
+        elif frame["type"] == "generate":
+            self.requests.append(frame)
+            task = asyncio.get_running_loop().create_task(
+                self._answer(ws, frame["id"], self.answers.pop(0))
+            )
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _answer(self, ws, gen_id: str, answer) -> None:
+        if isinstance(answer, tuple):
+            _, code, message = answer
+            ws.send(json.dumps(frames.error_frame(gen_id, code, message)))
+            return
+        trace = frames.Trace(accepted_ns=time.monotonic_ns())
+        n = 0
+        for part in [answer] if isinstance(answer, str) else answer:
+            if part is PAUSE:
+                self.paused.set()
+                await self.resume.wait()
+                if gen_id in self.cancels:
+                    break
+                continue
+            for piece in self.tokens(part):
+                n += 1
+                ws.send(json.dumps(frames.token_frame(gen_id, piece, n)))
+        trace.completion_tokens = n
+        reason = "cancelled" if gen_id in self.cancels else "length"
+        ws.send(json.dumps(frames.done_frame(gen_id, reason, trace, time.monotonic_ns())))
+
+    def tokens(self, text: str) -> list[str]:
+        """`text` cut into token-sized pieces (markup gets cut mid-way, as real tokens do)."""
+        step = self.chars_per_token
+        return [text[i : i + step] for i in range(0, len(text), step)]
+
+    def messages(self, i: int) -> list[tuple[str, str]]:
+        """The conversation the page sent with its i-th generate, as (role, content)."""
+        return [(m["role"], m["content"]) for m in self.requests[i]["messages"]]
