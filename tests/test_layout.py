@@ -258,3 +258,44 @@ def test_no_timing_key_or_error_code_literal_outside_the_wire_contract(path):
         if v in WIRE_WORDS and (where, v) not in NOT_WIRE_WORDS
     ]
     assert found == []
+
+
+# ---- the tests mirror the packages
+
+TESTS = ROOT / "tests"
+NOT_MIRRORED = {"test_chaos"}  # the chaos suite crosses packages by design (pytest -m chaos)
+
+
+def mirrored(folder: Path) -> Path:
+    """The product folder a test folder mirrors: tests/test_clients/test_bridge -> clients/bridge
+    (tests/test_repository -> repository/)."""
+    parts = folder.relative_to(TESTS).parts
+    return ROOT.joinpath(*(part.removeprefix("test_") for part in parts))
+
+
+def test_every_package_has_its_test_folder():
+    """Each package and subpackage of the product has a test folder of the same path."""
+    packages = {
+        p.parent
+        for top in ("streaming_backend", "clients")
+        for p in (ROOT / top).rglob("__init__.py")
+    }
+    for package in sorted(packages):
+        parts = package.relative_to(ROOT).parts
+        folder = TESTS.joinpath(*(f"test_{part}" for part in parts))
+        assert folder.is_dir(), f"{package.relative_to(ROOT)} has no tests folder {folder}"
+
+
+def test_every_test_folder_mirrors_a_product_folder():
+    """A test folder names a folder of the product (so tests are found where their code is)."""
+    folders = {p.parent for p in TESTS.rglob("test_*.py")} - {TESTS}
+    for folder in sorted(folders):
+        if folder.relative_to(TESTS).parts[0] in NOT_MIRRORED:
+            continue
+        assert mirrored(folder).is_dir(), f"{folder} mirrors no product folder"
+
+
+def test_test_modules_have_unique_names():
+    """pytest imports test modules by their file name: two with one name would collide."""
+    names = [p.name for p in TESTS.rglob("test_*.py")]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)

@@ -12,9 +12,9 @@ Bridge -> client:
 A generation ends with exactly one `done` or one `error` frame.
 
 The bridge parses with these (messages.py) and builds with them (frames.py); the websocket client
-(clients/ws_client.py) speaks them too; the page (clients/static/*.js) spells the same strings, and
-tests/test_clients/test_bridge_protocol.py checks it against this module. Roles, sampling keys and
-the model's error codes come from the wire contract (streaming_backend/wire.py).
+(clients/ws_client.py) speaks them too; the page (clients/static/*.js) spells the same strings,
+and tests/test_clients/test_bridge/test_bridge_protocol.py checks it against this module. Roles,
+sampling keys and the model's error codes come from the wire contract (streaming_backend/wire.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from streaming_backend.launcher.repository import make_runtime_repository
 from streaming_backend.launcher.server import ServerConfig, TritonServer
 from streaming_backend.wire import CHAT_MODEL, DIALOGUE_MODEL
 
-REPOSITORY = Path(__file__).resolve().parents[2] / "repository"
+REPOSITORY = Path(__file__).resolve().parents[3] / "repository"
 SHIPPED = (REPOSITORY / DIALOGUE_MODEL / "config.pbtxt").read_text()
 
 

@@ -15,7 +15,7 @@ from clients.bridge.frames import Trace, done_frame, error_frame, token_frame
 from clients.bridge.messages import Auth, Cancel, Generate, parse_message
 from streaming_backend.wire import FINISH_REASON, TIMING
 
-STATIC = Path(__file__).resolve().parents[2] / "clients" / "static"
+STATIC = Path(__file__).resolve().parents[3] / "clients" / "static"
 STRING = r"""(?:"([^"\\]*)"|'([^'\\]*)')"""  # a JS string literal without escapes
 
 

@@ -1,7 +1,7 @@
 """How long the chat page takes to bring a streaming answer up to date, per frame (a benchmark,
 not a test: it prints figures and asserts none).
 
-    .venv/bin/python tests/test_clients/page_bench.py
+    .venv/bin/python tests/test_clients/test_static/page_bench.py
 
 Headless Chromium on a real bridge's page feeds the page's own StreamView (markdown.js) two tokens
 of four characters before each render: 100 tokens/s at 50 renders a second. The layout is forced

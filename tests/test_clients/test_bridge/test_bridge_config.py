@@ -8,7 +8,7 @@ from pathlib import Path
 
 from clients.bridge.config import BridgeConfig
 
-BRIDGE = Path(__file__).resolve().parents[2] / "clients" / "bridge"
+BRIDGE = Path(__file__).resolve().parents[3] / "clients" / "bridge"
 CONFIG_NAMES = ("cfg",)  # what the bridge calls its BridgeConfig: `cfg`, `self.cfg`, `x.cfg`
 
 

@@ -55,7 +55,7 @@ def test_config_rejects_an_exit_timeout_that_breaks_the_stop_bound() -> None:
 def test_repository_defaults_to_the_checkout_or_the_variable(monkeypatch, tmp_path: Path) -> None:
     """The checkout's repository/ by default; $TOKENSTREAM_REPOSITORY (installed copies) wins."""
     monkeypatch.delenv("TOKENSTREAM_REPOSITORY", raising=False)
-    checkout = Path(__file__).resolve().parents[2]
+    checkout = Path(__file__).resolve().parents[3]
     assert ServerConfig().repository == checkout / "repository"
     monkeypatch.setenv("TOKENSTREAM_REPOSITORY", str(tmp_path))
     assert ServerConfig().repository == tmp_path
