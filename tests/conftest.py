@@ -151,6 +151,76 @@ def triton_server(tiny_model_dir):
         server.stop()
 
 
+# The shared servers below are started once per session (a start costs 7-30 s on 2 cores) and
+# handed to each test only once no stream is left on them from an earlier test.
+PACED_TOKEN_MS = 20  # the paced servers' least time per decode step: 200 tokens take >= 4 s
+
+
+def wait_idle(server, timeout: float = 30.0) -> None:
+    """Wait until the chat model holds no stream, active or waiting (a test ends its streams,
+    but a cancel reaches the engine a step or two later)."""
+    from bridge_support import metric
+
+    deadline = time.monotonic() + timeout
+    while True:
+        busy = metric(server, "tokenstream_active_streams")
+        busy += metric(server, "tokenstream_waiting_requests")
+        if busy == 0:
+            return
+        assert time.monotonic() < deadline, f"{busy} streams still on the shared server"
+        time.sleep(0.05)
+
+
+def _session_server(model_dir, **overrides):
+    server = start_server(model_dir, **overrides)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def _paced_server(tiny_model_dir):
+    yield from _session_server(
+        tiny_model_dir, max_streams=8, queue_limit=16, test_token_delay_ms=PACED_TOKEN_MS
+    )
+
+
+@pytest.fixture
+def paced_server(_paced_server):
+    """The tiny model with tokens at least PACED_TOKEN_MS apart (8 slots, a queue of 16): an
+    answer lasts long enough for a cancel, a Stop or a disconnect to land mid-stream."""
+    wait_idle(_paced_server)
+    return _paced_server
+
+
+@pytest.fixture(scope="session")
+def _single_slot_server(tiny_model_dir):
+    yield from _session_server(
+        tiny_model_dir, max_streams=1, queue_limit=1, test_token_delay_ms=PACED_TOKEN_MS
+    )
+
+
+@pytest.fixture
+def single_slot_server(_single_slot_server):
+    """One slot and a queue of one, tokens PACED_TOKEN_MS apart: a long stream lasts seconds
+    and a third request is refused for certain."""
+    wait_idle(_single_slot_server)
+    return _single_slot_server
+
+
+@pytest.fixture(scope="session")
+def _default_server(default_model_dir):
+    yield from _session_server(default_model_dir, max_streams=8, queue_limit=64)
+
+
+@pytest.fixture
+def default_server(_default_server):
+    """The default model (float32, so logprobs compare exactly) behind a real tritonserver."""
+    wait_idle(_default_server)
+    return _default_server
+
+
 # --------------------------------------------------------------------------- the echo model
 # A tiny decoupled python-backend model for the launcher and `tokenstream serve` tests.
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 from bridge_support import bridge_to, frame, http_get, next_frame, ws_url
-from conftest import start_server, wait_for
+from conftest import wait_for
 from websockets.asyncio.client import connect
 
 from clients.failover import retryable
@@ -136,16 +136,6 @@ async def test_async_generation_gives_up_after_the_idle_timeout(silent_server) -
                 pass
     assert failed.value.code == UNAVAILABLE.code
     assert 1.0 <= time.monotonic() - started < 10.0
-
-
-@pytest.fixture(scope="module")
-def paced_server(tiny_model_dir):
-    """A tiny-model server whose tokens come 50 ms apart, so a cancel lands mid-answer."""
-    server = start_server(tiny_model_dir, model_parameters={"test_token_delay_ms": "50"})
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.mark.server

@@ -12,7 +12,6 @@ import urllib.request
 
 import numpy as np
 import pytest
-from conftest import start_server
 from tritonclient.grpc import InferResult, service_pb2
 from tritonclient.utils import (
     InferenceServerException,
@@ -253,21 +252,6 @@ async def test_async_cancel_stops_exactly_one_generation(triton_server):
     )
     assert 2 * 220 <= generated - before < 3 * 220  # the third stopped early
     assert await asyncio.to_thread(_metric, triton_server, "tokenstream_active_streams") == 0
-
-
-TOKEN_DELAY_MS = 10  # per decode step: LONG takes over 2 s to finish on the paced server
-
-
-@pytest.fixture(scope="module")
-def paced_server(tiny_model_dir):
-    """The tiny model with a sleep in every decode step, so a whole answer takes seconds."""
-    server = start_server(
-        tiny_model_dir, model_parameters={"test_token_delay_ms": str(TOKEN_DELAY_MS)}
-    )
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.mark.server

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import start_server, wait_for
+from conftest import wait_for
 
 from clients.grpc_client import GenerateRequest, GenerationError, stream_generate
 from streaming_backend import wire
@@ -144,19 +144,10 @@ def test_eight_concurrent_streams_complete(triton_server):
     assert all(r[-1].finish_reason == "length" for r in results)
 
 
-@pytest.fixture(scope="module")
-def paced_server(tiny_model_dir):
-    """One slot, a queue of one, 20 ms per token: streams overlap for as long as a test needs."""
-    server = start_server(
-        tiny_model_dir,
-        max_streams=1,
-        queue_limit=1,
-        model_parameters={"test_token_delay_ms": "20"},
-    )
-    try:
-        yield server
-    finally:
-        server.stop()
+@pytest.fixture
+def paced_server(single_slot_server):
+    """One slot, a queue of one, tokens conftest.PACED_TOKEN_MS apart (a session-wide server)."""
+    return single_slot_server
 
 
 def _first_chunks(server, request: GenerateRequest, n: int, cancel: threading.Event):

@@ -24,7 +24,6 @@ from bridge_support import (
     wait_idle_engine,
     ws_url,
 )
-from conftest import start_server
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -32,25 +31,6 @@ from clients.bridge import HEALTH_PATH
 from clients.bridge.config import BridgeConfig
 from clients.bridge.connection import Connection
 from clients.bridge.frames import error_frame
-
-PACE_MS = 20  # the paced server's least time per decode step
-
-
-@pytest.fixture(scope="module")
-def paced_server(tiny_model_dir):
-    """A real tritonserver whose decode steps take at least PACE_MS: 200 tokens take 4 s, so a
-    stream stopped early is told apart from one run to the end on the server's token counter."""
-    server = start_server(
-        tiny_model_dir,
-        max_streams=8,
-        queue_limit=16,
-        model_parameters={"test_token_delay_ms": str(PACE_MS)},
-    )
-    try:
-        yield server
-    finally:
-        server.stop()
-
 
 # ---------------------------------------------------------------- without Triton
 
@@ -244,7 +224,7 @@ async def test_two_concurrent_generations_on_one_connection(triton_server):
 async def test_cancel_message_stops_generation_and_frees_slot(paced_server):
     """cancel ends that generation with done(cancelled); the server stops generating it (its
     token counter stays far below max_tokens), the slot frees; the socket and id stay usable."""
-    long_tokens = 200  # 4 s at PACE_MS per step; a cancel takes effect within a few steps
+    long_tokens = 200  # 4 s at PACED_TOKEN_MS per step; a cancel takes effect within a few steps
     before = tokens_generated(paced_server)
     async with bridge_to(paced_server) as bridge, connect(ws_url(bridge)) as ws:
         long = {"max_tokens": long_tokens, "ignore_eos": True}

@@ -21,26 +21,15 @@ from conftest import start_server
 pytestmark = pytest.mark.server
 
 MODEL = "chat"
-PACE_MS = 20  # the paced server's least time per decode step: 200 tokens take at least 4 s
 LONG = 200
 MESSAGES = [{"role": "user", "content": "Tell me a story about a cat."}]
 EXACT = {"ignore_eos": True}  # the tiny model then always runs to max_tokens
 
 
-@pytest.fixture(scope="module")
-def paced_server(tiny_model_dir):
-    """One slot, a queue of one, PACE_MS per token: a long stream lasts seconds, a third
-    request is refused for certain."""
-    server = start_server(
-        tiny_model_dir,
-        max_streams=1,
-        queue_limit=1,
-        model_parameters={"test_token_delay_ms": str(PACE_MS)},
-    )
-    try:
-        yield server
-    finally:
-        server.stop()
+@pytest.fixture
+def paced_server(single_slot_server):
+    """One slot, a queue of one, tokens conftest.PACED_TOKEN_MS apart (a session-wide server)."""
+    return single_slot_server
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pydantic
 import pytest
 from bridge_support import bridge_to
-from conftest import start_server
 
 pytestmark = pytest.mark.server
 langchain_openai = pytest.importorskip("langchain_openai")  # the test extra installs it
@@ -24,15 +23,6 @@ class GetWeather(pydantic.BaseModel):
     """Get the current weather in a city."""
 
     city: str = pydantic.Field(max_length=30)
-
-
-@pytest.fixture(scope="module")
-def default_server(default_model_dir):
-    server = start_server(default_model_dir, max_streams=4, queue_limit=16)
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def chat_model(bridge):

@@ -13,7 +13,7 @@ import pydantic
 import pytest
 import torch
 from bridge_support import bridge_to
-from conftest import chat_prompts, start_server
+from conftest import chat_prompts
 
 from streaming_backend.prompts import encode_prompt
 
@@ -66,16 +66,6 @@ TIME = {
     },
 }
 ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
-
-
-@pytest.fixture(scope="module")
-def default_server(default_model_dir):
-    """The default model behind a real tritonserver (float32, so logprobs compare exactly)."""
-    server = start_server(default_model_dir, max_streams=8, queue_limit=64)
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

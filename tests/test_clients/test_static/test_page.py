@@ -6,7 +6,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import start_server
 from page_support import ask, chat_page, needs_chromium
 
 pytestmark = [pytest.mark.server, pytest.mark.browser, needs_chromium]
@@ -22,17 +21,6 @@ SAMPLE_RENDERS = """() => {
   };
   requestAnimationFrame(sample);
 }"""
-
-
-@pytest.fixture(scope="module")
-def paced_server(tiny_model_dir):
-    """The tiny model with tokens at least 20 ms apart: its 200-token answer lasts about 4 s, so
-    Stop lands mid-answer however slowly the page renders (unpaced, the answer could end first)."""
-    server = start_server(tiny_model_dir, model_parameters={"test_token_delay_ms": "20"})
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 async def test_answer_grows_then_stop_ends_it(paced_server, tmp_path):
