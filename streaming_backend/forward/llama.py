@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from streaming_backend.forward.quant import Weight, check_kind, linear, quantize_weight
+from streaming_backend.forward.quant import HEAD_KIND, Weight, check_kind, linear, quantize_weight
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 # RoPE variants whose inverse frequencies are fixed at load (no position-dependent rescaling).
@@ -167,8 +167,8 @@ def _param(t: torch.Tensor | None) -> torch.Tensor | None:
 class CompactLlama(nn.Module):
     """The forward pass of a loaded Llama-family model, reading and writing a slot KV cache.
 
-    `quantize` ("none", "int8", "int4"): the linear weights and the head as torch's CPU
-    weight-only kernels take them (forward/quant.py); the embedding and norms stay as loaded.
+    `quantize` ("none", "int8", "int4"): the linear weights as torch's CPU weight-only kernels
+    take them, the head in int8 (forward/quant.py); the embedding and norms stay as loaded.
     A quantized weight is a copy: the Hugging Face model keeps its own.
     """
 
@@ -179,7 +179,7 @@ class CompactLlama(nn.Module):
         inner = model.model
         self.embed = inner.embed_tokens.weight.detach()  # [V, hidden]
         # [V, hidden]; tied models share the tensor (unless quantized)
-        self.head: Weight = quantize_weight(model.lm_head.weight.detach(), quantize)
+        self.head: Weight = quantize_weight(model.lm_head.weight.detach(), HEAD_KIND[quantize])
         self.final_norm = inner.norm.weight.detach()
         self.blocks = [_block(layer).quantized(quantize) for layer in inner.layers]
         self.cos, self.sin = _rope_tables(inner.rotary_emb, self.shape, self.embed.dtype)
