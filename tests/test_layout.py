@@ -85,6 +85,7 @@ LIGHT_MODULES = (
     "streaming_backend.wire",
     "streaming_backend.config",
     "streaming_backend.paths",
+    "streaming_backend.hardware",
     "streaming_backend.launcher",
     "streaming_backend.launcher.binary",
     "streaming_backend.launcher.processes",

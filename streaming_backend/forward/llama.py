@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from streaming_backend.forward.quant import HEAD_KIND, Weight, check_kind, linear, quantize_weight
+
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 # RoPE variants whose inverse frequencies are fixed at load (no position-dependent rescaling).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")
@@ -42,15 +44,24 @@ class Block(NamedTuple):
     """One decoder layer's weights (q/k/v and gate/up fused); biases are None when absent."""
 
     norm1: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv: Weight  # [(heads + 2 * kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [hidden, heads * head_dim]
+    o: Weight  # [hidden, heads * head_dim]
     o_bias: torch.Tensor | None
     norm2: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up: Weight  # [2 * intermediate, hidden]
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [hidden, intermediate]
+    down: Weight  # [hidden, intermediate]
     down_bias: torch.Tensor | None
+
+    def quantized(self, kind: str) -> Block:
+        """This block with its four linear weights quantized as `kind` (forward/quant.py)."""
+        return self._replace(
+            **{name: quantize_weight(getattr(self, name), kind) for name in LINEAR_WEIGHTS}
+        )
+
+
+LINEAR_WEIGHTS = ("qkv", "o", "gate_up", "down")  # the Block fields a quantization replaces
 
 
 class Dims(NamedTuple):
@@ -154,16 +165,23 @@ def _param(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class CompactLlama(nn.Module):
-    """The forward pass of a loaded Llama-family model, reading and writing a slot KV cache."""
+    """The forward pass of a loaded Llama-family model, reading and writing a slot KV cache.
 
-    def __init__(self, model: Any):
+    `quantize` ("none", "int8", "int4"): the linear weights as torch's CPU weight-only kernels
+    take them, the head in int8 (forward/quant.py); the embedding and norms stay as loaded.
+    A quantized weight is a copy: the Hugging Face model keeps its own.
+    """
+
+    def __init__(self, model: Any, quantize: str = "none"):
         super().__init__()
         self.shape = model_shape(model)
+        self.quantize = check_kind(quantize)
         inner = model.model
         self.embed = inner.embed_tokens.weight.detach()  # [V, hidden]
-        self.head = model.lm_head.weight.detach()  # [V, hidden]; tied models share the tensor
+        # [V, hidden]; tied models share the tensor (unless quantized)
+        self.head: Weight = quantize_weight(model.lm_head.weight.detach(), HEAD_KIND[quantize])
         self.final_norm = inner.norm.weight.detach()
-        self.blocks = [_block(layer) for layer in inner.layers]
+        self.blocks = [_block(layer).quantized(quantize) for layer in inner.layers]
         self.cos, self.sin = _rope_tables(inner.rotary_emb, self.shape, self.embed.dtype)
 
     def forward(
@@ -181,8 +199,28 @@ class CompactLlama(nn.Module):
         positions [0, window) of its slot, masked to those <= its own (and in its sliding window).
         `layer` replaces `decoder_layer` (a compiled copy of it).
         """
-        layer = layer or decoder_layer
+        x = self.hidden(k_cache, v_cache, rows, window, layer)  # [N, T, hidden]
         n = rows.tokens.shape[0]
+        x = x[torch.arange(n, device=x.device), rows.last]  # [N, hidden]
+        x = rms_norm(x, self.final_norm, self.shape.eps)
+        return linear(x, self.head).float()  # [N, V]
+
+    def score(self, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: Rows, window: int):
+        """`forward`, but the logits [N, T, V] (fp32) of every token (`rows.last` unused):
+        teacher-forced quality checks."""
+        x = self.hidden(k_cache, v_cache, rows, window)
+        return linear(rms_norm(x, self.final_norm, self.shape.eps), self.head).float()
+
+    def hidden(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        rows: Rows,
+        window: int,
+        layer: Callable[..., torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The last decoder layer's output [N, T, hidden] for every token (see `forward`)."""
+        layer = layer or decoder_layer
         device = rows.tokens.device
         x = F.embedding(rows.tokens, self.embed)  # [N, T, hidden]
         cos = self.cos[rows.positions][:, None]  # [N, 1, T, head_dim]
@@ -208,9 +246,7 @@ class CompactLlama(nn.Module):
                 window,
                 dims,
             )
-        x = x[torch.arange(n, device=device), rows.last]  # [N, hidden]
-        x = rms_norm(x, self.final_norm, self.shape.eps)
-        return F.linear(x, self.head).float()  # [N, V]
+        return x
 
     def decode_one(
         self,
@@ -237,7 +273,7 @@ class CompactLlama(nn.Module):
             x = x + one_row_attention(h, block, kv, cos, sin, (position, start), dims)
             x = mlp(x, block, dims)
         x = rms_norm(x, self.final_norm, self.shape.eps)
-        return F.linear(x, self.head).float()
+        return linear(x, self.head).float()
 
     def _grouped(self, mask: torch.Tensor) -> torch.Tensor:
         """[N, T, W] -> [N, 1, groups * T, W]: one mask row per (query head of a group, token)."""
@@ -297,8 +333,8 @@ def decoder_layer(
 def mlp(x: torch.Tensor, block: Block, dims: Dims) -> torch.Tensor:
     """The second half of a decoder layer: x plus the MLP of its normalised self."""
     h = rms_norm(x, block.norm2, dims.eps)
-    gate, up = F.linear(h, block.gate_up, block.gate_up_bias).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, block.down, block.down_bias)
+    gate, up = linear(h, block.gate_up, block.gate_up_bias).chunk(2, dim=-1)
+    return x + linear(F.silu(gate) * up, block.down, block.down_bias)
 
 
 def attention(h, block: Block, kv, cos, sin, mask, where, dims: Dims) -> torch.Tensor:
@@ -307,7 +343,7 @@ def attention(h, block: Block, kv, cos, sin, mask, where, dims: Dims) -> torch.T
     k_layer, v_layer = kv
     write_slots, positions, read_slots, window = where
     q_size, kv_size = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
-    qkv = F.linear(h, block.qkv, block.qkv_bias)  # [N, T, (H + 2 Hkv) D]
+    qkv = linear(h, block.qkv, block.qkv_bias)  # [N, T, (H + 2 Hkv) D]
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q = q.view(n, t, dims.heads, dims.head_dim).transpose(1, 2)  # [N, H, T, D]
     k = k.view(n, t, dims.kv_heads, dims.head_dim).transpose(1, 2)  # [N, Hkv, T, D]
@@ -325,7 +361,7 @@ def attention(h, block: Block, kv, cos, sin, mask, where, dims: Dims) -> torch.T
     q = q.reshape(n, dims.kv_heads, groups * t, dims.head_dim)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     out = out.reshape(n, dims.heads, t, dims.head_dim).transpose(1, 2).reshape(n, t, q_size)
-    return F.linear(out, block.o, block.o_bias)
+    return linear(out, block.o, block.o_bias)
 
 
 def one_row_attention(h, block: Block, kv, cos, sin, span: tuple[int, int], dims: Dims):
@@ -338,7 +374,7 @@ def one_row_attention(h, block: Block, kv, cos, sin, span: tuple[int, int], dims
     position, first = span
     k_slot, v_slot = kv
     q_size, kv_size = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
-    qkv = F.linear(h, block.qkv, block.qkv_bias)[0]  # [(H + 2 Hkv) D]
+    qkv = linear(h, block.qkv, block.qkv_bias)[0]  # [(H + 2 Hkv) D]
     qk = qkv[: q_size + kv_size].view(dims.heads + dims.kv_heads, dims.head_dim)
     qk = qk * cos + _rotate_half(qk) * sin  # q's heads, then k's
     k_slot[:, position] = qk[dims.heads :]
@@ -348,7 +384,7 @@ def one_row_attention(h, block: Block, kv, cos, sin, span: tuple[int, int], dims
     # the query heads sharing a key/value head stacked along the query axis, as in `attention`
     q = qk[: dims.heads].view(1, dims.kv_heads, dims.heads // dims.kv_heads, dims.head_dim)
     out = F.scaled_dot_product_attention(q, keys, values)  # [1, Hkv, groups, D]
-    return F.linear(out.reshape(1, q_size), block.o, block.o_bias)
+    return linear(out.reshape(1, q_size), block.o, block.o_bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 
 from streaming_backend.forward.buckets import window_for
 from streaming_backend.forward.llama import CompactLlama, Rows
+from streaming_backend.forward.quant import check_kind
 from streaming_backend.forward.slots import CacheBudget, SlotCache
 from streaming_backend.loading import LoadedModel
 
@@ -39,9 +40,15 @@ class ForwardConfig:
     # shared 2-core CPU it compiled in 0.5-5 min, was slower than eager at batch 1 and only
     # sometimes faster at batch 16 (scripts/forward_bench.py); on where a measurement says so.
     compile: bool = False
-    # On CUDA: capture the decode step as CUDA graphs per batch-size bucket. Off until the path
-    # has run on a GPU (it is written but has never been executed).
+    # On CUDA: capture the decode step as CUDA graphs per batch-size bucket. Off here; the engine
+    # (steps/build.py) turns it on with `compile` on a GPU. No GPU has run this path yet.
     cuda_graphs: bool = False
+    # The linear weights as torch's CPU weight-only kernels take them: "none", "int8" or "int4"
+    # (forward/quant.py; scripts/quant_quality.py checks greedy agreement and perplexity).
+    quantize: str = "none"
+
+    def __post_init__(self) -> None:
+        check_kind(self.quantize)
 
 
 class Chunk(NamedTuple):
@@ -68,7 +75,7 @@ class SlotForward:
     @classmethod
     def create(cls, loaded: LoadedModel, config: ForwardConfig) -> SlotForward:
         """Build the forward for a loaded model (UnsupportedModel if not Llama-family)."""
-        model = CompactLlama(loaded.model)
+        model = CompactLlama(loaded.model, config.quantize)
         max_len = min(config.max_len or loaded.context_length, model.shape.max_positions)
         cache = SlotCache.for_budget(
             model.shape, max_len, loaded.dtype, loaded.device, config.budget, config.max_slots
@@ -108,6 +115,20 @@ class SlotForward:
         logits = self.model(self.cache.k, self.cache.v, rows, window)
         for start, chunk in zip(starts, chunks):
             self.cache.lengths[chunk.slot] = start + len(chunk.tokens)
+        return logits
+
+    @torch.inference_mode()
+    def score(self, chunk: Chunk) -> torch.Tensor:
+        """Prefill one chunk; return the logits [T, V] (fp32) after each of its tokens
+        (teacher-forced checks: what the model would pick at every position)."""
+        start = self.cache.lengths[chunk.slot]
+        if not chunk.tokens:
+            raise ValueError(f"empty prefill chunk for slot {chunk.slot}")
+        self.cache.check_room(chunk.slot, len(chunk.tokens))
+        rows = self._prefill_rows([chunk], [start])
+        window = window_for(start + len(chunk.tokens), self.cache.max_len)
+        logits = self.model.score(self.cache.k, self.cache.v, rows, window)[0]
+        self.cache.lengths[chunk.slot] = start + len(chunk.tokens)
         return logits
 
     def _prefill_rows(self, chunks: Sequence[Chunk], starts: list[int]) -> Rows:

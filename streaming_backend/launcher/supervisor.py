@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from streaming_backend.hardware import AUTO, host_dtype
 from streaming_backend.launcher.control import ControlError, control, load_model, model_ready
 from streaming_backend.launcher.repository import patch_parameters, read_parameters
 from streaming_backend.launcher.server import ServerConfig, ServerDied, TritonServer
@@ -102,6 +103,8 @@ class Supervisor:
         self.heartbeat = time.monotonic()  # liveness: the supervising loop still turns
         self._restart_times: list[float] = []
         self._watch: Watch | None = None
+        # the precision the models load in on this host, by the rule they apply themselves
+        self.dtype = host_dtype(server.parameters().get("dtype", AUTO))
 
     @property
     def admin_key(self) -> str:
@@ -126,6 +129,7 @@ class Supervisor:
             "restarts": dict(self.restarts),
             "reloads": dict(self.reloads),
             "model": self.config.server.model or "",
+            "dtype": self.dtype.as_dict(),
             "tritonserver_pid": server.pid if server else None,
         }
 

@@ -13,7 +13,6 @@ from streaming_backend import loading
 @pytest.mark.parametrize(
     "name, dtype",
     [
-        ("auto", torch.bfloat16),
         ("float32", torch.float32),
         ("fp32", torch.float32),
         ("bf16", torch.bfloat16),
@@ -22,8 +21,19 @@ from streaming_backend import loading
     ],
 )
 def test_dtype_names(name, dtype):
-    """Full names and the usual short ones; auto is bfloat16."""
+    """Full names and the usual short ones."""
     assert loading.resolve_dtype(name, torch.device("cpu")) == dtype
+
+
+@pytest.mark.parametrize(
+    "flags, dtype",
+    [({"avx2"}, torch.float32), ({"avx2", "avx512_bf16"}, torch.bfloat16), (set(), torch.float32)],
+)
+def test_auto_dtype_follows_the_cpu_flags(monkeypatch, flags, dtype):
+    """auto on the CPU: bfloat16 with native bfloat16 instructions, else float32 (faked flags)."""
+    monkeypatch.setattr(loading, "cpu_flags", lambda: frozenset(flags))
+    assert loading.resolve_dtype("auto", torch.device("cpu")) == dtype
+    assert "CPU" in loading.choose_device_dtype("auto", torch.device("cpu")).reason
 
 
 def test_unknown_dtype_is_refused():
@@ -73,10 +83,13 @@ def test_context_length(max_positions, tokenizer_max, length):
     assert loading._context_length(_model(None, max_positions), tokenizer) == length
 
 
-def test_load_a_model_folder(tiny_model_dir):
-    """A Hugging Face folder loads in the asked dtype, with its EOS ids and context."""
+def test_load_a_model_folder(tiny_model_dir, capsys):
+    """A Hugging Face folder loads in the asked dtype, with its EOS ids and context; the dtype
+    and the reason for it are logged."""
     loaded = loading.load_model(str(tiny_model_dir), dtype="fp32", device="cpu")
     assert loaded.dtype == torch.float32 and loaded.device == torch.device("cpu")
+    assert loaded.dtype_reason == "set explicitly"
+    assert "dtype float32 on cpu (fp32: set explicitly)" in capsys.readouterr().err
     assert next(loaded.model.parameters()).dtype == torch.float32
     assert loaded.eos_ids == {loaded.tokenizer.eos_token_id}
     assert loaded.context_length == TINY_CONTEXT

@@ -42,6 +42,24 @@ def test_restart_budget_waits_longer_each_time_then_gives_up() -> None:
     assert [budget.backoff(n) for n in range(1, 6)] == [0.0, 1.0, 2.0, 3.0, None]
 
 
+@pytest.mark.parametrize(
+    "setting, dtype", [("auto", None), ("fp32", "float32"), ("bf16", "bfloat16")]
+)
+def test_status_names_the_dtype_and_why(setting, dtype) -> None:
+    """/status says which dtype the models load in and why, by the rule the models apply."""
+    from streaming_backend.hardware import host_dtype
+    from streaming_backend.launcher.server import ServerConfig
+    from streaming_backend.launcher.supervisor import Supervisor, SupervisorConfig
+
+    status = Supervisor(SupervisorConfig(ServerConfig(dtype=setting))).status()
+    expected = dtype or host_dtype("auto").dtype
+    assert status["dtype"] == {
+        "setting": setting,
+        "dtype": expected,
+        "reason": host_dtype(setting).reason,
+    }
+
+
 class ScriptedServer:
     """What the drain reads of a running tritonserver."""
 
@@ -217,7 +235,9 @@ def test_health_endpoints_tell_ready_live_status_and_metrics(supervised) -> None
     status, body = get(f"{url}/ready")
     assert status == 200 and body["state"] == "ready", body
     assert get(f"{url}/live")[0] == 200
-    assert get(f"{url}/status")[1]["ready"] is True
+    status_body = get(f"{url}/status")[1]
+    assert status_body["ready"] is True
+    assert status_body["dtype"] == supervisor.dtype.as_dict()
     status, text = get(f"{url}/metrics")
     assert status == 200 and 'tokenstream_supervisor_restarts_total{cause="stub_died"}' in text
     assert "tokenstream_supervisor_ready 1" in text

@@ -1,0 +1,123 @@
+"""What the hardware is good at: the precision `--dtype auto` picks, and why. Standard library only.
+
+The rule, one pure function (`choose_dtype`) used by the model at load and by the supervisor for
+`/status`:
+
+| device | chosen | why |
+| --- | --- | --- |
+| a GPU with bfloat16 (compute capability 8.0+) | bfloat16 | native bfloat16 matmuls, fp32 range |
+| an older GPU | float16 | bfloat16 would be emulated; float16 is native |
+| a CPU with AVX512_BF16 or AMX-BF16 | bfloat16 | native bfloat16 dot products: half the bytes |
+| any other CPU (AVX2, AVX-512 without BF16, Arm) | float32 | bfloat16 is converted in software |
+
+Measured (docs/performance.md): on an AVX2-only EPYC float32 served twice the tokens of bfloat16
+at 16 streams and halved TTFT; on an EPYC with AVX512_BF16 bfloat16 matmuls beat float32.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+AUTO = "auto"
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+# /proc/cpuinfo flags of CPUs that compute bfloat16 dot products in hardware
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+GPU_BF16_CAPABILITY = 8.0  # Ampere and later
+CPUINFO = Path("/proc/cpuinfo")
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one folder per GPU the driver sees
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The precision a model loads in, and why (logged at start, shown by `/status`)."""
+
+    setting: str  # what was asked for: auto, or a dtype name or alias
+    dtype: str  # one of DTYPE_NAMES
+    reason: str
+
+    def as_dict(self) -> dict[str, str]:
+        """For JSON (the supervisor's /status)."""
+        return {"setting": self.setting, "dtype": self.dtype, "reason": self.reason}
+
+
+def dtype_name(setting: str) -> str:
+    """A dtype name or alias -> its full name; `auto` stays `auto`; anything else ValueError."""
+    name = DTYPE_ALIASES.get(setting, setting)
+    if name != AUTO and name not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {setting!r}; choose auto, {', '.join(DTYPE_NAMES)}")
+    return name
+
+
+def choose_dtype(
+    setting: str, device: str, cpu_flags: frozenset[str], gpu_bf16: bool | None = None
+) -> DtypeChoice:
+    """The dtype for `setting` on `device` ("cpu", "cuda", "cuda:1"): the table above.
+
+    cpu_flags: the CPU's /proc/cpuinfo flags; gpu_bf16: whether the GPU has bfloat16 (None:
+    not known, bfloat16 assumed, as every data-centre GPU since 2020 has it).
+    """
+    name = dtype_name(setting)
+    if name != AUTO:
+        return DtypeChoice(setting, name, "set explicitly")
+    if device.startswith("cuda"):
+        if gpu_bf16 is False:
+            return DtypeChoice(setting, "float16", "GPU without bfloat16 (compute capability < 8)")
+        known = "" if gpu_bf16 else " (assumed: capability not known here)"
+        return DtypeChoice(setting, "bfloat16", f"GPU with bfloat16{known}")
+    native = sorted(set(NATIVE_BF16_FLAGS) & cpu_flags)
+    if native:
+        return DtypeChoice(setting, "bfloat16", f"CPU with native bfloat16 ({', '.join(native)})")
+    return DtypeChoice(
+        setting, "float32", "CPU without native bfloat16 (no avx512_bf16 or amx_bf16): float32"
+    )
+
+
+def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
+    """The first CPU's feature flags (`flags`, or `Features` on Arm); empty when unreadable."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def nvidia_gpu_visible(gpus: Path = NVIDIA_GPUS) -> bool:
+    """Whether the NVIDIA driver sees a GPU (without CUDA or torch)."""
+    try:
+        return any(gpus.iterdir())
+    except OSError:
+        return False
+
+
+def gpu_has_bf16() -> bool | None:
+    """Whether the first GPU has bfloat16, from nvidia-smi's compute capability; None: unknown."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=compute_cap", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.split()
+        return float(out[0]) >= GPU_BF16_CAPABILITY
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def host_dtype(setting: str) -> DtypeChoice:
+    """The supervisor's view of `setting` on this host, without torch: a model instance whose
+    device is auto runs on the first GPU the driver sees, else on the CPU."""
+    if nvidia_gpu_visible():
+        return choose_dtype(setting, "cuda", cpu_flags(), gpu_has_bf16())
+    return choose_dtype(setting, "cpu", cpu_flags())

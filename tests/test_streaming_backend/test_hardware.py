@@ -1,0 +1,88 @@
+"""The precision `--dtype auto` picks, from faked CPU flags and GPUs, and reading the flags."""
+
+import pytest
+
+from streaming_backend import hardware
+from streaming_backend.hardware import choose_dtype
+
+AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512_vnni"}
+AVX512_BF16 = AVX512 | {"avx512_bf16"}
+AMX = AVX512 | {"amx_tile", "amx_int8", "amx_bf16"}
+ARM = frozenset({"fp", "asimd", "sve"})
+
+
+@pytest.mark.parametrize(
+    "setting, device, flags, gpu_bf16, dtype, reason",
+    [
+        ("auto", "cpu", AVX2, None, "float32", "without native bfloat16"),
+        ("auto", "cpu", AVX512, None, "float32", "without native bfloat16"),
+        ("auto", "cpu", ARM, None, "float32", "without native bfloat16"),
+        ("auto", "cpu", frozenset(), None, "float32", "without native bfloat16"),
+        ("auto", "cpu", AVX512_BF16, None, "bfloat16", "native bfloat16 (avx512_bf16)"),
+        ("auto", "cpu", AMX, None, "bfloat16", "native bfloat16 (amx_bf16)"),
+        ("auto", "cuda", AVX2, True, "bfloat16", "GPU with bfloat16"),
+        ("auto", "cuda:1", AVX2, True, "bfloat16", "GPU with bfloat16"),
+        ("auto", "cuda", AVX2, False, "float16", "GPU without bfloat16"),
+        ("auto", "cuda", AVX2, None, "bfloat16", "assumed"),
+        ("bf16", "cpu", AVX2, None, "bfloat16", "set explicitly"),
+        ("float32", "cpu", AVX512_BF16, None, "float32", "set explicitly"),
+        ("fp16", "cuda", AVX2, True, "float16", "set explicitly"),
+        ("half", "cpu", AVX2, None, "float16", "set explicitly"),
+    ],
+)
+def test_dtype_rule(setting, device, flags, gpu_bf16, dtype, reason):
+    """bfloat16 where the hardware computes it natively, float32 on other CPUs, float16 on
+    older GPUs; an explicit dtype is kept. The reason says which case applied."""
+    choice = choose_dtype(setting, device, flags, gpu_bf16)
+    assert choice.dtype == dtype
+    assert reason in choice.reason
+    assert choice.as_dict() == {"setting": setting, "dtype": dtype, "reason": choice.reason}
+
+
+def test_unknown_dtype_is_refused_with_the_choices():
+    """A dtype we do not know is refused, naming the ones we do."""
+    with pytest.raises(ValueError, match="unknown dtype 'int8'; choose auto, float32"):
+        choose_dtype("int8", "cpu", AVX2)
+
+
+def test_cpu_flags_from_cpuinfo(tmp_path):
+    """x86 `flags` and Arm `Features` lines are read; a missing file means no flags."""
+    x86 = tmp_path / "x86"
+    x86.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16\n\nflags\t: other\n")
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd\n")
+    assert hardware.cpu_flags(x86) == {"fpu", "avx2", "avx512_bf16"}
+    assert hardware.cpu_flags(arm) == {"fp", "asimd"}
+    assert hardware.cpu_flags(tmp_path / "missing") == frozenset()
+
+
+def test_this_machines_flags_are_read():
+    """On Linux the running CPU's flags are found (the rule is never fed an empty set here)."""
+    if not hardware.CPUINFO.is_file():
+        pytest.skip("no /proc/cpuinfo")
+    assert hardware.cpu_flags()
+
+
+def test_gpu_visibility(tmp_path):
+    """A GPU is visible when the driver lists one; an empty or missing folder means none."""
+    assert not hardware.nvidia_gpu_visible(tmp_path / "missing")
+    assert not hardware.nvidia_gpu_visible(tmp_path)
+    (tmp_path / "0000:01:00.0").mkdir()
+    assert hardware.nvidia_gpu_visible(tmp_path)
+
+
+def test_host_dtype_uses_the_cpu_rule_without_a_gpu(monkeypatch):
+    """The supervisor's view: no GPU -> the CPU rule on this machine's flags."""
+    monkeypatch.setattr(hardware, "nvidia_gpu_visible", lambda: False)
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: AVX2)
+    assert hardware.host_dtype("auto").dtype == "float32"
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: AVX512_BF16)
+    assert hardware.host_dtype("auto").dtype == "bfloat16"
+
+
+def test_host_dtype_asks_the_gpu(monkeypatch):
+    """With a GPU visible the GPU rule applies, with its bfloat16 support as nvidia-smi says."""
+    monkeypatch.setattr(hardware, "nvidia_gpu_visible", lambda: True)
+    monkeypatch.setattr(hardware, "gpu_has_bf16", lambda: False)
+    assert hardware.host_dtype("auto").dtype == "float16"
