@@ -67,11 +67,12 @@ class CompactBatchForward:
 
     name = "compact"
 
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, quantize: str = "none"):
         from streaming_backend.forward.llama import CompactLlama
 
         self.loaded = loaded
-        self.model = CompactLlama(loaded.model)  # UnsupportedModel if not Llama-family
+        # UnsupportedModel if not Llama-family
+        self.model = CompactLlama(loaded.model, quantize)
         self._cache = None
 
     def prefill(self, prompts, rows, length):
@@ -108,14 +109,17 @@ class CompactBatchForward:
         return cache
 
 
-def build_batch_forward(loaded: LoadedModel, forward: str = "auto") -> BatchForward:
-    """The compact forward when asked for or possible ("auto"), else Hugging Face's."""
+def build_batch_forward(
+    loaded: LoadedModel, forward: str = "auto", quantize: str = "none"
+) -> BatchForward:
+    """The compact forward when asked for or possible ("auto"), else Hugging Face's (which
+    takes no quantization)."""
     if forward == "hf":
         return HfBatchForward(loaded)
     from streaming_backend.forward.llama import UnsupportedModel
 
     try:
-        return CompactBatchForward(loaded)
+        return CompactBatchForward(loaded, quantize)
     except UnsupportedModel as exc:
         if forward == "compact":
             raise

@@ -14,6 +14,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 
+from streaming_backend.hardware import AUTO, DTYPE_NAMES, dtype_name
 from streaming_backend.parameters import (
     MILLISECONDS,
     OPTIONAL_TEXT,
@@ -29,7 +30,7 @@ from streaming_backend.wire import CHAT_MODEL, DIALOGUE_MODEL
 
 FORWARDS = ("auto", "compact", "hf")
 PREFIX_CACHE_MODES = ("on", "prompts", "off")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZE_KINDS = ("none", "int8", "int4")  # the compact forward's weight formats (forward/quant.py)
 MEMORY_UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
@@ -71,11 +72,26 @@ MODEL = Parameter(
     OPTIONAL_TEXT,
     option=True,
 )
+
+
+def _dtype(text: str) -> str:
+    dtype_name(text.strip())  # ValueError naming the choices
+    return text.strip()
+
+
 DTYPE = Parameter(
     "dtype",
     "auto",
-    "auto (bfloat16), float32, bfloat16, float16",
-    choice(*DTYPES),
+    "auto (bfloat16 where the GPU or CPU computes it natively, else float32), float32, "
+    "bfloat16, float16",
+    Kind(_dtype, str, "{" + ",".join((AUTO, *DTYPE_NAMES)) + "}"),
+    option=True,
+)
+QUANTIZE = Parameter(
+    "quantize",
+    "none",
+    "the compact forward's linear weights: none, int8 or int4 (weight-only, CPU kernels)",
+    choice(*QUANTIZE_KINDS),
     option=True,
 )
 
@@ -84,6 +100,7 @@ CHAT_PARAMETERS = ParameterTable(
     (
         MODEL,
         DTYPE,
+        QUANTIZE,
         Parameter("max_streams", "32", "streams decoded together", integer(1), option=True),
         Parameter(
             "queue_limit",
@@ -163,6 +180,7 @@ DIALOGUE_PARAMETERS = ParameterTable(
     (
         MODEL,
         DTYPE,
+        QUANTIZE,
         Parameter(
             "forward",
             "auto",
@@ -218,6 +236,7 @@ class EngineConfig:
     # streams and the prefix cache; admission waits for a slot, so a step never runs out of it.
     kv_cache_memory: str = _CHAT["kv_cache_memory"]
     compile: bool = _CHAT["compile"]  # torch.compile the compact decode step
+    quantize: str = _CHAT["quantize"]  # the compact forward's weights: none, int8, int4
     # Test-only, for benchmark calibration: the first token exists exactly this long after its
     # prefill starts, each next token this long after the previous step (when compute is faster).
     test_first_token_delay_s: float = _CHAT["test_first_token_delay_s"]
@@ -279,6 +298,7 @@ class DialogueSettings:
 
     model: str | None = _DIALOGUE["model"]
     dtype: str = _DIALOGUE["dtype"]
+    quantize: str = _DIALOGUE["quantize"]
     forward: str = _DIALOGUE["forward"]
     max_beam_width: int = _DIALOGUE["max_beam_width"]
     default_output_len: int = _DIALOGUE["default_output_len"]

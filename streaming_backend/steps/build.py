@@ -28,7 +28,7 @@ def build_steps(loaded: LoadedModel, config: EngineConfig, on_failure: OnFailure
         budget=CacheBudget(bytes=size, fraction=fraction),
         compile=config.compile,
         cuda_graphs=config.compile and loaded.device.type == "cuda",
-        quantize=getattr(config, "quantize", "none"),  # config.quantize once EngineConfig has it
+        quantize=config.quantize,
         # live streams plus as many idle prefix entries: each admission compares its prompt
         # with every entry, and more entries rarely hit
         max_slots=PREFIX_ENTRIES_PER_STREAM * config.max_streams,

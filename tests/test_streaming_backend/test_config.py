@@ -71,7 +71,7 @@ def test_dialogue_settings_share_the_cores_among_instances(monkeypatch) -> None:
     "params, message",
     [
         ({"max_beam_width": "0"}, "max_beam_width='0': must be at least 1"),
-        ({"dtype": "int3"}, "dtype='int3': must be one of auto, float32"),
+        ({"dtype": "int3"}, "dtype='int3': unknown dtype 'int3'; choose auto, float32"),
     ],
 )
 def test_bad_dialogue_parameters_are_refused_with_the_key(params, message) -> None:

@@ -39,7 +39,9 @@ class TritonPythonModel:
         self.loaded = load_model(self.settings.model, self.settings.dtype, device)
         if self.loaded.device.type == "cpu":
             torch.set_num_threads(self.settings.cpu_threads)
-        self.forward = build_batch_forward(self.loaded, self.settings.forward)
+        self.forward = build_batch_forward(
+            self.loaded, self.settings.forward, self.settings.quantize
+        )
         log.info(
             "loaded %s on %s as %s, %s forward",
             self.loaded.name,

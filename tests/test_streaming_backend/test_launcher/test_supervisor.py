@@ -51,7 +51,9 @@ def test_status_names_the_dtype_and_why(setting, dtype) -> None:
     from streaming_backend.launcher.server import ServerConfig
     from streaming_backend.launcher.supervisor import Supervisor, SupervisorConfig
 
-    status = Supervisor(SupervisorConfig(ServerConfig(dtype=setting))).status()
+    status = Supervisor(
+        SupervisorConfig(ServerConfig(model_parameters={"dtype": setting}))
+    ).status()
     expected = dtype or host_dtype("auto").dtype
     assert status["dtype"] == {
         "setting": setting,

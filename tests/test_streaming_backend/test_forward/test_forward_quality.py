@@ -14,7 +14,7 @@ from streaming_backend.forward.runner import Chunk, ForwardConfig, SlotForward
 from streaming_backend.forward.slots import CacheBudget
 from streaming_backend.loading import load_model
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CONFIG = ForwardConfig(CacheBudget(bytes=64 << 20), max_len=128, max_slots=2)
 
 
