@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from streaming_backend.forward.runner import Chunk, ForwardConfig, SlotForward
+from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
 from streaming_backend.forward.slots import CacheBudget
 from streaming_backend.loading import LoadedModel, load_model
 from streaming_backend.prompts import encode_prompt, load_chat_prompts
@@ -105,7 +105,7 @@ def run_slots(forward: SlotForward, prompts: list[list[int]], steps: int, warmup
     """The compact forward's decode steps -> (seconds, greedy ids [B, steps])."""
     slots = [forward.cache.allocate() for _ in prompts]
     try:
-        logits = forward.prefill([Chunk(s, p) for s, p in zip(slots, prompts)])
+        logits = forward.prefill([PromptChunk(s, p) for s, p in zip(slots, prompts)])
         token = logits.argmax(-1)
         chosen, started = [], 0.0
         for step in range(warmup + steps):

@@ -76,12 +76,12 @@ class CompactBatchForward:
         self._cache = None
 
     def prefill(self, prompts, rows, length):
-        from streaming_backend.forward.runner import Chunk, SlotForward
+        from streaming_backend.forward.runner import PromptChunk, SlotForward
 
         forward = SlotForward(self.model, self._cache_for(rows, length), self.loaded.device)
         slots = [forward.cache.allocate() for _ in prompts]
         try:
-            logits = forward.prefill([Chunk(s, list(p)) for s, p in zip(slots, prompts)])
+            logits = forward.prefill([PromptChunk(s, list(p)) for s, p in zip(slots, prompts)])
         except BaseException:
             for slot in slots:
                 forward.cache.free(slot)

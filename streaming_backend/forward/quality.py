@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from streaming_backend.forward.runner import Chunk, SlotForward
+from streaming_backend.forward.runner import PromptChunk, SlotForward
 
 MIN_AGREEMENT = 0.95
 MAX_PERPLEXITY_CHANGE = 0.02
@@ -55,7 +55,7 @@ def reference_texts(
     for prompt in prompts:
         slot = forward.cache.allocate()
         try:
-            answer = [int(forward.prefill([Chunk(slot, prompt)]).argmax(-1))]
+            answer = [int(forward.prefill([PromptChunk(slot, prompt)]).argmax(-1))]
             while len(answer) < new_tokens and answer[-1] not in eos_ids:
                 answer.append(int(forward.decode([slot], answer[-1:]).argmax(-1)))
         finally:
@@ -68,7 +68,7 @@ def teacher_forced(forward: SlotForward, text: list[int]) -> torch.Tensor:
     """Logits [len - 1, V] (fp32) predicting tokens 1.. of `text`, read in one pass."""
     slot = forward.cache.allocate()
     try:
-        return forward.score(Chunk(slot, text[:-1]))
+        return forward.score(PromptChunk(slot, text[:-1]))
     finally:
         forward.cache.free(slot)
 

@@ -2,7 +2,7 @@
 
     fwd = SlotForward.create(loaded, ForwardConfig(budget=CacheBudget(fraction=0.5)))
     slot = fwd.cache.allocate()
-    logits = fwd.prefill([Chunk(slot, prompt_ids)])        # [1, V] fp32, next-token logits
+    logits = fwd.prefill([PromptChunk(slot, prompt_ids)])        # [1, V] fp32, next-token logits
     logits = fwd.decode([slot], [next_id])                  # host ids, one per slot
     fwd.cache.free(slot)
 
@@ -51,7 +51,7 @@ class ForwardConfig:
         check_kind(self.quantize)
 
 
-class Chunk(NamedTuple):
+class PromptChunk(NamedTuple):
     """Prompt tokens to append to a slot, at positions lengths[slot], lengths[slot] + 1, ..."""
 
     slot: int
@@ -98,7 +98,7 @@ class SlotForward:
             )
 
     @torch.inference_mode()
-    def prefill(self, chunks: Sequence[Chunk]) -> torch.Tensor:
+    def prefill(self, chunks: Sequence[PromptChunk]) -> torch.Tensor:
         """Append each chunk to its slot; return the logits [N, V] (fp32) after its last token."""
         if not chunks:
             raise ValueError("prefill needs at least one chunk")
@@ -118,7 +118,7 @@ class SlotForward:
         return logits
 
     @torch.inference_mode()
-    def score(self, chunk: Chunk) -> torch.Tensor:
+    def score(self, chunk: PromptChunk) -> torch.Tensor:
         """Prefill one chunk; return the logits [T, V] (fp32) after each of its tokens
         (teacher-forced checks: what the model would pick at every position)."""
         start = self.cache.lengths[chunk.slot]
@@ -131,7 +131,7 @@ class SlotForward:
         self.cache.lengths[chunk.slot] = start + len(chunk.tokens)
         return logits
 
-    def _prefill_rows(self, chunks: Sequence[Chunk], starts: list[int]) -> Rows:
+    def _prefill_rows(self, chunks: Sequence[PromptChunk], starts: list[int]) -> Rows:
         """Right-padded rows [N, T]; padding tokens write to the scratch slot at position 0."""
         n, t = len(chunks), max(len(c.tokens) for c in chunks)
         tokens = torch.zeros((n, t), dtype=torch.long)

@@ -22,7 +22,7 @@ import torch
 
 from streaming_backend.batch import RunningBatch, SlotRows
 from streaming_backend.config import EngineConfig
-from streaming_backend.forward.runner import Chunk, SlotForward
+from streaming_backend.forward.runner import PromptChunk, SlotForward
 from streaming_backend.prefix_cache import PrefixCache
 from streaming_backend.steps import Decoded, OnFailure, Prefilled
 from streaming_backend.steps.pacing import PrefillPacer, timed
@@ -131,7 +131,7 @@ class SlotSteps:
         if ready:
             yield Prefilled(ready, torch.cat(logits))
 
-    def _chunks(self, budget: int) -> list[tuple[object, Chunk]]:
+    def _chunks(self, budget: int) -> list[tuple[object, PromptChunk]]:
         """This step's chunks, oldest prompts first: `budget` tokens at most, one chunk at least."""
         chunks = []
         for stream in self._prefilling:
@@ -140,7 +140,7 @@ class SlotSteps:
             slot = self._slot[id(stream)]
             start = self.cache.lengths[slot]
             tokens = stream.prompt_ids[start : start + budget]
-            chunks.append((stream, Chunk(slot, tokens)))
+            chunks.append((stream, PromptChunk(slot, tokens)))
             budget -= len(tokens)
         return chunks
 
@@ -198,7 +198,7 @@ class SlotSteps:
             return
         slot = self.cache.allocate()
         try:
-            chunk = [Chunk(slot, [0] * min(tokens, self.cache.max_len - 1))]
+            chunk = [PromptChunk(slot, [0] * min(tokens, self.cache.max_len - 1))]
             self.forward.prefill(chunk)  # first call: allocations, kernel selection
             self.cache.truncate(slot, 0)
             _, seconds = timed(lambda: self.forward.prefill(chunk), self._sync)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from streaming_backend.forward.llama import UnsupportedModel
-from streaming_backend.forward.runner import Chunk, ForwardConfig, SlotForward
+from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
 from streaming_backend.forward.slots import CacheBudget
 from streaming_backend.loading import LoadedModel, load_model
 
@@ -66,7 +66,7 @@ def test_prefill_of_rows_of_different_lengths_matches_hf(tiny):
     forward = SlotForward.create(tiny, CONFIG)
     rows = prompts([5, 17, 9])
     slots = [forward.cache.allocate() for _ in rows]
-    logits = forward.prefill([Chunk(s, p) for s, p in zip(slots, rows)])
+    logits = forward.prefill([PromptChunk(s, p) for s, p in zip(slots, rows)])
     assert logits.shape == (3, tiny.model.config.vocab_size) and logits.dtype == torch.float32
     for row, ids in enumerate(rows):
         torch.testing.assert_close(
@@ -91,7 +91,7 @@ def test_decode_steps_match_hf(tiny):
     forward = SlotForward.create(tiny, CONFIG)
     rows = prompts([3, 12, 7], seed=1)
     slots = [forward.cache.allocate() for _ in rows]
-    first = forward.prefill([Chunk(s, p) for s, p in zip(slots, rows)]).argmax(-1)
+    first = forward.prefill([PromptChunk(s, p) for s, p in zip(slots, rows)]).argmax(-1)
     generated, step_logits = greedy_run(forward, slots, 6, first)
     for row, ids in enumerate(rows):
         reference = hf_logits(tiny.model, ids + generated[row])  # [len + 6, V]
@@ -104,13 +104,13 @@ def test_freed_slot_is_reused_without_its_old_keys(tiny):
     """A slot freed after a long prompt serves a short one as if it were new."""
     forward = SlotForward.create(tiny, CONFIG)
     slot = forward.cache.allocate()
-    forward.prefill([Chunk(slot, prompts([60], seed=2)[0])])
+    forward.prefill([PromptChunk(slot, prompts([60], seed=2)[0])])
     forward.decode([slot], [5])
     forward.cache.free(slot)
     again = forward.cache.allocate()
     assert again == slot and forward.cache.lengths[again] == 0
     short = prompts([4], seed=3)[0]
-    first = forward.prefill([Chunk(again, short)]).argmax(-1)
+    first = forward.prefill([PromptChunk(again, short)]).argmax(-1)
     generated, step_logits = greedy_run(forward, [again], 3, first)
     reference = hf_logits(tiny.model, short + generated[0])
     for step, logits in enumerate(step_logits):
@@ -122,10 +122,10 @@ def test_chunked_prefill_equals_whole_prefill(tiny):
     forward = SlotForward.create(tiny, CONFIG)
     prompt, other = prompts([30, 11], seed=4)
     whole, chunked, neighbour = (forward.cache.allocate() for _ in range(3))
-    expected = forward.prefill([Chunk(whole, prompt)])
-    forward.prefill([Chunk(chunked, prompt[:7]), Chunk(neighbour, other[:5])])
-    forward.prefill([Chunk(neighbour, other[5:]), Chunk(chunked, prompt[7:20])])
-    logits = forward.prefill([Chunk(chunked, prompt[20:])])
+    expected = forward.prefill([PromptChunk(whole, prompt)])
+    forward.prefill([PromptChunk(chunked, prompt[:7]), PromptChunk(neighbour, other[:5])])
+    forward.prefill([PromptChunk(neighbour, other[5:]), PromptChunk(chunked, prompt[7:20])])
+    logits = forward.prefill([PromptChunk(chunked, prompt[20:])])
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
     step = forward.decode([whole, chunked, neighbour], [9, 9, 9])
     torch.testing.assert_close(step[1], step[0], atol=1e-5, rtol=0)
@@ -139,11 +139,11 @@ def test_prefill_after_a_copied_prefix_equals_whole_prefill(tiny):
     forward = SlotForward.create(tiny, CONFIG)
     first, second = prompts([25, 8], seed=7)
     donor, whole, reuser = (forward.cache.allocate() for _ in range(3))
-    forward.prefill([Chunk(donor, first)])
-    expected = forward.prefill([Chunk(whole, first[:20] + second)])
+    forward.prefill([PromptChunk(donor, first)])
+    expected = forward.prefill([PromptChunk(whole, first[:20] + second)])
     forward.cache.copy_prefix(donor, reuser, 20)
     torch.testing.assert_close(
-        forward.prefill([Chunk(reuser, second)]), expected, atol=1e-5, rtol=0
+        forward.prefill([PromptChunk(reuser, second)]), expected, atol=1e-5, rtol=0
     )
     assert forward.cache.lengths[reuser] == 28
 
@@ -162,7 +162,7 @@ def test_other_families_match_hf(kind, overrides):
     forward = SlotForward.create(loaded, CONFIG)
     rows = prompts([20, 6], seed=5)
     slots = [forward.cache.allocate() for _ in rows]
-    first = forward.prefill([Chunk(s, p) for s, p in zip(slots, rows)]).argmax(-1)
+    first = forward.prefill([PromptChunk(s, p) for s, p in zip(slots, rows)]).argmax(-1)
     generated, step_logits = greedy_run(forward, slots, 4, first)
     for row, ids in enumerate(rows):
         reference = hf_logits(loaded.model, ids + generated[row])
@@ -187,11 +187,11 @@ def test_one_stream_decodes_as_hf_and_as_a_batch_row(kind, overrides, tiny):
     forward = SlotForward.create(loaded, CONFIG)
     ids = prompts([20], seed=6)[0]
     alone, partner = forward.cache.allocate(), forward.cache.allocate()
-    first = forward.prefill([Chunk(alone, ids)]).argmax(-1)
+    first = forward.prefill([PromptChunk(alone, ids)]).argmax(-1)
     generated, alone_logits = greedy_run(forward, [alone], 12, first)
     reference = hf_logits(loaded.model, ids + generated[0])
     forward.cache.truncate(alone, len(ids))  # the same steps again, now as row 0 of two
-    forward.prefill([Chunk(partner, prompts([9], seed=7)[0])])
+    forward.prefill([PromptChunk(partner, prompts([9], seed=7)[0])])
     for step, logits in enumerate(alone_logits):
         expected = reference[len(ids) + step]
         torch.testing.assert_close(logits[0], expected, atol=FP32_ATOL, rtol=0)
@@ -210,11 +210,11 @@ def test_bad_calls_are_refused(tiny):
     forward = SlotForward.create(tiny, CONFIG)
     slot = forward.cache.allocate()
     with pytest.raises(ValueError, match="empty"):
-        forward.prefill([Chunk(slot, [])])
+        forward.prefill([PromptChunk(slot, [])])
     with pytest.raises(ValueError, match="twice"):
         forward.decode([slot, slot], [1, 2])
     with pytest.raises(ValueError, match="context of 128"):
-        forward.prefill([Chunk(slot, [1] * 129)])
+        forward.prefill([PromptChunk(slot, [1] * 129)])
     assert forward.cache.lengths[slot] == 0
 
 
@@ -229,7 +229,7 @@ def test_compiled_decode_matches_eager(tiny, caplog):
     outputs = []
     for forward in (eager, compiled):
         slots = [forward.cache.allocate() for _ in rows]
-        first = forward.prefill([Chunk(s, p) for s, p in zip(slots, rows)]).argmax(-1)
+        first = forward.prefill([PromptChunk(s, p) for s, p in zip(slots, rows)]).argmax(-1)
         outputs.append(greedy_run(forward, slots, 5, first))
     assert outputs[0][0] == outputs[1][0]
     for expected, logits in zip(outputs[0][1], outputs[1][1]):
@@ -278,7 +278,7 @@ def test_default_model_in_bf16_matches_hf(default_model_dir):
     references = [hf_greedy_steps(loaded.model, ids, 8) for ids in prompts_ids]
     forward = SlotForward.create(loaded, ForwardConfig(CONFIG.budget, 512, 4, compile=False))
     slots = [forward.cache.allocate() for _ in prompts_ids]
-    logits = forward.prefill([Chunk(s, ids) for s, ids in zip(slots, prompts_ids)])
+    logits = forward.prefill([PromptChunk(s, ids) for s, ids in zip(slots, prompts_ids)])
     ours = [logits]
     for step in range(8):
         # feed Hugging Face's greedy tokens so both sides see the same sequence

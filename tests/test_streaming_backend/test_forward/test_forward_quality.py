@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from streaming_backend.forward.quality import Quality, compare, reference_texts
-from streaming_backend.forward.runner import Chunk, ForwardConfig, SlotForward
+from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
 from streaming_backend.forward.slots import CacheBudget
 from streaming_backend.loading import load_model
 
@@ -51,7 +51,7 @@ def test_reference_texts_are_greedy_and_stop_at_eos(tiny):
     text = reference_texts(forward, [[5, 6, 7]], 4, frozenset())[0]
     assert len(text) == 7
     slot = forward.cache.allocate()
-    logits = forward.score(Chunk(slot, text))  # [7, V]: the token after each position
+    logits = forward.score(PromptChunk(slot, text))  # [7, V]: the token after each position
     assert text[3:] == logits[2:6].argmax(-1).tolist()
     stopped = reference_texts(forward, [[5, 6, 7]], 4, frozenset({text[3]}))[0]
     assert stopped == text[:4]

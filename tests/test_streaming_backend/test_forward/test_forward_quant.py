@@ -8,7 +8,7 @@ import torch
 
 from streaming_backend.forward import quant
 from streaming_backend.forward.llama import CompactLlama
-from streaming_backend.forward.runner import Chunk, ForwardConfig, SlotForward
+from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
 from streaming_backend.forward.slots import CacheBudget
 from streaming_backend.loading import load_model
 
@@ -89,7 +89,7 @@ def test_quantized_forward_follows_the_plain_one(tiny_model_dir, kind):
     results = []
     for forward in (plain, quantized):
         one, other = forward.cache.allocate(), forward.cache.allocate()
-        forward.prefill([Chunk(one, ids), Chunk(other, ids)])
+        forward.prefill([PromptChunk(one, ids), PromptChunk(other, ids)])
         lone = forward.decode([one], [7])  # decode_one
         # the batched step: `other` holds the same prompt, so its row is the lone step's
         batched = forward.decode([other, one], [7, 8])[0]
@@ -107,7 +107,7 @@ def test_score_gives_every_tokens_logits(tiny_model_dir):
     forward = SlotForward.create(loaded, CONFIG)
     model: CompactLlama = forward.model
     slot = forward.cache.allocate()
-    rows = forward._prefill_rows([Chunk(slot, list(range(5, 15)))], [0])
+    rows = forward._prefill_rows([PromptChunk(slot, list(range(5, 15)))], [0])
     every = model.score(forward.cache.k, forward.cache.v, rows, 16)
     last = model(forward.cache.k, forward.cache.v, rows, 16)
     assert every.shape == (1, 10, loaded.model.config.vocab_size)
