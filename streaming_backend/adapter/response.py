@@ -27,6 +27,7 @@ from streaming_backend.wire import (
     RETURN_TIMING,
     TEXT_OUTPUT,
     TIMING,
+    TOP_LOGPROBS,  # the sampling key names the entries' alternatives too
     ServerTiming,
 )
 
@@ -101,4 +102,4 @@ class ResponseBuilder:
 def _detail(detail: LogprobDetail) -> dict:
     """A LOGPROBS entry's token text and, when asked, its top_logprobs alternatives."""
     top = [{"token_id": t.token_id, "token": t.token, "logprob": t.logprob} for t in detail.top]
-    return {"token": detail.chosen.token} | ({"top_logprobs": top} if top else {})
+    return {"token": detail.chosen.token} | ({TOP_LOGPROBS: top} if top else {})
