@@ -151,3 +151,15 @@ def test_settings_take_one_grammar_and_bounded_top_logprobs():
         == SamplingSettings.parse({"guided_json": {"type": "object"}}).guided_json
     )
     assert parsed.constrained and not SamplingSettings().constrained
+
+
+def test_properties_come_in_the_schemas_order(engine, tiny_loaded):
+    """The schema's key order is the answer's (settings keep it; nothing sorts the keys)."""
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"enum": [1, 2]}, "alpha": {"enum": ["x", "y"]}},
+        "required": ["zeta", "alpha"],
+        "additionalProperties": False,
+    }
+    text = engine.submit(_prompt(tiny_loaded), _sampled(guided_json=schema)).text()
+    assert list(json.loads(text)) == ["zeta", "alpha"]
