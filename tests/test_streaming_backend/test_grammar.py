@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 
@@ -10,7 +11,7 @@ import torch
 from conftest import wait_for
 
 from streaming_backend.engine import Engine, EngineConfig
-from streaming_backend.errors import InvalidRequest
+from streaming_backend.errors import InvalidRequest, Overloaded
 from streaming_backend.events import FinishReason
 from streaming_backend.grammar import GrammarMatcher, apply_grammar_masks
 from streaming_backend.prompts import encode_prompt
@@ -163,3 +164,15 @@ def test_properties_come_in_the_schemas_order(engine, tiny_loaded):
     }
     text = engine.submit(_prompt(tiny_loaded), _sampled(guided_json=schema)).text()
     assert list(json.loads(text)) == ["zeta", "alpha"]
+
+
+def test_a_refused_constrained_request_keeps_no_matcher(tiny_loaded):
+    """A request refused at submit (queue full) leaves no live matcher behind."""
+    before = GrammarMatcher.live
+    config = EngineConfig(max_streams=1, queue_limit=0)  # every submit is refused
+    with Engine(tiny_loaded, config) as engine:
+        with pytest.raises(Overloaded) as refused:
+            engine.submit(_prompt(tiny_loaded), _sampled(guided_choice=["a"]))
+        del refused  # its traceback holds the refused stream
+        gc.collect()
+    assert GrammarMatcher.live == before
