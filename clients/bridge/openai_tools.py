@@ -75,7 +75,7 @@ class Tools:
         opening, closing = json.dumps(CALL_OPEN), json.dumps(CALL_CLOSE)
         return f"{start}\ncall: {opening} body {closing}\nbody: %json {json.dumps(schema)}"
 
-    def openai(self) -> list[dict[str, Any]]:
+    def openai(self) -> list[dict[str, Any]] | None:
         """The tools as OpenAI writes them: the model's `tools` input (None with "none")."""
         if self.choice == NONE:
             return None
@@ -193,7 +193,8 @@ def parse_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             message = f"{where}[{i}] must be {{id, type, function: {{name, arguments}}}}"
             raise invalid(message, f"{where}[{i}]")
         arguments = function.get("arguments", "")
-        checked.append({"id": call.get("id"), "function": {**function, "arguments": arguments}})
+        function = {**function, "arguments": arguments}
+        checked.append({"id": call.get("id"), "type": "function", "function": function})
     return checked
 
 
