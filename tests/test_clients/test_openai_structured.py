@@ -12,7 +12,7 @@ import openai
 import pydantic
 import pytest
 import torch
-from bridge_support import bridge_to
+from bridge_support import bridge_to, tokens_generated, wait_idle_engine
 from conftest import chat_prompts, start_server
 
 from streaming_backend.prompts import encode_prompt
@@ -256,3 +256,39 @@ async def test_bad_structured_requests_are_400_and_the_server_keeps_serving(defa
     assert all(e.status_code == 400 and e.type == "invalid_request_error" for e in errors)
     assert "does not compile" in errors[0].message
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_cancelling_a_constrained_stream_frees_its_slot(default_server):
+    """A client that leaves a constrained stream cancels it: the engine goes idle at once and
+    generated far fewer than max_tokens."""
+    before = tokens_generated(default_server)
+    async with bridge_to(default_server) as bridge, client_of(bridge) as client:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=400, stream=True,
+            extra_body={"guided_regex": "[a-z ]{400}"},
+        )  # fmt: skip
+        got = [await anext(stream) for _ in range(4)]
+        await stream.close()
+        await wait_idle_engine(default_server, timeout=20)
+        made = tokens_generated(default_server) - before
+        after = await client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=5, extra_body={"guided_choice": ["yes", "no"]}
+        )
+    assert got[-1].choices[0].delta.content
+    assert made < 200, made
+    assert after.choices[0].message.content in ("yes", "no")
+
+
+async def test_completions_logprobs(default_server):
+    """/v1/completions with logprobs k: tokens, their logprobs, k alternatives and offsets."""
+    async with bridge_to(default_server) as bridge, client_of(bridge) as client:
+        completion = await client.completions.create(
+            model=MODEL, prompt="The capital of France is", max_tokens=5, logprobs=2,
+            temperature=0,
+        )  # fmt: skip
+    choice = completion.choices[0]
+    logprobs = choice.logprobs
+    assert "".join(logprobs.tokens) == choice.text
+    assert len(logprobs.token_logprobs) == completion.usage.completion_tokens
+    assert all(len(top) <= 2 and top for top in logprobs.top_logprobs)
+    assert logprobs.text_offset[0] == 0
