@@ -53,14 +53,17 @@ def test_every_kind_of_grammar_shapes_the_output(engine, tiny_loaded):
     for name, handle in handles.items():
         events = list(handle)
         text = "".join(e.text for e in events)
-        assert events[-1].finish_reason is FinishReason.STOP, (name, text)
         check = cases[name][1]
+        if name == "object":  # unbounded: a random model may still be inside it at max_tokens
+            assert text.startswith("{"), text
+            if events[-1].finish_reason is FinishReason.STOP:
+                assert isinstance(json.loads(text), dict), text
+            continue
+        assert events[-1].finish_reason is FinishReason.STOP, (name, text)
         if name == "regex":
             assert re.fullmatch(r"(yes|no), [0-9]{2}", text), text
         elif name == "lark":
             assert re.fullmatch(r"x[yz]{2}", text), text
-        elif name == "object":
-            assert isinstance(json.loads(text), dict), text
         else:
             assert check(text), (name, text)
 
