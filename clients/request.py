@@ -22,6 +22,7 @@ from streaming_backend.wire import (
     SAMPLING_PARAMETERS,
     STREAM,
     TEXT_INPUT,
+    TOOLS,
 )
 
 
@@ -32,6 +33,7 @@ class GenerateRequest:
     prompt: str | None = None
     messages: Sequence[Mapping[str, str]] | None = None
     input_ids: Sequence[int] | None = None
+    tools: Sequence[Mapping[str, Any]] | None = None  # OpenAI's function tools (with messages)
     sampling: Mapping[str, Any] = field(default_factory=dict)
     stream: bool = True
     exclude_input_in_output: bool = True
@@ -51,6 +53,8 @@ class GenerateRequest:
             object.__setattr__(self, "messages", tuple(dict(m) for m in self.messages))
         if self.input_ids is not None:
             object.__setattr__(self, "input_ids", tuple(int(t) for t in self.input_ids))
+        if self.tools is not None:
+            object.__setattr__(self, "tools", tuple(dict(t) for t in self.tools))
         object.__setattr__(self, "sampling", dict(self.sampling))
 
 
@@ -61,6 +65,8 @@ def request_inputs(request: GenerateRequest) -> dict[str, str | bool | tuple[int
         inputs[TEXT_INPUT] = request.prompt
     elif request.messages is not None:
         inputs[MESSAGES] = json.dumps(list(request.messages), ensure_ascii=False)
+        if request.tools:
+            inputs[TOOLS] = json.dumps(list(request.tools), ensure_ascii=False)
     else:
         inputs[INPUT_IDS] = tuple(request.input_ids)
     if request.sampling:

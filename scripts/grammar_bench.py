@@ -83,6 +83,7 @@ def main() -> None:
     engine_module.apply_grammar_masks = timer
     config = EngineConfig(max_streams=args.streams, queue_limit=args.streams)
     rates: dict[str, list[float]] = {"free": [], "json": []}
+    counts: dict[str, list[int]] = {"free": [], "json": []}
     with Engine(loaded, config) as engine:
         run(engine, prompts[:2], constrained)  # warm up: the grammar compiles, caches fill
         timer.seconds = timer.calls = timer.rows = 0
@@ -90,6 +91,7 @@ def main() -> None:
             for name, settings in (("free", free), ("json", constrained)):
                 tokens, seconds = run(engine, prompts, settings)
                 rates[name].append(tokens / seconds)
+                counts[name].append(tokens)
     free_rate, json_rate = (statistics.median(rates[k]) for k in ("free", "json"))
     result = {
         "streams": args.streams,
@@ -100,6 +102,7 @@ def main() -> None:
         "mask_ms_per_step": round(1e3 * timer.seconds / max(timer.calls, 1), 3),
         "mask_us_per_token": round(1e6 * timer.seconds / max(timer.rows, 1), 1),
         "rounds": {k: [round(r, 1) for r in v] for k, v in rates.items()},
+        "tokens": counts,  # per run: both should be streams * tokens (no stream ended early)
     }
     print(json.dumps(result, indent=2))
 

@@ -190,15 +190,6 @@ class Engine:
             matcher=StopStringMatcher(settings.stop),
             grammar=grammar,
         )
-        try:
-            self._enqueue(stream)
-        except StreamingError:
-            self._release(stream)  # grammar: a refused request keeps no matcher
-            raise
-        return handle
-
-    def _enqueue(self, stream: _Stream) -> None:
-        """Add a stream to the waiting queue; EngineStopped or Overloaded when it cannot wait."""
         with self._cond:
             if self._stopping or not self._thread.is_alive():
                 raise EngineStopped("the engine is not running")
@@ -211,6 +202,7 @@ class Engine:
                 )
             self._waiting.append(stream)
             self._cond.notify()
+        return handle
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """End every stream with a CANCELLED (shutdown) event and stop the thread."""

@@ -97,6 +97,9 @@ class GrammarMatcher:
             with GrammarMatcher._count_lock:
                 GrammarMatcher.live -= 1
 
+    def __del__(self) -> None:  # a request refused at submit (queue full) is never released
+        self.release()
+
 
 class GrammarCompiler:
     """Compiles requests' grammars against one model's tokenizer; caches them by grammar text."""

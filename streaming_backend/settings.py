@@ -199,7 +199,8 @@ def _text(key: str, value: Any) -> str:
 
 
 def _json_schema(key: str, value: Any) -> str:
-    """A JSON schema (an object, or its JSON text) -> canonical JSON text (one cache key)."""
+    """A JSON schema (an object, or its JSON text) -> compact JSON text (one cache key); the
+    order of keys stays: it is the order in which the answer writes an object's properties."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -207,7 +208,7 @@ def _json_schema(key: str, value: Any) -> str:
             raise InvalidRequest(f"sampling_parameters.{key} is not valid JSON: {exc}") from None
     if not isinstance(value, (dict, bool)):
         raise InvalidRequest(f"sampling_parameters.{key} must be a JSON schema (an object)")
-    return _text(key, json.dumps(value, sort_keys=True, ensure_ascii=False))
+    return _text(key, json.dumps(value, ensure_ascii=False, separators=(",", ":")))
 
 
 def _choice(key: str, value: Any) -> tuple[str, ...]:

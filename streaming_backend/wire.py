@@ -25,6 +25,7 @@ SAMPLING_PARAMETERS = "sampling_parameters"  # STRING [1]: a JSON object of SAMP
 EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"  # BOOL [1]
 MESSAGES = "messages"  # STRING [1]: chat messages as JSON (ours)
 INPUT_IDS = "input_ids"  # INT64 [-1]: prompt token ids (ours)
+TOOLS = "tools"  # STRING [1]: functions the model may call, OpenAI's tools as JSON (ours; messages)
 RETURN_FINISH_REASON = "return_finish_reason"
 RETURN_NUM_INPUT_TOKENS = "return_num_input_tokens"
 RETURN_NUM_OUTPUT_TOKENS = "return_num_output_tokens"
@@ -42,7 +43,7 @@ RETURN_FLAGS = (
     RETURN_TIMING,
 )
 BOOL_INPUTS = (STREAM, EXCLUDE_INPUT_IN_OUTPUT, *RETURN_FLAGS)
-STRING_INPUTS = (TEXT_INPUT, SAMPLING_PARAMETERS, MESSAGES)
+STRING_INPUTS = (TEXT_INPUT, SAMPLING_PARAMETERS, MESSAGES, TOOLS)
 PROMPT_INPUTS = (TEXT_INPUT, MESSAGES, INPUT_IDS)  # exactly one of these per request
 INPUT_NAMES = (*STRING_INPUTS, INPUT_IDS, *BOOL_INPUTS)
 
@@ -118,6 +119,9 @@ SAMPLING_KEYS = (
 
 # ---- chat messages ------------------------------------------------------------------------------
 ROLES = ("system", "user", "assistant", "tool")
+# A tool call in the generic format (streaming_backend/tool_prompt.py), one per line:
+# <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 
 class FinishReason(str, Enum):

@@ -21,7 +21,14 @@ TRANSPORTS = ("tritonclient", "websockets", "grpc", "triton_python_backend_utils
 HEAVY = ("torch", "transformers", "numpy", "clients", "tritonclient", "websockets", "grpc")
 # Names the chat model's tensors share with other protocols' JSON (OpenAI, the bridge's
 # websocket frames): a literal of these is not necessarily a tensor name.
-SHARED_WORDS = {wire.STREAM, wire.MESSAGES, wire.FINISH_REASON, wire.LOGPROBS, wire.TIMING}
+SHARED_WORDS = {
+    wire.STREAM,
+    wire.MESSAGES,
+    wire.TOOLS,
+    wire.FINISH_REASON,
+    wire.LOGPROBS,
+    wire.TIMING,
+}
 
 
 def product_files() -> list[Path]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from clients.bridge.openai_errors import ApiError, invalid
-from clients.bridge.openai_tools import Tools, parse_tool_calls, parse_tools, render_messages
+from clients.bridge.openai_tools import Tools, parse_tool_calls, parse_tools
 from clients.request import GenerateRequest
 from streaming_backend.wire import (
     GUIDED_GRAMMAR,
@@ -101,7 +101,7 @@ def parse_chat(body: Any, served_model: str) -> ApiRequest:
     body = _object(body)
     _check_keys(body, CHAT_KEYS, CHAT_ONLY_DEFAULTS)
     tools = parse_tools(body)
-    messages = render_messages(_messages(body.get("messages")), tools)
+    messages = _messages(body.get("messages"))
     top = _chat_logprobs(body)
     guided = _response_format(body.get("response_format"))
     param = "response_format" if guided else None
@@ -112,7 +112,10 @@ def parse_chat(body: Any, served_model: str) -> ApiRequest:
             raise invalid(message, "response_format")
         guided, param = {GUIDED_GRAMMAR: grammar}, "tool_choice"
     extra = {"tools": tools, "grammar_param": param}
-    return _api_request(CHAT, body, served_model, top, guided, extra, messages=messages)
+    given = tools.openai() if tools is not None else None
+    return _api_request(
+        CHAT, body, served_model, top, guided, extra, messages=messages, tools=given
+    )
 
 
 def parse_completion(body: Any, served_model: str) -> ApiRequest:
@@ -298,6 +301,8 @@ def _message(message: Any, where: str) -> dict[str, Any]:
     parsed = {"role": role, "content": _content(content, f"{where}.content")}
     if calls:
         parsed["tool_calls"] = parse_tool_calls(calls, f"{where}.tool_calls")
+    if role == "tool" and isinstance(message.get("tool_call_id"), str):
+        parsed["tool_call_id"] = message["tool_call_id"]
     return parsed
 
 

@@ -1,15 +1,16 @@
-"""Tool calls on /v1/chat/completions, in a generic format any chat model can follow.
+"""Tool calls on /v1/chat/completions: tools and tool_choice checked, forced calls turned into
+a grammar, and the answer's calls parsed back.
 
-No I/O here. The tools are described in the system message; the model calls one by answering
+No I/O here. The model gets the tools and the history's calls as they are (the `tools` input,
+messages with `tool_calls`); it renders them with its chat template when that takes tools, else
+in the generic format of streaming_backend/tool_prompt.py, where a call is one line
 
     <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
 
-(one such line per call). Earlier calls in the history are written back in the same form, and
-role "tool" messages carry their results. `tool_choice` "required" or a named function is
-enforced with a grammar (guided_grammar), so the answer is nothing but well-formed calls whose
-arguments validate against the function's JSON schema; "auto" lets the model choose, and
-"none" leaves the tools out of the prompt. The answer's text is parsed back into OpenAI
-`tool_calls` (`ToolCallParser`), incrementally when streaming.
+`tool_choice` "required" or a named function is enforced with a grammar (guided_grammar), so the
+answer is nothing but such calls, whose arguments validate against the function's JSON schema;
+"auto" lets the model choose, and "none" leaves the tools out of the prompt. The answer's text is
+parsed back into OpenAI `tool_calls` (`ToolCallParser`), incrementally when streaming.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clients.bridge.openai_errors import invalid
+from streaming_backend.wire import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+CALL_OPEN, CALL_CLOSE = TOOL_CALL_OPEN, TOOL_CALL_CLOSE
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 MAX_TOOLS = 128
 MAX_PARALLEL_CALLS = 4  # calls one answer may hold when tool_choice is "required"
@@ -73,24 +75,15 @@ class Tools:
         opening, closing = json.dumps(CALL_OPEN), json.dumps(CALL_CLOSE)
         return f"{start}\ncall: {opening} body {closing}\nbody: %json {json.dumps(schema)}"
 
-    def instructions(self) -> str:
-        """The system message's description of the tools and of how to call them."""
-        lines = [
-            "You can call the following functions. Each is described as a JSON object:",
-            *(json.dumps(_description(t), ensure_ascii=False) for t in self.tools),
-            "To call a function, answer with nothing but one line per call, each exactly:",
-            f'{CALL_OPEN}{{"name": "<function name>", "arguments": {{<JSON arguments>}}}}'
-            f"{CALL_CLOSE}",
-            "Results come back in messages from the tool role. "
-            "When no function is needed, answer in plain text.",
-        ]
-        if not self.parallel:
-            lines.append("Call at most one function per answer.")
-        return "\n".join(lines)
+    def openai(self) -> list[dict[str, Any]] | None:
+        """The tools as OpenAI writes them: the model's `tools` input (None with "none")."""
+        if self.choice == NONE:
+            return None
+        return [{"type": "function", "function": _description(t)} for t in self.tools]
 
 
 def _description(tool: Tool) -> dict[str, Any]:
-    described = {"name": tool.name, "parameters": tool.parameters}
+    described = {"name": tool.name, "parameters": dict(tool.parameters)}
     return described | ({"description": tool.description} if tool.description else {})
 
 
@@ -188,35 +181,6 @@ def _choice(choice: Any, names: Sequence[str]) -> str:
     return name
 
 
-def render_messages(messages: list[dict[str, Any]], tools: Tools | None) -> list[dict[str, str]]:
-    """Messages with tool calls and tool descriptions written out as text ({role, content})."""
-    plain = [{"role": m["role"], "content": _text_of(m)} for m in messages]
-    if tools is None or tools.choice == NONE:
-        return plain
-    if plain[0]["role"] == "system":
-        plain[0] = {"role": "system", "content": f"{plain[0]['content']}\n\n{tools.instructions()}"}
-        return plain
-    return [{"role": "system", "content": tools.instructions()}, *plain]
-
-
-def _text_of(message: dict[str, Any]) -> str:
-    """A message's content, with an assistant's earlier tool calls in the call format."""
-    calls = message.get("tool_calls") or []
-    lines = [message["content"]] if message["content"] else []
-    lines += [format_call(c["function"]["name"], c["function"]["arguments"]) for c in calls]
-    return "\n".join(lines)
-
-
-def format_call(name: str, arguments: str) -> str:
-    """One call as the model writes it; arguments is the JSON text OpenAI's messages carry."""
-    try:
-        parsed = json.loads(arguments)
-    except ValueError:
-        parsed = arguments  # written back as given: the model made it so
-    call = {"name": name, "arguments": parsed}
-    return f"{CALL_OPEN}{json.dumps(call, ensure_ascii=False)}{CALL_CLOSE}"
-
-
 def parse_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     """An assistant message's tool_calls, checked: [{id, type, function: {name, arguments}}]."""
     if not isinstance(calls, list):
@@ -229,7 +193,8 @@ def parse_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             message = f"{where}[{i}] must be {{id, type, function: {{name, arguments}}}}"
             raise invalid(message, f"{where}[{i}]")
         arguments = function.get("arguments", "")
-        checked.append({"id": call.get("id"), "function": {**function, "arguments": arguments}})
+        function = {**function, "arguments": arguments}
+        checked.append({"id": call.get("id"), "type": "function", "function": function})
     return checked
 
 

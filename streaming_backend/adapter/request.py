@@ -23,6 +23,7 @@ from streaming_backend.wire import (
     SAMPLING_PARAMETERS,
     STREAM,
     TEXT_INPUT,
+    TOOLS,
 )
 
 
@@ -33,6 +34,7 @@ class ModelRequest:
     text: str | None = None
     messages: str | None = None
     input_ids: tuple[int, ...] | None = None
+    tools: str | None = None  # JSON: the functions the model may call (with messages)
     settings: SamplingSettings = field(default_factory=SamplingSettings)
     stream: bool = False  # as the vLLM backend: one response unless asked to stream
     exclude_input: bool = False
@@ -57,6 +59,7 @@ def parse_request(inputs: Mapping[str, np.ndarray], parameters: str | None = Non
     return ModelRequest(
         text=_string(TEXT_INPUT, inputs.get(TEXT_INPUT)),
         messages=_string(MESSAGES, inputs.get(MESSAGES)),
+        tools=_string(TOOLS, inputs.get(TOOLS)),
         input_ids=tuple(int(i) for i in ids.reshape(-1)) if ids is not None else None,
         settings=settings,
         stream=bool(stream) if not isinstance(stream, str) else stream.lower() == "true",

@@ -27,7 +27,7 @@ from streaming_backend.wire import (
     RETURN_TIMING,
     TEXT_OUTPUT,
     TIMING,
-    TOP_LOGPROBS,
+    TOP_LOGPROBS,  # the sampling key names the entries' alternatives too
     ServerTiming,
 )
 

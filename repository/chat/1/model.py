@@ -87,6 +87,7 @@ class TritonPythonModel:
                 text=parsed.text,
                 messages=parsed.messages,
                 input_ids=parsed.input_ids,
+                tools=parsed.tools,
             )
             prompt_text = _prompt_text(parsed, prompt_ids, self.tokenizer)
             builder = ResponseBuilder(parsed, received_ns, prompt_text=prompt_text)

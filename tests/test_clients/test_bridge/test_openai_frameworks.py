@@ -3,12 +3,12 @@ bind_tools, against a real bridge and tritonserver serving the default model."""
 
 from __future__ import annotations
 
+import langchain_openai  # the test extra installs it
 import pydantic
 import pytest
 from bridge_support import bridge_to
 
 pytestmark = pytest.mark.server
-langchain_openai = pytest.importorskip("langchain_openai")  # the test extra installs it
 
 
 class City(pydantic.BaseModel):

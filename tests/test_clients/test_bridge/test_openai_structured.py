@@ -12,7 +12,7 @@ import openai
 import pydantic
 import pytest
 import torch
-from bridge_support import bridge_to
+from bridge_support import bridge_to, tokens_generated, wait_idle_engine
 from conftest import chat_prompts
 
 from streaming_backend.prompts import encode_prompt
@@ -118,7 +118,7 @@ async def test_required_and_named_tool_calls_validate_and_stream(default_server)
     """tool_choice required / named: arguments always validate; streamed deltas reassemble to
     the whole answer's call; finish_reason is tool_calls."""
     async with bridge_to(default_server) as bridge, client_of(bridge) as client:
-        common = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=120, seed=1)
+        common = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=400, seed=1)
         required = await client.chat.completions.create(tool_choice="required", **common)
         named = {"type": "function", "function": {"name": "get_time"}}
         forced = await client.chat.completions.create(tool_choice=named, **common)
@@ -155,7 +155,8 @@ async def test_a_tool_result_yields_text(default_server):
             tools=[WEATHER],
             tool_choice="required",
             parallel_tool_calls=False,  # exactly one call
-            max_tokens=80,
+            max_tokens=300,  # never cut: a city of 30 odd characters can take 90 tokens
+            temperature=0,
         )
         message = first.choices[0].message
         (call,) = message.tool_calls
@@ -246,3 +247,39 @@ async def test_bad_structured_requests_are_400_and_the_server_keeps_serving(defa
     assert all(e.status_code == 400 and e.type == "invalid_request_error" for e in errors)
     assert "does not compile" in errors[0].message
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_cancelling_a_constrained_stream_frees_its_slot(default_server):
+    """A client that leaves a constrained stream cancels it: the engine goes idle at once and
+    generated far fewer than max_tokens."""
+    before = tokens_generated(default_server)
+    async with bridge_to(default_server) as bridge, client_of(bridge) as client:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=400, stream=True,
+            extra_body={"guided_regex": "[a-z ]{400}"},
+        )  # fmt: skip
+        got = [await anext(stream) for _ in range(4)]
+        await stream.close()
+        await wait_idle_engine(default_server, timeout=20)
+        made = tokens_generated(default_server) - before
+        after = await client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=5, extra_body={"guided_choice": ["yes", "no"]}
+        )
+    assert got[-1].choices[0].delta.content
+    assert made < 200, made
+    assert after.choices[0].message.content in ("yes", "no")
+
+
+async def test_completions_logprobs(default_server):
+    """/v1/completions with logprobs k: tokens, their logprobs, k alternatives and offsets."""
+    async with bridge_to(default_server) as bridge, client_of(bridge) as client:
+        completion = await client.completions.create(
+            model=MODEL, prompt="The capital of France is", max_tokens=5, logprobs=2,
+            temperature=0,
+        )  # fmt: skip
+    choice = completion.choices[0]
+    logprobs = choice.logprobs
+    assert "".join(logprobs.tokens) == choice.text
+    assert len(logprobs.token_logprobs) == completion.usage.completion_tokens
+    assert all(len(top) <= 2 and top for top in logprobs.top_logprobs)
+    assert logprobs.text_offset[0] == 0

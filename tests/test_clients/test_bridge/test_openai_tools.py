@@ -35,7 +35,16 @@ CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit"
 
 def chunk(text, final=False, logprobs=None):
     reason = "stop" if final else None
-    return Chunk(text, 1, 5, None, reason, None, final, "r", 0, logprobs)
+    return Chunk(
+        text=text,
+        num_output_tokens=1,
+        num_input_tokens=5,
+        finish_reason=reason,
+        final=final,
+        request_id="r",
+        received_ns=0,
+        logprobs=logprobs,
+    )
 
 
 def test_calls_split_anywhere_are_parsed_and_text_is_kept():
@@ -76,8 +85,9 @@ def test_forced_choice_grammars_compile_and_admit_only_valid_calls(default_model
         assert not all(wrong.consume_token(t) for t in bad)
 
 
-def test_history_with_calls_and_results_is_rendered():
-    """An assistant's tool_calls come back in the call format; tools go in the system message."""
+def test_history_and_tools_reach_the_model_as_they_are():
+    """Calls and results stay structured (the model renders them); tools go as OpenAI's list,
+    and not at all with tool_choice "none"."""
     body = {
         "model": "chat",
         "tools": [WEATHER],
@@ -97,13 +107,12 @@ def test_history_with_calls_and_results_is_rendered():
             {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"},
         ],
     }
-    messages = parse_chat(body, "chat").request.messages
-    assert messages[0]["role"] == "system" and "get_weather" in messages[0]["content"]
-    assert messages[2] == {
-        "role": "assistant",
-        "content": '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
-    }
-    assert messages[3] == {"role": "tool", "content": "Sunny"}
+    request = parse_chat(body, "chat").request
+    assert request.messages[1]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert request.messages[1]["content"] == ""
+    assert request.messages[2] == {"role": "tool", "content": "Sunny", "tool_call_id": "call_1"}
+    assert [t["function"]["name"] for t in request.tools] == ["get_weather"]
+    assert parse_chat({**body, "tool_choice": "none"}, "chat").request.tools is None
     with pytest.raises(ApiError):
         parse_chat({**body, "tool_choice": {"type": "function", "function": {"name": "x"}}}, "chat")
 
