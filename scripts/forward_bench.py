@@ -9,8 +9,8 @@ its own argmax; only the decode steps are timed. The Hugging Face step is the en
 (DynamicCache, attention mask grown by one column, position ids). Systems are interleaved over
 --rounds rounds and the median round is reported, since the machine is shared and noisy.
 Systems: hf, eager, compiled (the compact forward with torch.compile), graphs (with CUDA graphs,
-a GPU only), int8 and int4 (eager, quantized weights, the CPU only); ratios and greedy agreement
-are against the first system named.
+a GPU only), int8 and int4 (eager, quantized weights, the CPU only) and int4-compiled; ratios
+and greedy agreement are against the first system named.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ COMPACT = {
     "graphs": {"cuda_graphs": True},  # CUDA graphs per batch bucket (a GPU only)
     "int8": {"quantize": "int8"},  # int8 weight-only weights (the CPU only)
     "int4": {"quantize": "int4"},
+    "int4-compiled": {"quantize": "int4", "compile": True},
 }
 SYSTEMS = ("hf", *COMPACT)
 
