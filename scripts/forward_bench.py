@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD .venv/bin/python scripts/forward_bench.py --batch 1,16 --steps 64
     PYTHONPATH=$PWD .venv/bin/python scripts/forward_bench.py --systems eager,int8,int4 --batch 1
+    PYTHONPATH=$PWD .venv/bin/python scripts/forward_bench.py --systems eager@float32,eager@bfloat16
 
 For each batch size every system prefills the same B prompts of --prompt-tokens tokens (the
 shared chat prompts, tokenised and cycled), then runs --steps greedy decode steps, feeding back
@@ -9,8 +10,9 @@ its own argmax; only the decode steps are timed. The Hugging Face step is the en
 (DynamicCache, attention mask grown by one column, position ids). Systems are interleaved over
 --rounds rounds and the median round is reported, since the machine is shared and noisy.
 Systems: hf, eager, compiled (the compact forward with torch.compile), graphs (with CUDA graphs,
-a GPU only), int8 and int4 (eager, quantized weights, the CPU only); ratios and greedy agreement
-are against the first system named.
+a GPU only), int8 and int4 (eager, quantized weights, the CPU only) and int4-compiled, each in
+--dtype or in its own (`eager@float32`); ratios and greedy agreement are against the first
+system named.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ COMPACT = {
     "graphs": {"cuda_graphs": True},  # CUDA graphs per batch bucket (a GPU only)
     "int8": {"quantize": "int8"},  # int8 weight-only weights (the CPU only)
     "int4": {"quantize": "int4"},
+    "int4-compiled": {"quantize": "int4", "compile": True},
 }
 SYSTEMS = ("hf", *COMPACT)
 
@@ -129,28 +132,40 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return statistics.mean(same)
 
 
+def split_system(spec: str, default_dtype: str) -> tuple[str, str]:
+    """'eager@float32' -> ('eager', 'float32'); 'eager' -> ('eager', default_dtype)."""
+    name, _, dtype = spec.partition("@")
+    return name, dtype or default_dtype
+
+
 def main(cfg: BenchConfig) -> dict:
     """Run every system at every batch size; print and return the figures."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
-    loaded = load_model(cfg.model, dtype=cfg.dtype)
+    specs = {spec: split_system(spec, cfg.dtype) for spec in cfg.systems}
+    models = {dtype: load_model(cfg.model, dtype=dtype) for _, dtype in specs.values()}
+    loaded_for = {spec: models[dtype] for spec, (_, dtype) in specs.items()}
+    loaded = next(iter(models.values()))  # the tokenizer and the name
     max_len = cfg.prompt_tokens + cfg.warmup_steps + cfg.steps + 1
     budget = CacheBudget(fraction=0.25)
     started = time.monotonic()
     slots = max(cfg.batches)
     forwards = {
-        name: SlotForward.create(loaded, ForwardConfig(budget, max_len, slots, **options))
-        for name, options in COMPACT.items()
-        if name in cfg.systems
+        spec: SlotForward.create(
+            loaded_for[spec], ForwardConfig(budget, max_len, slots, **COMPACT[name])
+        )
+        for spec, (name, _) in specs.items()
+        if name != "hf"
     }
     setup_s = time.monotonic() - started
+    compiled = [f.compile_seconds for f in forwards.values() if f.compile_seconds is not None]
     result = {
         "model": loaded.name,
-        "dtype": str(loaded.dtype),
+        "dtype": {spec: str(loaded_for[spec].dtype) for spec in specs},
         "device": str(loaded.device),
         "threads": torch.get_num_threads(),
-        "compile_seconds": forwards["compiled"].compile_seconds if "compiled" in forwards else None,
+        "compile_seconds": compiled,
         "setup_seconds": setup_s,
         "config": {k: str(v) for k, v in cfg.__dict__.items()},
         "batches": {},
@@ -161,8 +176,8 @@ def main(cfg: BenchConfig) -> dict:
         tokens = {}
         for _ in range(cfg.rounds):
             for name in cfg.systems:
-                if name == "hf":
-                    seconds, ids = run_hf(loaded, prompts, cfg.steps, cfg.warmup_steps)
+                if specs[name][0] == "hf":
+                    seconds, ids = run_hf(loaded_for[name], prompts, cfg.steps, cfg.warmup_steps)
                 else:
                     seconds, ids = run_slots(forwards[name], prompts, cfg.steps, cfg.warmup_steps)
                 rates[name].append(batch * cfg.steps / seconds)
@@ -191,7 +206,7 @@ def print_batch(batch: int, figures: dict) -> None:
     for name, rate in rates.items():
         spread = ", ".join(f"{r:.1f}" for r in rounds[name])
         print(
-            f"batch {batch:>3} {name:>9}: {rate:8.1f} tok/s (rounds: {spread}); "
+            f"batch {batch:>3} {name:>14}: {rate:8.1f} tok/s (rounds: {spread}); "
             f"{figures['vs_baseline'][name]:.2f}x {base}, greedy agreement with {base} "
             f"{figures['greedy_agreement_with_baseline'][name]:.2f}",
             flush=True,
@@ -208,7 +223,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument(
         "--systems",
         default="hf,eager,compiled",
-        help=f"comma-separated, from {', '.join(SYSTEMS)}; the first is the baseline",
+        help=f"comma-separated, from {', '.join(SYSTEMS)}, each optionally @dtype "
+        "(eager@float32); the first is the baseline",
     )
     parser.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -221,7 +237,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = parser.parse_args(argv)
     systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
-    unknown = sorted(set(systems) - set(SYSTEMS))
+    unknown = sorted({split_system(s, "")[0] for s in systems} - set(SYSTEMS))
     if unknown or not systems:
         parser.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
     return BenchConfig(

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streaming_backend.hardware import AUTO, host_dtype
+from streaming_backend.hardware import AUTO, DtypeChoice, host_dtype
 from streaming_backend.launcher.control import ControlError, control, load_model, model_ready
 from streaming_backend.launcher.repository import patch_parameters, read_parameters
 from streaming_backend.launcher.server import ServerConfig, ServerDied, TritonServer
@@ -77,6 +77,15 @@ class SupervisorConfig:
     drain_timeout_s: float = 30.0
 
 
+def _dtype_choice(setting: str) -> DtypeChoice:
+    """The precision the models load in on this host, by the rule they apply themselves; an
+    unknown setting is shown as such (the models refuse it at load, with the same message)."""
+    try:
+        return host_dtype(setting)
+    except ValueError as error:
+        return DtypeChoice(setting, "", str(error))
+
+
 class Supervisor:
     """Runs one tritonserver at a time, with explicit model control and a restricted repository
     API; the admin key is generated here unless the config names one."""
@@ -103,8 +112,7 @@ class Supervisor:
         self.heartbeat = time.monotonic()  # liveness: the supervising loop still turns
         self._restart_times: list[float] = []
         self._watch: Watch | None = None
-        # the precision the models load in on this host, by the rule they apply themselves
-        self.dtype = host_dtype(server.parameters().get("dtype", AUTO))
+        self.dtype = _dtype_choice(server.parameters().get("dtype", AUTO))
 
     @property
     def admin_key(self) -> str:

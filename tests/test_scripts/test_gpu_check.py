@@ -27,7 +27,8 @@ def run_check(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the check would run")
 def test_without_a_gpu_it_says_so_and_runs_nothing(tmp_path):
     """No CUDA GPU: exit 2, one line saying why, no results folder."""
-    done = run_check(tmp_path, PYTHON=sys.executable)
+    tokenstream = Path(sys.executable).with_name("tokenstream")  # this environment's own
+    done = run_check(tmp_path, PYTHON=sys.executable, TOKENSTREAM=str(tokenstream))
     assert done.returncode == 2, done.stdout + done.stderr
     assert "no CUDA GPU visible to torch" in done.stderr and "nothing run" in done.stderr
     assert not (tmp_path / "out").exists()

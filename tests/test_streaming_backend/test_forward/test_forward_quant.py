@@ -101,6 +101,27 @@ def test_quantized_forward_follows_the_plain_one(tiny_model_dir, kind):
     assert close > (0.999 if kind == "int8" else 0.95)
 
 
+def test_quantized_qwen2_keeps_its_biases():
+    """Qwen2's q/k/v biases are added after a quantized matmul: the lone step and the batched
+    step agree, and the logits follow the plain forward's."""
+    from test_forward_llama import tiny_config_model
+
+    loaded = tiny_config_model("qwen2")
+    assert loaded.model.model.layers[0].self_attn.q_proj.bias is not None
+    plain = SlotForward.create(loaded, CONFIG)
+    quantized = SlotForward.create(loaded, ForwardConfig(**{**CONFIG.__dict__, "quantize": "int8"}))
+    ids = torch.randint(0, 1000, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+    results = []
+    for forward in (plain, quantized):
+        one, two, three = (forward.cache.allocate() for _ in range(3))
+        forward.prefill([Chunk(one, ids), Chunk(two, ids), Chunk(three, ids)])
+        lone = forward.decode([one], [11])[0]
+        batched = forward.decode([two, three], [11, 11])[0]
+        torch.testing.assert_close(batched, lone, atol=1e-4, rtol=0)
+        results.append(lone)
+    assert torch.nn.functional.cosine_similarity(results[0], results[1], dim=0) > 0.999
+
+
 def test_score_gives_every_tokens_logits(tiny_model_dir):
     """score's row of logits at the last token equals forward's."""
     loaded = load_model(str(tiny_model_dir), dtype="float32", device="cpu")

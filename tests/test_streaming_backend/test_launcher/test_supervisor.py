@@ -62,6 +62,17 @@ def test_status_names_the_dtype_and_why(setting, dtype) -> None:
     }
 
 
+def test_status_shows_an_unknown_dtype_as_such() -> None:
+    """An unknown dtype does not stop the supervisor starting (the model refuses it at load):
+    /status names the setting and the error."""
+    from streaming_backend.launcher.server import ServerConfig
+    from streaming_backend.launcher.supervisor import Supervisor, SupervisorConfig
+
+    status = Supervisor(SupervisorConfig(ServerConfig(dtype="int3"))).status()
+    assert status["dtype"]["setting"] == "int3" and status["dtype"]["dtype"] == ""
+    assert "unknown dtype 'int3'" in status["dtype"]["reason"]
+
+
 class ScriptedServer:
     """What the drain reads of a running tritonserver."""
 
