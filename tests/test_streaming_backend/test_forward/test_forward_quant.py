@@ -114,7 +114,7 @@ def test_quantized_qwen2_keeps_its_biases():
     results = []
     for forward in (plain, quantized):
         one, two, three = (forward.cache.allocate() for _ in range(3))
-        forward.prefill([Chunk(one, ids), Chunk(two, ids), Chunk(three, ids)])
+        forward.prefill([PromptChunk(one, ids), PromptChunk(two, ids), PromptChunk(three, ids)])
         lone = forward.decode([one], [11])[0]
         batched = forward.decode([two, three], [11, 11])[0]
         torch.testing.assert_close(batched, lone, atol=1e-4, rtol=0)
