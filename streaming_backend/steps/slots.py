@@ -191,18 +191,21 @@ class SlotSteps:
         if self.forward.device.type == "cuda":
             torch.cuda.synchronize(self.forward.device)
 
-    def calibrate(self, tokens: int = 64) -> None:
-        """Time one prefill chunk and one decode step on a spare slot, so the first steps'
-        budget is already sized in time (the engine's own steps keep it current)."""
+    def calibrate(self, sizes: tuple[int, ...] = (32, 160)) -> None:
+        """Time prefill chunks of two sizes (their fixed and per-token costs) and one decode
+        step on a spare slot, so the first steps' budget is already sized in time (the
+        engine's own steps keep it current)."""
         if self.pacer.fixed is not None or not self.cache.free_slots:
             return
         slot = self.cache.allocate()
         try:
-            chunk = [PromptChunk(slot, [0] * min(tokens, self.cache.max_len - 1))]
-            self.forward.prefill(chunk)  # first call: allocations, kernel selection
-            self.cache.truncate(slot, 0)
-            _, seconds = timed(lambda: self.forward.prefill(chunk), self._sync)
-            self.pacer.observe_prefill(len(chunk[0].tokens), seconds)
+            # the first call pays allocations and kernel selection: it is not counted
+            for index, size in enumerate((sizes[0], *sizes, *sizes)):
+                chunk = [PromptChunk(slot, [0] * min(size, self.cache.max_len - 1))]
+                self.cache.truncate(slot, 0)
+                _, seconds = timed(lambda c=chunk: self.forward.prefill(c), self._sync)
+                if index:
+                    self.pacer.observe_prefill(len(chunk[0].tokens), seconds)
             _, seconds = timed(lambda: self.forward.decode([slot], [0]), self._sync)
             self.pacer.observe_decode(seconds)
         finally:

@@ -7,9 +7,12 @@ import pytest
 from streaming_backend.steps.pacing import GRANULE, PrefillPacer
 
 
-def paced(ms_per_token: float, ms_per_step: float, **kwargs) -> PrefillPacer:
+def paced(ms_per_token: float, ms_per_step: float, fixed_ms: float = 20.0, **kwargs):
+    """A pacer that saw prefills of 32 and 160 tokens (a fixed cost plus a cost per token) and
+    one decode step."""
     pacer = PrefillPacer(**kwargs)
-    pacer.observe_prefill(64, 64 * ms_per_token / 1e3)
+    for tokens in (32, 160):
+        pacer.observe_prefill(tokens, (fixed_ms + tokens * ms_per_token) / 1e3)
     pacer.observe_decode(ms_per_step / 1e3)
     return pacer
 
@@ -44,11 +47,26 @@ def test_until_measured_the_start_budget_holds():
     assert pacer.budget() == 64
 
 
-def test_tiny_prefills_do_not_move_the_rate():
-    """A 2-token prefill is mostly fixed cost: it would make prefill look slow per token."""
-    pacer = paced(0.5, 40.0)
-    pacer.observe_prefill(2, 0.02)
+def test_the_fixed_cost_of_a_prefill_does_not_shrink_the_chunk():
+    """A prefill pass costs as much as a decode step before its first token: the budget follows
+    the cost per token (the slope), not the average cost per token, which would count the fixed
+    part against every token and keep chunks at their smallest."""
+    pacer = paced(0.5, 40.0, fixed_ms=40.0)
+    assert pacer.seconds_per_token == pytest.approx(0.5e-3)
     assert pacer.budget() == 80
+    for _ in range(30):  # the engine then prefills 80-token chunks: the slope stays known
+        pacer.observe_prefill(80, (40.0 + 80 * 0.5) / 1e3)
+    assert pacer.budget() == 80
+
+
+def test_one_chunk_size_alone_does_not_give_a_slope():
+    """Prefills of a single size cannot tell fixed from per-token cost: no rate until sizes
+    differ, so the start budget holds."""
+    pacer = PrefillPacer(start=48)
+    for _ in range(5):
+        pacer.observe_prefill(64, 0.05)
+    pacer.observe_decode(0.04)
+    assert pacer.seconds_per_token is None and pacer.budget() == 48
 
 
 def test_the_budget_follows_the_running_batch():
