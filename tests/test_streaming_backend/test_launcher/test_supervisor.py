@@ -68,7 +68,8 @@ def test_status_shows_an_unknown_dtype_as_such() -> None:
     from streaming_backend.launcher.server import ServerConfig
     from streaming_backend.launcher.supervisor import Supervisor, SupervisorConfig
 
-    status = Supervisor(SupervisorConfig(ServerConfig(dtype="int3"))).status()
+    server = ServerConfig(model_parameters={"dtype": "int3"})
+    status = Supervisor(SupervisorConfig(server)).status()
     assert status["dtype"]["setting"] == "int3" and status["dtype"]["dtype"] == ""
     assert "unknown dtype 'int3'" in status["dtype"]["reason"]
 
