@@ -141,14 +141,19 @@ def start_server(model_dir, **overrides):
     return server
 
 
-@pytest.fixture(scope="session")
-def triton_server(tiny_model_dir):
-    """A real tritonserver serving the tiny model, shared by the server tests of a session."""
-    server = start_server(tiny_model_dir, max_streams=8, queue_limit=16)
+def served(model_dir, **overrides):
+    """A fixture's body: start_server(...), yield it, stop it however the tests ended."""
+    server = start_server(model_dir, **overrides)
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def triton_server(tiny_model_dir):
+    """A real tritonserver serving the tiny model, shared by the server tests of a session."""
+    yield from served(tiny_model_dir, max_streams=8, queue_limit=16)
 
 
 # The shared servers below are started once per session (a start costs 7-30 s on 2 cores) and
@@ -171,17 +176,9 @@ def wait_idle(server, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def _session_server(model_dir, **overrides):
-    server = start_server(model_dir, **overrides)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 @pytest.fixture(scope="session")
 def _paced_server(tiny_model_dir):
-    yield from _session_server(
+    yield from served(
         tiny_model_dir, max_streams=8, queue_limit=16, test_token_delay_ms=PACED_TOKEN_MS
     )
 
@@ -196,7 +193,7 @@ def paced_server(_paced_server):
 
 @pytest.fixture(scope="session")
 def _single_slot_server(tiny_model_dir):
-    yield from _session_server(
+    yield from served(
         tiny_model_dir, max_streams=1, queue_limit=1, test_token_delay_ms=PACED_TOKEN_MS
     )
 
@@ -211,7 +208,7 @@ def single_slot_server(_single_slot_server):
 
 @pytest.fixture(scope="session")
 def _default_server(default_model_dir):
-    yield from _session_server(default_model_dir, max_streams=8, queue_limit=64)
+    yield from served(default_model_dir, max_streams=8, queue_limit=64)
 
 
 @pytest.fixture
@@ -495,16 +492,12 @@ def dialogue_server(tiny_model_dir):
     from streaming_backend.launcher.batching import DialogueBatching
     from streaming_backend.wire import DIALOGUE_MODEL
 
-    server = start_server(
+    yield from served(
         tiny_model_dir,
         models=(DIALOGUE_MODEL,),
-        model_parameters={"max_beam_width": str(DIALOGUE_MAX_BEAM)},
+        max_beam_width=DIALOGUE_MAX_BEAM,
         dialogue=DialogueBatching(queue_delay_us=DIALOGUE_QUEUE_DELAY_US),
     )
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def sequence_log_prob(loaded, prompt_ids, tokens) -> float:

@@ -218,18 +218,20 @@ NOT_TENSOR_NAMES = {
 }
 
 
+def _wire_literals(path: Path, words: set[str], allowed: dict) -> list[tuple[int, str]]:
+    """The literals of `path` (not wire.py) that spell one of `words`, less the allowed ones."""
+    if path == ROOT / "streaming_backend" / "wire.py":
+        return []
+    where = str(path.relative_to(ROOT))
+    return [
+        (line, v) for line, v in _string_literals(path) if v in words and (where, v) not in allowed
+    ]
+
+
 @pytest.mark.parametrize("path", product_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_tensor_name_literal_outside_the_wire_contract(path):
     """Tensor names are spelled only in streaming_backend/wire.py; everyone else imports them."""
-    if path == ROOT / "streaming_backend" / "wire.py":
-        return
-    where = str(path.relative_to(ROOT))
-    found = [
-        (line, v)
-        for line, v in _string_literals(path)
-        if v in TENSOR_NAMES and (where, v) not in NOT_TENSOR_NAMES
-    ]
-    assert found == []
+    assert _wire_literals(path, TENSOR_NAMES, NOT_TENSOR_NAMES) == []
 
 
 @pytest.mark.parametrize(
@@ -257,15 +259,7 @@ NOT_WIRE_WORDS = {
 @pytest.mark.parametrize("path", product_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_timing_key_or_error_code_literal_outside_the_wire_contract(path):
     """Timing keys and error codes are spelled only in wire.py; everyone else imports them."""
-    if path == ROOT / "streaming_backend" / "wire.py":
-        return
-    where = str(path.relative_to(ROOT))
-    found = [
-        (line, v)
-        for line, v in _string_literals(path)
-        if v in WIRE_WORDS and (where, v) not in NOT_WIRE_WORDS
-    ]
-    assert found == []
+    assert _wire_literals(path, WIRE_WORDS, NOT_WIRE_WORDS) == []
 
 
 # ---- the tests mirror the packages

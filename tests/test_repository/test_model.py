@@ -144,12 +144,6 @@ def test_eight_concurrent_streams_complete(triton_server):
     assert all(r[-1].finish_reason == "length" for r in results)
 
 
-@pytest.fixture
-def paced_server(single_slot_server):
-    """One slot, a queue of one, tokens conftest.PACED_TOKEN_MS apart (a session-wide server)."""
-    return single_slot_server
-
-
 def _first_chunks(server, request: GenerateRequest, n: int, cancel: threading.Event):
     """Start a stream in a thread; return (its chunks so far, the future) after n chunks."""
     received, ready = [], threading.Event()
@@ -166,64 +160,64 @@ def _first_chunks(server, request: GenerateRequest, n: int, cancel: threading.Ev
     return received, future
 
 
-def test_cancel_stops_the_stream_and_frees_its_slot(paced_server):
+def test_cancel_stops_the_stream_and_frees_its_slot(single_slot_server):
     """A client cancel stops generation on the server (tokens counted there) and the request
     waiting for the only slot then runs."""
-    tokens_before = _metric(paced_server, "tokenstream_generation_tokens_total")
+    tokens_before = _metric(single_slot_server, "tokenstream_generation_tokens_total")
     cancel = threading.Event()
     long = GenerateRequest(prompt="long", sampling={"max_tokens": 200, "ignore_eos": True})
-    received, running = _first_chunks(paced_server, long, 3, cancel)
+    received, running = _first_chunks(single_slot_server, long, 3, cancel)
     waiting = ThreadPoolExecutor(1).submit(
-        _chunks, paced_server, prompt="next", sampling={"max_tokens": 5, "ignore_eos": True}
+        _chunks, single_slot_server, prompt="next", sampling={"max_tokens": 5, "ignore_eos": True}
     )
-    wait_for(lambda: _metric(paced_server, "tokenstream_active_streams") == 2)
+    wait_for(lambda: _metric(single_slot_server, "tokenstream_active_streams") == 2)
     cancel.set()
     running.result(timeout=60)
     assert 3 <= len(received) < 200 and not received[-1].final
     assert sum(c.num_output_tokens for c in waiting.result(timeout=60)) == 5
-    wait_for(lambda: _metric(paced_server, "tokenstream_active_streams") == 0)
-    generated = _metric(paced_server, "tokenstream_generation_tokens_total") - tokens_before
+    wait_for(lambda: _metric(single_slot_server, "tokenstream_active_streams") == 0)
+    generated = _metric(single_slot_server, "tokenstream_generation_tokens_total") - tokens_before
     # 200 tokens take 4 s here; the cancel is seen within a poll (40 ms) and a step (20 ms).
     assert 5 + 3 <= generated < 5 + 100, generated
 
 
-def test_waiting_gauge_counts_requests_waiting_for_a_slot(paced_server):
+def test_waiting_gauge_counts_requests_waiting_for_a_slot(single_slot_server):
     """tokenstream_waiting_requests (for autoscaling): 1 while a request waits behind the only
     slot, 0 once it runs; the active gauge counts both."""
     cancel = threading.Event()
     long = GenerateRequest(prompt="long", sampling={"max_tokens": 200, "ignore_eos": True})
-    assert _metric(paced_server, "tokenstream_waiting_requests") == 0
-    _, running = _first_chunks(paced_server, long, 1, cancel)
+    assert _metric(single_slot_server, "tokenstream_waiting_requests") == 0
+    _, running = _first_chunks(single_slot_server, long, 1, cancel)
     waiting = ThreadPoolExecutor(1).submit(
-        _chunks, paced_server, prompt="next", sampling={"max_tokens": 5, "ignore_eos": True}
+        _chunks, single_slot_server, prompt="next", sampling={"max_tokens": 5, "ignore_eos": True}
     )
-    wait_for(lambda: _metric(paced_server, "tokenstream_waiting_requests") == 1)
-    assert _metric(paced_server, "tokenstream_active_streams") == 2
+    wait_for(lambda: _metric(single_slot_server, "tokenstream_waiting_requests") == 1)
+    assert _metric(single_slot_server, "tokenstream_active_streams") == 2
     cancel.set()
     running.result(timeout=60)
     assert sum(c.num_output_tokens for c in waiting.result(timeout=60)) == 5
-    assert _metric(paced_server, "tokenstream_waiting_requests") == 0
-    wait_for(lambda: _metric(paced_server, "tokenstream_active_streams") == 0)
+    assert _metric(single_slot_server, "tokenstream_waiting_requests") == 0
+    wait_for(lambda: _metric(single_slot_server, "tokenstream_active_streams") == 0)
 
 
-def test_overloaded_server_refuses_with_unavailable(paced_server):
+def test_overloaded_server_refuses_with_unavailable(single_slot_server):
     """Beyond max_streams + queue_limit a request fails at once as overloaded (Triton code
     UNAVAILABLE: retry later), over gRPC and HTTP; the accepted ones complete."""
-    rejected_before = _metric(paced_server, "tokenstream_rejected_requests_total")
+    rejected_before = _metric(single_slot_server, "tokenstream_rejected_requests_total")
     cancel = threading.Event()
     long = GenerateRequest(prompt="busy", sampling={"max_tokens": 60, "ignore_eos": True})
-    _, running = _first_chunks(paced_server, long, 1, cancel)
+    _, running = _first_chunks(single_slot_server, long, 1, cancel)
     queued = ThreadPoolExecutor(1).submit(
-        _chunks, paced_server, prompt="queued", sampling={"max_tokens": 3, "ignore_eos": True}
+        _chunks, single_slot_server, prompt="queued", sampling={"max_tokens": 3, "ignore_eos": True}
     )
-    wait_for(lambda: _metric(paced_server, "tokenstream_active_streams") == 2)
+    wait_for(lambda: _metric(single_slot_server, "tokenstream_active_streams") == 2)
     with pytest.raises(GenerationError) as info:
-        _chunks(paced_server, prompt="one too many", sampling={"max_tokens": 3})
+        _chunks(single_slot_server, prompt="one too many", sampling={"max_tokens": 3})
     assert info.value.code == wire.OVERLOADED.code
     assert info.value.message.startswith("overloaded: 1 requests are already waiting")
     body = {"text_input": "x", "parameters": {"stream": True, "max_tokens": 3}}
-    assert wire.error_code(_sse_error(paced_server, body)) == wire.OVERLOADED.code
-    assert _metric(paced_server, "tokenstream_rejected_requests_total") == rejected_before + 2
+    assert wire.error_code(_sse_error(single_slot_server, body)) == wire.OVERLOADED.code
+    assert _metric(single_slot_server, "tokenstream_rejected_requests_total") == rejected_before + 2
     assert wire.OVERLOADED.triton_code == "UNAVAILABLE"
     cancel.set()
     running.result(timeout=60)

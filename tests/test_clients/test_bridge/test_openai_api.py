@@ -16,7 +16,7 @@ from bridge_support import (
     tokens_generated,
     wait_idle_engine,
 )
-from conftest import start_server
+from conftest import served
 
 pytestmark = pytest.mark.server
 
@@ -26,20 +26,10 @@ MESSAGES = [{"role": "user", "content": "Tell me a story about a cat."}]
 EXACT = {"ignore_eos": True}  # the tiny model then always runs to max_tokens
 
 
-@pytest.fixture
-def paced_server(single_slot_server):
-    """One slot, a queue of one, tokens conftest.PACED_TOKEN_MS apart (a session-wide server)."""
-    return single_slot_server
-
-
 @pytest.fixture(scope="module")
 def wide_server(tiny_model_dir):
     """32 streams at once and room for 256 waiting requests."""
-    server = start_server(tiny_model_dir, max_streams=32, queue_limit=256)
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from served(tiny_model_dir, max_streams=32, queue_limit=256)
 
 
 def base_url(bridge) -> str:
@@ -220,43 +210,43 @@ async def test_token_origin_and_triton_down():
     assert status == 403  # a foreign browser page, token or not
 
 
-async def test_engine_overload_is_429_with_retry_after(paced_server):
+async def test_engine_overload_is_429_with_retry_after(single_slot_server):
     """With the engine's one slot and one queue place taken, a request gets 429 with
     Retry-After at once; the queued one completes once the running one is closed."""
-    async with bridge_to(paced_server) as bridge, async_client(bridge) as client:
+    async with bridge_to(single_slot_server) as bridge, async_client(bridge) as client:
         common = dict(model=MODEL, messages=MESSAGES, extra_body=EXACT)
         running = await client.chat.completions.create(max_tokens=LONG, stream=True, **common)
         queued = asyncio.create_task(client.chat.completions.create(max_tokens=3, **common))
-        while await asyncio.to_thread(active_streams, paced_server) != 2:
+        while await asyncio.to_thread(active_streams, single_slot_server) != 2:
             assert not queued.done(), queued
             await asyncio.sleep(0.02)
         with pytest.raises(openai.RateLimitError) as refused:
             await client.chat.completions.create(max_tokens=3, **common)
         await running.close()
         finished = await asyncio.wait_for(queued, 60)
-        await wait_idle_engine(paced_server)
+        await wait_idle_engine(single_slot_server)
     assert refused.value.status_code == 429 and refused.value.code == "overloaded"
     assert refused.value.response.headers["Retry-After"] == "1"
     assert finished.usage.completion_tokens == 3
 
 
-async def test_client_disconnect_cancels_the_generation(paced_server):
+async def test_client_disconnect_cancels_the_generation(single_slot_server):
     """Closing the HTTP connection mid-stream (or giving up on a whole answer) cancels the
     generation in the engine: its token counter stays far below max_tokens."""
-    before = tokens_generated(paced_server)
-    async with bridge_to(paced_server) as bridge, async_client(bridge) as client:
+    before = tokens_generated(single_slot_server)
+    async with bridge_to(single_slot_server) as bridge, async_client(bridge) as client:
         stream = await client.chat.completions.create(
             model=MODEL, messages=MESSAGES, max_tokens=LONG, stream=True, extra_body=EXACT
         )
         got = [await anext(stream) for _ in range(3)]
         await stream.close()
-        await wait_idle_engine(paced_server)
-        streamed = tokens_generated(paced_server) - before
+        await wait_idle_engine(single_slot_server)
+        streamed = tokens_generated(single_slot_server) - before
         body = json.dumps({"model": MODEL, "prompt": "Go", "max_tokens": LONG, "ignore_eos": True})
         with pytest.raises(asyncio.TimeoutError):  # the whole answer would take >= 4 s
             await asyncio.wait_for(raw(bridge, "POST", "/v1/completions", body), 0.5)
-        await wait_idle_engine(paced_server)
-        whole = tokens_generated(paced_server) - before - streamed
+        await wait_idle_engine(single_slot_server)
+        whole = tokens_generated(single_slot_server) - before - streamed
     assert got[1].choices[0].delta.content
     assert 2 <= streamed < LONG // 2, streamed
     assert whole < LONG // 2, whole
