@@ -14,6 +14,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -245,7 +246,9 @@ class TritonServer:
     def wait_ready(
         self, timeout: float | None = None, abort: threading.Event | None = None
     ) -> bool:
-        """Poll /v2/health/ready: True when ready, False if `abort` was set first.
+        """Poll /v2/health/ready, then the metrics port: True when both answer, False if `abort`
+        was set first. Triton starts its metrics service after HTTP (tens of ms, more on a busy
+        machine), so a ready HTTP endpoint alone does not mean /metrics can be read yet.
 
         Raises ServerDied if the process exits and TimeoutError after `timeout` seconds.
         """
@@ -257,7 +260,7 @@ class TritonServer:
         while not abort.is_set():
             if self._process.poll() is not None:
                 raise self._died("before it was ready")
-            if self.is_ready():
+            if self.is_ready() and self.metrics_listening():
                 return True
             if time.monotonic() >= deadline:
                 tail = self._tail_text()
@@ -274,6 +277,15 @@ class TritonServer:
                 return response.status == 200
         except (urllib.error.URLError, OSError):
             return False  # not listening yet, or 400 while models load
+
+    def metrics_listening(self) -> bool:
+        """Whether the metrics port accepts a connection."""
+        address = (client_host(self.config.host), self.config.metrics_port)
+        try:
+            socket.create_connection(address, timeout=2).close()
+        except OSError:
+            return False
+        return True
 
     def wait(self, timeout: float | None = None) -> int | None:
         """Wait for tritonserver to exit; its exit status, or None on timeout."""

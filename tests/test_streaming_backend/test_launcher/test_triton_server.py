@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import http.server
 import json
+import socket
+import subprocess
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -59,6 +63,42 @@ def test_repository_defaults_to_the_checkout_or_the_variable(monkeypatch, tmp_pa
     assert ServerConfig().repository == checkout / "repository"
     monkeypatch.setenv("TOKENSTREAM_REPOSITORY", str(tmp_path))
     assert ServerConfig().repository == tmp_path
+
+
+class _Ready(http.server.BaseHTTPRequestHandler):
+    """Answers every GET with 200, as Triton's /v2/health/ready does once models are loaded."""
+
+    def do_GET(self) -> None:  # noqa: N802 (the handler's API)
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_ready_waits_for_the_metrics_port(tmp_path: Path) -> None:
+    """Triton answers /v2/health/ready before its metrics service listens: wait_ready() returns
+    only once the metrics port accepts connections too."""
+    http_server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Ready)
+    threading.Thread(target=http_server.serve_forever, daemon=True).start()
+    metrics_port = free_port()
+    config = ServerConfig(
+        repository=tmp_path, http_port=http_server.server_port, metrics_port=metrics_port
+    )
+    server = TritonServer(config, on_log=None)
+    server._process = subprocess.Popen(["sleep", "60"])  # stands in for a running tritonserver
+    try:
+        assert server.is_ready()
+        with pytest.raises(TimeoutError):
+            server.wait_ready(timeout=1.0)
+        with socket.create_server(("127.0.0.1", metrics_port)):
+            assert server.wait_ready(timeout=5.0)
+    finally:
+        server._process.kill()
+        server._process.wait()
+        http_server.shutdown()
+        http_server.server_close()
 
 
 # --------------------------------------------------------------------------- real server
