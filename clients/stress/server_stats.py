@@ -4,6 +4,7 @@ the python-backend stub processes of the server under test, when it runs on this
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -160,12 +161,23 @@ def listening_pids(endpoint: tuple[str, int], proc: Path = Path("/proc")) -> set
     links = {f"socket:[{inode}]" for inode in wanted}
     found = set()
     for entry in _pid_dirs(proc) if links else ():
-        try:
-            if any(os.readlink(fd) in links for fd in (entry / "fd").iterdir()):
-                found.add(int(entry.name))
-        except OSError:
-            continue  # gone, or not ours to read
+        if links & _socket_links(entry):
+            found.add(int(entry.name))
     return found
+
+
+def _socket_links(entry: Path) -> set[str]:
+    """The targets of a process's fd links; empty once it is gone or not ours to read. An fd
+    closed while we look is skipped alone: a busy server opens and closes sockets all the time."""
+    try:
+        fds = list((entry / "fd").iterdir())
+    except OSError:
+        return set()
+    targets = set()
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            targets.add(os.readlink(fd))
+    return targets
 
 
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's `st` column

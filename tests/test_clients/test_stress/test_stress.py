@@ -191,6 +191,21 @@ def test_only_the_target_servers_stubs_are_counted(tmp_path):
     assert server_stats.stub_pids(DIALOGUE_MODEL, "http://127.0.0.1:9999", proc) == []
 
 
+def test_an_fd_closed_during_the_scan_does_not_hide_the_server(tmp_path):
+    """A server's fd that cannot be read (closed between listing and readlink, as a busy
+    server's sockets are) is skipped alone: the server and its stubs are still found."""
+    proc = tmp_path / "proc"
+    (proc / "net").mkdir(parents=True)
+    header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt\n"
+    (proc / "net" / "tcp").write_text(header + fake_listener("127.0.0.1", 8000, 1111))
+    model = "/tmp/run/repository/dialogue_model/1/model.py"
+    fake_process(proc, 100, 1, ["/opt/tritonserver/bin/tritonserver"])
+    (proc / "100" / "fd" / "3").write_text("")  # not a link: readlink fails, as for a closed fd
+    (proc / "100" / "fd" / "4").symlink_to("socket:[1111]")
+    fake_process(proc, 101, 100, [STUB, model, "shm_a", "1048576"])
+    assert server_stats.stub_pids(DIALOGUE_MODEL, "http://127.0.0.1:8000", proc) == [101]
+
+
 def _fake_stub(model_dir: Path) -> subprocess.Popen:
     """A process whose command line looks like a stub of the model in `model_dir`."""
     return subprocess.Popen(
