@@ -136,18 +136,21 @@ def start_server(model_dir, **overrides):
     try:
         server.wait_ready()
     except BaseException:
-        server.stop()
+        server.stop(graceful=False)
         raise
     return server
 
 
 def served(model_dir, **overrides):
-    """A fixture's body: start_server(...), yield it, stop it however the tests ended."""
+    """A fixture's body: start_server(...), yield it, stop it however the tests ended.
+
+    Killed, not drained: Triton's own shutdown polls once a second (2-3 s per server, with
+    nothing left to check), and the tests of a graceful stop make their own servers."""
     server = start_server(model_dir, **overrides)
     try:
         yield server
     finally:
-        server.stop()
+        server.stop(graceful=False)
 
 
 @pytest.fixture(scope="session")

@@ -215,6 +215,9 @@ class TritonServer:
             f"--metrics-port={c.metrics_port}",
             f"--exit-timeout-secs={math.ceil(c.exit_timeout_s)}",
             f"--log-verbose={c.log_level}",
+            # our configs are complete: without this the python backend starts a throwaway stub
+            # per model just to ask it for a config (about 3 s of imports before every load)
+            "--disable-auto-complete-config",
             *_connection_age_flags(c.grpc_max_connection_age_s),
             # our own shm name prefix, so stop() deletes exactly this server's regions
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",

@@ -74,7 +74,7 @@ def silent_server(tmp_path_factory):
         server.wait_ready(timeout=120)
         yield server
     finally:
-        server.stop()
+        server.stop(graceful=False)  # nothing to drain
 
 
 def test_a_lost_connection_reads_as_the_server_gone_away() -> None:

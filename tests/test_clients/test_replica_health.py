@@ -104,4 +104,4 @@ async def test_a_frozen_triton_is_taken_out_only_after_three_lost_probes(tiny_mo
             await wait_until(lambda: bridge.ready)
             assert (await healthz(bridge))[0] == 200
     finally:
-        server.stop()
+        server.stop(graceful=False)  # nothing to drain

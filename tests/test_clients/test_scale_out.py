@@ -104,7 +104,7 @@ def pair(tiny_model_dir, ports):
         yield servers
     finally:
         for server in servers:
-            server.stop()
+            server.stop(graceful=False)  # nothing to drain
 
 
 def list_target(ports, hosts=HOSTS[:2]) -> str:
