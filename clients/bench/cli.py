@@ -15,8 +15,10 @@ import json
 import socket
 import sys
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from clients.bench.prompts import DEFAULT_PROMPTS, Sampling, load_prompts, synthetic_prompts
@@ -62,6 +64,7 @@ class BenchConfig:
     synthetic_input_tokens: int | None = None
     output_tokens: int | None = None
     max_tokens: int = 128
+    extra_params: Mapping[str, Any] = field(default_factory=dict)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -100,6 +103,17 @@ def _csv(kind):
         return values
 
     return parse
+
+
+def _json_object(text: str) -> dict:
+    """argparse type: a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -185,6 +199,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-tokens", type=int, default=d.max_tokens, help="cap of a free-length output (128)"
     )
+    g.add_argument(
+        "--extra-params",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help="keys added to every request's sampling parameters (the OpenAI body), e.g. "
+        '\'{"logit_bias": {"2": -100.0}}\' to ban EOS on a server without ignore_eos',
+    )
     g.add_argument("--temperature", type=float)
     g.add_argument("--top-p", type=float)
     g.add_argument("--top-k", type=int)
@@ -225,7 +247,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         conversations=None if args.duration else args.conversations, duration_s=args.duration,
         warmup=args.warmup, request_timeout_s=args.request_timeout, prompts=args.prompts,
         synthetic_input_tokens=args.synthetic_input_tokens, output_tokens=args.output_tokens,
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        max_tokens=args.max_tokens, extra_params=args.extra_params,
+        temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, clock=args.clock, out=args.out,
         plot=not args.no_plot, progress=not args.no_progress,
     )  # fmt: skip
@@ -282,7 +305,7 @@ def workload(cfg: BenchConfig) -> Workload:
     """The Workload of a config."""
     sampling = Sampling(
         output_tokens=cfg.output_tokens, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
-        top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed,
+        top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed, extra=cfg.extra_params,
     )  # fmt: skip
     return Workload(
         prompts=workload_prompts(cfg), sampling=sampling,

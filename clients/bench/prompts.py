@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from clients.bench.transports import Prompt
 from streaming_backend.prompts import DEFAULT_PROMPTS_FILE
@@ -70,6 +72,7 @@ class Sampling:
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None  # request i uses seed + i: reproducible, yet not all alike
+    extra: Mapping[str, Any] = field(default_factory=dict)  # sent as given, over the rest
 
     def params(self, index: int) -> dict:
         """The `sampling_parameters` object of request `index`."""
@@ -85,4 +88,4 @@ class Sampling:
                 p[key] = value
         if self.seed is not None:
             p[SEED] = self.seed + index
-        return p
+        return p | dict(self.extra)

@@ -161,6 +161,11 @@ def test_options_become_a_config():
     assert cfg.output_tokens == 64 and cfg.requests == 50
     with pytest.raises(SystemExit):
         p.parse_args(["--transport", "pigeon"])
+    extra = config_from_args(p.parse_args(["--extra-params", '{"logit_bias": {"2": -100.0}}']))
+    assert extra.extra_params == {"logit_bias": {"2": -100.0}} and cfg.extra_params == {}
+    for bad in ("[1]", "{nope"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--extra-params", bad])
     assert BenchConfig(request_rate=(2.0,)).levels()[0].label == "rate=2/s"
 
 

@@ -249,6 +249,12 @@ def test_sampling_fixed_and_free_lengths():
     assert Sampling(max_tokens=64).params(0) == {"max_tokens": 64}
 
 
+def test_extra_params_are_sent_as_given_over_the_rest():
+    """--extra-params keys go into every request as given, and win over the bench's own."""
+    ban_eos = {"logit_bias": {"2": -100.0}, "max_tokens": 10}
+    assert Sampling(max_tokens=64, extra=ban_eos).params(3) == ban_eos
+
+
 def test_prompt_files_and_synthetic_prompts(tmp_path):
     """JSONL chats and plain prompts load; synthetic prompts are seeded and sized."""
     f = tmp_path / "p.jsonl"
