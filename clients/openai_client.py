@@ -41,23 +41,34 @@ def request_body(request: GenerateRequest, model: str = CHAT_MODEL) -> dict:
 
 
 def event_chunk(event: Mapping, tokens_so_far: int, received_ns: int) -> Chunk | None:
-    """A Chunk from one event; None for one without text or usage; an error raises."""
+    """A Chunk from one event; None for one without text or usage; an error raises.
+
+    Usage normally rides on a last event of its own (no choices); some servers (transformers
+    serve) put it on the event with the finish reason instead. Either way the model's count
+    wins over one token per event with text: tokens that decode to no text yet (part of a
+    character) send no event of their own."""
     if "error" in event:
         raise _error(event["error"], None)
     request_id = str(event.get("id", ""))
+    usage = event.get("usage") or {}
+    counted = int(usage.get("completion_tokens", tokens_so_far))
     choices = event.get("choices") or []
     if choices:
         choice = choices[0]
         text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
         reason = choice.get("finish_reason")
-        if not text and reason is None:
+        if not text and reason is None and not usage:
             return None  # e.g. the role event that opens a chat stream
-        tokens = 1 if text else 0
-        return Chunk.delta(text, tokens, received_ns, request_id=request_id, finish_reason=reason)
-    usage = event.get("usage")
+        tokens = max(counted - tokens_so_far, 1 if text else 0)
+        if reason is None:
+            return Chunk.delta(text, tokens, received_ns, request_id=request_id)
+        return Chunk.delta(
+            text, tokens, received_ns, request_id=request_id, finish_reason=reason,
+            num_input_tokens=usage.get("prompt_tokens"), final=bool(usage),
+        )  # fmt: skip
     if not usage:
         return None
-    rest = max(int(usage.get("completion_tokens", tokens_so_far)) - tokens_so_far, 0)
+    rest = max(counted - tokens_so_far, 0)
     prompt_tokens = usage.get("prompt_tokens")
     # the usage event is the last one: request latency ends here
     return Chunk.last(rest, received_ns, prompt_tokens=prompt_tokens, request_id=request_id)

@@ -31,6 +31,21 @@ def test_events_become_chunks_with_the_models_token_count():
     assert completion.text == "abc"
 
 
+def test_usage_on_the_finish_event_counts_tokens_that_sent_no_text():
+    """transformers serve puts usage on the event with the finish reason: the model's count wins
+    (16 tokens, 12 events with text: a character split over tokens sends no event), and that
+    event ends the stream."""
+    finish = {"choices": [{"delta": {}, "finish_reason": "length"}]}
+    finish["usage"] = {"prompt_tokens": 9, "completion_tokens": 16}
+    last = event_chunk(finish, 12, 6)
+    assert (last.tokens, last.finish_reason, last.final, last.num_input_tokens) == (
+        4,
+        "length",
+        True,
+        9,
+    )
+
+
 def test_error_events_raise_with_the_category():
     """An error event (mid-stream) raises GenerationError with the bridge's category."""
     with pytest.raises(GenerationError) as info:
