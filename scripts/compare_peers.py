@@ -67,6 +67,7 @@ def servers(args: argparse.Namespace) -> list[Server]:
     ours = [sys.executable, "-m", "clients.cli", "serve", "--bridge-port", str(port)]
     for option in ("--http-port", "--grpc-port", "--metrics-port", "--supervisor-port"):
         ours += [option, str(free_port())]
+    ours += args.ours_args.split()
     found = [
         Server("tokenstream serve", ours, "chat", ["--output-tokens", n], base_url=f"{port}"),
     ]
@@ -185,6 +186,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--transformers-env", help="venv with transformers[serving]")
     parser.add_argument("--llama-env", help="venv with llama-cpp-python[server]")
+    parser.add_argument(
+        "--ours-args", default="", help="more `tokenstream serve` options, e.g. '--quantize int4'"
+    )
     parser.add_argument("--only", type=lambda t: t.split(","), help="names containing these")
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--single", type=int, default=16, help="requests with one stream (16)")

@@ -18,7 +18,7 @@ import torch
 
 from streaming_backend import kvcache
 from streaming_backend.batch import CacheRows, DecodeInputs, Prefill, RowState, SlotRows
-from streaming_backend.loading import LoadedModel
+from streaming_backend.loading import LoadedModel, resolve_quantize
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def build_batch_forward(
     from streaming_backend.forward.llama import UnsupportedModel
 
     try:
-        return CompactBatchForward(loaded, quantize)
+        return CompactBatchForward(loaded, resolve_quantize(quantize, loaded))
     except UnsupportedModel as exc:
         if forward == "compact":
             raise

@@ -12,6 +12,17 @@ The rule, one pure function (`choose_dtype`) used by the model at load and by th
 
 Measured (docs/performance.md): on an AVX2-only EPYC float32 served twice the tokens of bfloat16
 at 16 streams and halved TTFT; on an EPYC with AVX512_BF16 bfloat16 matmuls beat float32.
+
+`--quantize auto` (`choose_quantize`) picks the compact forward's weight format the same way:
+
+| device and dtype | chosen | why |
+| --- | --- | --- |
+| a CPU with native bfloat16, model in bfloat16 | int4 | measured faster there, quality held |
+| any other CPU or dtype | none | unmeasured there (int8 was compute-bound on AVX2) |
+| a GPU | none | the int4/int8 kernels are CPU kernels |
+
+Measured on an EPYC with AVX512_BF16 (docs/performance.md): int4 served a lone stream 1.7x the
+tokens/s of unquantized bfloat16 and 16 streams the same; the quality gate held.
 """
 
 from __future__ import annotations
@@ -76,6 +87,40 @@ def choose_dtype(
     )
 
 
+QUANTIZE_AUTO_KIND = "int4"  # what auto picks where it was measured faster with quality held
+
+
+@dataclass(frozen=True)
+class QuantizeChoice:
+    """The compact forward's weight format, and why (logged at load, shown by `/status`)."""
+
+    setting: str  # auto, none, int8 or int4
+    kind: str  # none, int8 or int4
+    reason: str
+
+    def as_dict(self) -> dict[str, str]:
+        """For JSON (the supervisor's /status)."""
+        return {"setting": self.setting, "kind": self.kind, "reason": self.reason}
+
+
+def choose_quantize(
+    setting: str, device: str, dtype: str, cpu_flags: frozenset[str]
+) -> QuantizeChoice:
+    """The weight format for `setting` on `device` with the model in `dtype` (a DTYPE_NAMES
+    name): the second table above. An explicit kind is kept as it is (the forward checks it)."""
+    if setting != AUTO:
+        return QuantizeChoice(setting, setting, "set explicitly")
+    if device.startswith("cuda"):
+        return QuantizeChoice(setting, "none", "GPU: the quantized kernels are CPU kernels")
+    native = sorted(set(NATIVE_BF16_FLAGS) & cpu_flags)
+    if native and dtype == "bfloat16":
+        reason = f"CPU with native bfloat16 ({', '.join(native)}), bfloat16 model: measured faster"
+        return QuantizeChoice(setting, QUANTIZE_AUTO_KIND, reason)
+    if native:
+        return QuantizeChoice(setting, "none", f"{dtype} model: int4 measured only with bfloat16")
+    return QuantizeChoice(setting, "none", "CPU without native bfloat16: int4 unmeasured there")
+
+
 def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
     """The first CPU's feature flags (`flags`, or `Features` on Arm); empty when unreadable."""
     try:
@@ -113,6 +158,12 @@ def gpu_has_bf16() -> bool | None:
         return float(out[0]) >= GPU_BF16_CAPABILITY
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
+
+
+def host_quantize(setting: str, dtype: str) -> QuantizeChoice:
+    """The supervisor's view of a quantize setting on this host, the models' dtype being `dtype`."""
+    device = "cuda" if nvidia_gpu_visible() else "cpu"
+    return choose_quantize(setting, device, dtype, cpu_flags())
 
 
 def host_dtype(setting: str) -> DtypeChoice:

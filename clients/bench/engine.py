@@ -26,8 +26,10 @@ import torch
 
 from clients import metrics
 from clients.chunk import Chunk
+from streaming_backend.config import QUANTIZE_KINDS
 from streaming_backend.engine import Engine, EngineConfig
 from streaming_backend.events import TokenEvent
+from streaming_backend.hardware import AUTO
 from streaming_backend.loading import LoadedModel, load_model
 from streaming_backend.prompts import encode_prompt, load_chat_prompts
 from streaming_backend.settings import SamplingSettings
@@ -47,6 +49,7 @@ class BenchConfig:
     temperature: float
     top_p: float
     out: Path
+    quantize: str = "auto"  # the compact forward's weights (the hf forward has no quantized path)
 
 
 @dataclass(frozen=True)
@@ -195,9 +198,11 @@ def run_engines(
     with ExitStack() as stack:
         engines = {}
         for forward in cfg.forwards:
+            quantize = cfg.quantize if forward == "compact" else "none"
             config = EngineConfig(
-                max_streams=max(concurrency, 1), forward=forward, prefix_cache="off"
-            )
+                max_streams=max(concurrency, 1), forward=forward, prefix_cache="off",
+                quantize=quantize,
+            )  # fmt: skip
             engines[forward] = stack.enter_context(Engine(loaded, config))
             list(engines[forward].submit(prompts[0], replace(settings, max_tokens=4)))  # warm-up
         # At least 6 requests per level, so single-stream percentiles rest on a few samples.
@@ -311,6 +316,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="batches per concurrency level")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--top-p", type=float, default=0.9)
+    parser.add_argument(
+        "--quantize",
+        choices=(AUTO, *QUANTIZE_KINDS),
+        default=AUTO,
+        help="the compact forward's linear weights (auto as the engine, none, int8, int4)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     parser.add_argument("--out", type=Path, default=Path("bench-results/engine.json"))
 
@@ -330,6 +341,7 @@ def main(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         out=args.out,
+        quantize=args.quantize,
     )
     print(f"torch threads: {torch.get_num_threads()}\n{HEADER}", flush=True)
     results = run(cfg)

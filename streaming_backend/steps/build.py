@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from streaming_backend.config import EngineConfig, parse_memory
-from streaming_backend.loading import LoadedModel
+from streaming_backend.loading import LoadedModel, resolve_quantize
 from streaming_backend.steps import OnFailure, Steps
 from streaming_backend.steps.hf import HfSteps
 
@@ -28,7 +28,7 @@ def build_steps(loaded: LoadedModel, config: EngineConfig, on_failure: OnFailure
         budget=CacheBudget(bytes=size, fraction=fraction),
         compile=config.compile,
         cuda_graphs=config.compile and loaded.device.type == "cuda",
-        quantize=config.quantize,
+        quantize=resolve_quantize(config.quantize, loaded),
         # live streams plus as many idle prefix entries: each admission compares its prompt
         # with every entry, and more entries rarely hit
         max_slots=PREFIX_ENTRIES_PER_STREAM * config.max_streams,

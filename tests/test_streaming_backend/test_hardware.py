@@ -1,9 +1,10 @@
-"""The precision `--dtype auto` picks, from faked CPU flags and GPUs, and reading the flags."""
+"""The precision `--dtype auto` and the weights `--quantize auto` pick, from faked CPU flags and
+GPUs, and reading the flags."""
 
 import pytest
 
 from streaming_backend import hardware
-from streaming_backend.hardware import choose_dtype
+from streaming_backend.hardware import choose_dtype, choose_quantize
 
 AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512_vnni"}
@@ -38,6 +39,40 @@ def test_dtype_rule(setting, device, flags, gpu_bf16, dtype, reason):
     assert choice.dtype == dtype
     assert reason in choice.reason
     assert choice.as_dict() == {"setting": setting, "dtype": dtype, "reason": choice.reason}
+
+
+@pytest.mark.parametrize(
+    "setting, device, dtype, flags, kind, reason",
+    [
+        ("auto", "cpu", "bfloat16", AVX512_BF16, "int4", "native bfloat16 (avx512_bf16)"),
+        ("auto", "cpu", "bfloat16", AMX, "int4", "native bfloat16 (amx_bf16)"),
+        ("auto", "cpu", "float32", AVX512_BF16, "none", "float32 model"),
+        ("auto", "cpu", "float32", AVX2, "none", "without native bfloat16"),
+        ("auto", "cpu", "bfloat16", AVX2, "none", "without native bfloat16"),
+        ("auto", "cpu", "float32", AVX512, "none", "without native bfloat16"),
+        ("auto", "cpu", "float32", ARM, "none", "without native bfloat16"),
+        ("auto", "cuda", "bfloat16", AVX512_BF16, "none", "CPU kernels"),
+        ("int8", "cpu", "float32", AVX2, "int8", "set explicitly"),
+        ("none", "cpu", "bfloat16", AVX512_BF16, "none", "set explicitly"),
+    ],
+)
+def test_quantize_rule(setting, device, dtype, flags, kind, reason):
+    """int4 only where it was measured faster (a CPU with native bfloat16, the model in
+    bfloat16), none elsewhere; an explicit kind is kept. The reason says which case applied."""
+    choice = choose_quantize(setting, device, dtype, flags)
+    assert (choice.kind, choice.setting) == (kind, setting)
+    assert reason in choice.reason
+    assert choice.as_dict() == {"setting": setting, "kind": kind, "reason": choice.reason}
+
+
+def test_host_quantize_follows_the_dtype_and_the_gpu(monkeypatch):
+    """The supervisor's view: the CPU rule on this machine's flags, none with a GPU."""
+    monkeypatch.setattr(hardware, "nvidia_gpu_visible", lambda: False)
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: AVX512_BF16)
+    assert hardware.host_quantize("auto", "bfloat16").kind == "int4"
+    assert hardware.host_quantize("auto", "float32").kind == "none"
+    monkeypatch.setattr(hardware, "nvidia_gpu_visible", lambda: True)
+    assert hardware.host_quantize("auto", "bfloat16").kind == "none"
 
 
 def test_unknown_dtype_is_refused_with_the_choices():

@@ -48,19 +48,13 @@ JITTER_MS = 5.0
 @pytest.fixture(scope="module")
 def delayed_server(tiny_model_dir):
     """tritonserver with the tiny model and the calibration delays."""
-    from conftest import server_config
+    from conftest import served
 
-    from streaming_backend.launcher import TritonServer
-    from streaming_backend.wire import CHAT_MODEL
-
-    config = server_config(
+    yield from served(
         tiny_model_dir,
-        models=(CHAT_MODEL,),  # not the dialogue_model
         test_first_token_delay_ms=int(FIRST_MS),
         test_token_delay_ms=int(NEXT_MS),
     )
-    with TritonServer(config, on_log=None) as server:
-        yield server
 
 
 async def bench(server, transport: str, bridge_url: str = "", openai_url: str = "") -> dict:

@@ -104,3 +104,24 @@ def test_tiny_run_writes_json(tiny_model_dir, tmp_path, capsys):
         for figure in ("throughput_1_vs_baseline", "throughput_2_vs_baseline", "ttft_p50_2_vs_1")
     } | {f"compact_vs_hf_{figure}_{c}" for figure in ("throughput", "decode") for c in (1, 2)}
     assert "hf-generate" in capsys.readouterr().out
+
+
+def test_quantized_compact_forward_runs_and_is_recorded(tiny_model_dir, tmp_path, monkeypatch):
+    """--quantize reaches the compact forward's EngineConfig (not the hf forward's) and the
+    document records it."""
+    seen = []
+    real = bench.EngineConfig
+    monkeypatch.setattr(bench, "EngineConfig", lambda **kw: seen.append(kw) or real(**kw))
+    parser = __import__("argparse").ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / "engine.json"
+    args = parser.parse_args(
+        ["--model", str(tiny_model_dir), "--dtype", "float32", "--concurrency", "1"]
+        + ["--output-tokens", "4", "--baseline-requests", "1", "--rounds", "1"]
+        + ["--quantize", "int8", "--out", str(out)]
+    )
+    assert bench.main(args) == 0
+    assert {(kw["forward"], kw["quantize"]) for kw in seen} == {("compact", "int8"), ("hf", "none")}
+    doc = json.loads(out.read_text())
+    assert doc["config"]["quantize"] == "int8"
+    assert all(r["output_tokens"] == 4 * r["requests"] for r in doc["results"])

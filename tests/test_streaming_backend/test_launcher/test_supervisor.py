@@ -62,6 +62,21 @@ def test_status_names_the_dtype_and_why(setting, dtype) -> None:
     }
 
 
+@pytest.mark.parametrize("setting", ["auto", "none", "int8"])
+def test_status_names_the_weights_and_why(setting) -> None:
+    """/status says which weight format the models use and why, for the dtype they load in."""
+    from streaming_backend.hardware import host_dtype, host_quantize
+    from streaming_backend.launcher.server import ServerConfig
+    from streaming_backend.launcher.supervisor import Supervisor, SupervisorConfig
+
+    parameters = {"dtype": "bf16", "quantize": setting}
+    status = Supervisor(SupervisorConfig(ServerConfig(model_parameters=parameters))).status()
+    assert status["quantize"] == host_quantize(setting, host_dtype("bf16").dtype).as_dict()
+    assert status["quantize"]["setting"] == setting
+    if setting != "auto":
+        assert status["quantize"]["kind"] == setting
+
+
 def test_status_shows_an_unknown_dtype_as_such() -> None:
     """An unknown dtype does not stop the supervisor starting (the model refuses it at load):
     /status names the setting and the error."""
