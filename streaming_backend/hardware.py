@@ -109,7 +109,7 @@ def choose_quantize(
     """The weight format for `setting` on `device` with the model in `dtype` (a DTYPE_NAMES
     name): the second table above. An explicit kind is kept as it is (the forward checks it)."""
     if setting != AUTO:
-        return QuantizeChoice(setting, setting, "set explicitly")
+        return QuantizeChoice(setting, setting, "as configured")
     if device.startswith("cuda"):
         return QuantizeChoice(setting, "none", "GPU: the quantized kernels are CPU kernels")
     native = sorted(set(NATIVE_BF16_FLAGS) & cpu_flags)

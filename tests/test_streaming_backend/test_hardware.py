@@ -52,8 +52,8 @@ def test_dtype_rule(setting, device, flags, gpu_bf16, dtype, reason):
         ("auto", "cpu", "float32", AVX512, "none", "without native bfloat16"),
         ("auto", "cpu", "float32", ARM, "none", "without native bfloat16"),
         ("auto", "cuda", "bfloat16", AVX512_BF16, "none", "CPU kernels"),
-        ("int8", "cpu", "float32", AVX2, "int8", "set explicitly"),
-        ("none", "cpu", "bfloat16", AVX512_BF16, "none", "set explicitly"),
+        ("int8", "cpu", "float32", AVX2, "int8", "as configured"),
+        ("none", "cpu", "bfloat16", AVX512_BF16, "none", "as configured"),
     ],
 )
 def test_quantize_rule(setting, device, dtype, flags, kind, reason):
