@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -113,28 +113,55 @@ class _Stream:
 class Engine:
     """Continuous-batching generation over one loaded model, on its own thread."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
-        self.loaded = loaded
+    def __init__(
+        self,
+        loaded: LoadedModel | Callable[[], LoadedModel],
+        config: EngineConfig | None = None,
+    ):
+        """Build the engine on its own thread and wait until it is ready (or raise what failed).
+
+        `loaded` is a loaded model, or a function that loads one, which then runs on the
+        engine's thread too. Every torch computation of the engine (the model's load when given
+        a function, the forward's build, its calibration and every step) runs on that one
+        thread: torch's OpenMP threads form one team per calling thread, and on a 2-core CPU a
+        second team (the main thread's, from a load there) made every decode step of the
+        engine thread 1.6x slower (docs/performance.md). The loop itself waits for start().
+        """
         self.config = config or EngineConfig()
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Stream] = collections.deque()
-        # the live streams and the forward they run on; owned by the engine thread
-        self._steps: Steps[_Stream] = build_steps(loaded, self.config, self._prefill_failed)
         self._stopping = False
+        self._started = threading.Event()
+        self._built = threading.Event()
+        self._build_error: BaseException | None = None
         self._failed_steps = 0  # consecutive steps that raised
         self._fault: str | None = None  # why the engine is unhealthy; None while healthy
         self._last_emit_ns = 0  # when the latest step's tokens existed
         self._ids = itertools.count()
-        self._thread = threading.Thread(target=self._run, name="streaming-engine", daemon=True)
-        self._vocab_size = int(loaded.model.get_input_embeddings().weight.shape[0])
+        self._thread = threading.Thread(
+            target=self._run, args=(loaded,), name="streaming-engine", daemon=True
+        )
+        self._thread.start()
+        self._built.wait()
+        if self._build_error is not None:
+            self._thread.join()
+            raise self._build_error
+        model = self.loaded
+        self._vocab_size = int(model.model.get_input_embeddings().weight.shape[0])
         # grammar: compiles guided_* settings into per-request matchers (streaming_backend.grammar)
-        self._grammars = GrammarCompiler(loaded.tokenizer, self._vocab_size, loaded.eos_ids)
+        self._grammars = GrammarCompiler(model.tokenizer, self._vocab_size, model.eos_ids)
+
+    def _build(self, loaded: LoadedModel | Callable[[], LoadedModel]) -> None:
+        """On the engine thread: load the model (if given a loader) and build its steps."""
+        self.loaded = loaded() if callable(loaded) else loaded
+        # the live streams and the forward they run on; owned by the engine thread
+        self._steps: Steps[_Stream] = build_steps(self.loaded, self.config, self._prefill_failed)
 
     # ---- public API (any thread) -------------------------------------------------------------
 
     def start(self) -> Engine:
-        """Start the engine thread."""
-        self._thread.start()
+        """Start the engine's loop."""
+        self._started.set()
         return self
 
     def __enter__(self) -> Engine:
@@ -191,7 +218,7 @@ class Engine:
             grammar=grammar,
         )
         with self._cond:
-            if self._stopping or not self._thread.is_alive():
+            if self._stopping or not self._started.is_set() or not self._thread.is_alive():
                 raise EngineStopped("the engine is not running")
             if self._fault is not None:
                 raise EngineStopped(f"the engine failed and awaits a restart: {self._fault}")
@@ -209,6 +236,7 @@ class Engine:
         with self._cond:
             self._stopping = True
             self._cond.notify()
+        self._started.set()  # a loop never started ends at once
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -238,7 +266,15 @@ class Engine:
 
     # ---- the engine thread ---------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, loaded: LoadedModel | Callable[[], LoadedModel]) -> None:
+        try:
+            self._build(loaded)
+        except BaseException as exc:  # handed to the constructor, which raises it
+            self._build_error = exc
+            return
+        finally:
+            self._built.set()
+        self._started.wait()
         with torch.inference_mode():
             while True:
                 new = self._admit()

@@ -561,3 +561,50 @@ def test_nan_logits_fail_the_stream_with_a_clear_error(tiny_loaded):
         assert list(engine.submit(_prompt(loaded, "hi"), GREEDY))[-1].finish_reason is (
             FinishReason.LENGTH
         )
+
+
+def test_the_model_loads_and_the_forward_builds_on_the_engine_thread(tiny_loaded, monkeypatch):
+    """All of the engine's torch work runs on its one thread: a loader given instead of a model
+    runs there, and so does the forward's build (with its calibration), since torch's threads
+    form one team per calling thread and a second team slowed every decode step."""
+    import streaming_backend.engine as engine_module
+
+    threads = {}
+    build = engine_module.build_steps
+
+    def recording_build(*args):
+        threads["build"] = threading.current_thread()
+        return build(*args)
+
+    def loader():
+        threads["load"] = threading.current_thread()
+        return tiny_loaded
+
+    monkeypatch.setattr(engine_module, "build_steps", recording_build)
+    with Engine(loader, EngineConfig(max_streams=2)) as eng:
+        assert eng.loaded is tiny_loaded
+        events = list(eng.submit(_prompt(tiny_loaded, "Hello"), GREEDY))
+    assert events[-1].finish_reason is not None
+    assert threads["load"] is threads["build"] is eng._thread
+    assert threads["load"] is not threading.main_thread()
+
+
+def test_a_loader_that_fails_fails_the_constructor_and_leaves_no_thread():
+    """The load's error is raised by Engine(...) itself; the engine thread has ended."""
+    before = {t for t in threading.enumerate() if t.name == "streaming-engine"}
+
+    def loader():
+        raise FileNotFoundError("no model here")
+
+    with pytest.raises(FileNotFoundError, match="no model here"):
+        Engine(loader)
+    assert {t for t in threading.enumerate() if t.name == "streaming-engine"} == before
+
+
+def test_submit_before_start_is_refused_and_shutdown_ends_the_thread(tiny_loaded):
+    """An engine built but not started takes no request; shutdown() ends its waiting thread."""
+    eng = Engine(tiny_loaded, EngineConfig(max_streams=1))
+    with pytest.raises(EngineStopped):
+        eng.submit(_prompt(tiny_loaded, "Hello"), GREEDY)
+    eng.shutdown()
+    assert not eng._thread.is_alive()

@@ -48,10 +48,14 @@ class TritonPythonModel:
         """Load the model, start the engine and the outbox thread."""
         self.settings = ModelSettings.from_config(json.loads(args["model_config"]))
         device = instance_device(args["model_instance_kind"], args["model_instance_device_id"])
-        loaded = load_model(self.settings.model, self.settings.dtype, device)
+        # loaded on the engine's own thread, where all its torch work runs (engine.py)
+        settings = self.settings
+        self.engine = Engine(
+            lambda: load_model(settings.model, settings.dtype, device), settings.engine
+        ).start()
+        loaded = self.engine.loaded
         log.info("loaded %s on %s as %s", loaded.name, loaded.device, loaded.dtype)
         self.tokenizer = loaded.tokenizer
-        self.engine = Engine(loaded, self.settings.engine).start()
         # None: no admin key in our environment, so every control request is refused
         self.control = Control(self.engine, os.environ.get(ADMIN_KEY_VARIABLE) or None)
         metrics = Metrics(pb_utils.MetricFamily, args["model_name"], args["model_version"])
