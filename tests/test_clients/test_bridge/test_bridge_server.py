@@ -112,7 +112,7 @@ async def test_triton_restarted_under_the_bridge(tiny_model_dir):
             await ws.send(frame(type="generate", id="c", prompt="After", params=short))
             assert (await collect(ws, {"c"}))["c"][-1]["usage"]["completion_tokens"] == 4
         assert back_in < 10
-    finally:
-        first.stop()
+    finally:  # killed: nothing is left to drain
+        first.stop(graceful=False)
         if second is not None:
-            second.stop()
+            second.stop(graceful=False)
