@@ -124,8 +124,9 @@ class Engine:
         engine's thread too. Every torch computation of the engine (the model's load when given
         a function, the forward's build, its calibration and every step) runs on that one
         thread: torch's OpenMP threads form one team per calling thread, and on a 2-core CPU a
-        second team (the main thread's, from a load there) made every decode step of the
-        engine thread 1.6x slower (docs/performance.md). The loop itself waits for start().
+        second team (the main thread's, from building and calibrating the forward there) made
+        every int4 decode step of the engine thread 1.7x as long (docs/performance.md). The
+        loop itself waits for start().
         """
         self.config = config or EngineConfig()
         self._cond = threading.Condition()
