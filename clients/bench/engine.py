@@ -240,7 +240,7 @@ def run(cfg: BenchConfig) -> list[LevelResult]:
             f"[{dtype}] prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens",
             flush=True,
         )
-        results.append(run_baseline(loaded, prompts, cfg))
+        results.append(on_own_thread(run_baseline, loaded, prompts, cfg))
         print_row(results[-1])
         for concurrency in cfg.concurrency:
             for result in run_engines(loaded, prompts, concurrency, cfg):
@@ -248,6 +248,29 @@ def run(cfg: BenchConfig) -> list[LevelResult]:
                 print_row(result)
         del loaded
     return results
+
+
+def on_own_thread(fn, *args):
+    """fn(*args) on a thread of its own, joined; its result, or its exception raised here.
+
+    torch's CPU threads form one team per calling thread, and a team left on this thread slowed
+    the engine's thread 1.7x (docs/performance.md): the baseline's team ends with its thread,
+    before the engines run."""
+    outcome: list = []
+
+    def target() -> None:
+        try:
+            outcome.append((True, fn(*args)))
+        except BaseException as exc:  # re-raised on the caller's thread
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=target, name="engine-bench-baseline")
+    thread.start()
+    thread.join()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 HEADER = (

@@ -125,3 +125,16 @@ def test_quantized_compact_forward_runs_and_is_recorded(tiny_model_dir, tmp_path
     doc = json.loads(out.read_text())
     assert doc["config"]["quantize"] == "int8"
     assert all(r["output_tokens"] == 4 * r["requests"] for r in doc["results"])
+
+
+def test_on_own_thread_returns_and_raises_on_the_caller():
+    """The baseline's runner: a value comes back, an exception is raised here, and the work ran
+    on another thread."""
+    import threading
+
+    assert bench.on_own_thread(lambda a, b: (a + b, threading.current_thread().name), 2, 3) == (
+        5,
+        "engine-bench-baseline",
+    )
+    with pytest.raises(KeyError, match="gone"):
+        bench.on_own_thread(lambda: {}["gone"])
