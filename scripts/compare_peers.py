@@ -43,10 +43,14 @@ READY_TIMEOUT_S = 300
 class Server:
     name: str
     command: list[str]
+    port: int  # of its OpenAI API, on 127.0.0.1
     model: str  # the name its OpenAI API serves the model under
     fixed_length: list[str]  # bench options that make every answer --output-tokens long
     env: dict[str, str] | None = None
-    base_url: str = ""
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
 
 def default_model() -> tuple[Path, Path, int]:
@@ -69,7 +73,7 @@ def servers(args: argparse.Namespace) -> list[Server]:
         ours += [option, str(free_port())]
     ours += args.ours_args.split()
     found = [
-        Server("tokenstream serve", ours, "chat", ["--output-tokens", n], base_url=f"{port}"),
+        Server("tokenstream serve", ours, port, "chat", ["--output-tokens", n]),
     ]
     if args.transformers_env:
         for dtype in ("float32", "bfloat16"):
@@ -79,7 +83,7 @@ def servers(args: argparse.Namespace) -> list[Server]:
             command += ["--host", "127.0.0.1", "--port", str(port), str(folder)]
             env = {**os.environ, "HF_HUB_OFFLINE": "1"}
             name = f"transformers serve --continuous-batching, {dtype}"
-            found.append(Server(name, command, str(folder), ban_eos, env, f"{port}"))
+            found.append(Server(name, command, port, str(folder), ban_eos, env))
     if args.llama_env:
         port = free_port()
         command = [str(Path(args.llama_env) / "bin" / "python"), "-m", "llama_cpp.server"]
@@ -88,9 +92,7 @@ def servers(args: argparse.Namespace) -> list[Server]:
         # its default lets a new request cut off the one running: queue them instead
         command += ["--interrupt_requests", "False"]
         name = f"llama.cpp (llama-cpp-python server, Q4_1, {os.cpu_count()} threads)"
-        found.append(Server(name, command, "chat", ban_eos, base_url=f"{port}"))
-    for server in found:
-        server.base_url = f"http://127.0.0.1:{server.base_url}"
+        found.append(Server(name, command, port, "chat", ban_eos))
     return [s for s in found if not args.only or any(o in s.name for o in args.only)]
 
 

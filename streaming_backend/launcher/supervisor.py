@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streaming_backend.hardware import AUTO, DtypeChoice, QuantizeChoice, host_dtype, host_quantize
+from streaming_backend.hardware import AUTO, DtypeChoice, host_dtype, host_quantize
 from streaming_backend.launcher.control import ControlError, control, load_model, model_ready
 from streaming_backend.launcher.repository import patch_parameters, read_parameters
 from streaming_backend.launcher.server import ServerConfig, ServerDied, TritonServer
@@ -86,11 +86,6 @@ def _dtype_choice(setting: str) -> DtypeChoice:
         return DtypeChoice(setting, "", str(error))
 
 
-def _quantize_choice(setting: str, dtype: DtypeChoice) -> QuantizeChoice:
-    """The weight format the models pick on this host, by their own rule (hardware.py)."""
-    return host_quantize(setting, dtype.dtype)
-
-
 class Supervisor:
     """Runs one tritonserver at a time, with explicit model control and a restricted repository
     API; the admin key is generated here unless the config names one."""
@@ -118,7 +113,8 @@ class Supervisor:
         self._restart_times: list[float] = []
         self._watch: Watch | None = None
         self.dtype = _dtype_choice(server.parameters().get("dtype", AUTO))
-        self.quantize = _quantize_choice(server.parameters().get("quantize", AUTO), self.dtype)
+        # the weight format the models pick on this host, by their own rule (hardware.py)
+        self.quantize = host_quantize(server.parameters().get("quantize", AUTO), self.dtype.dtype)
 
     @property
     def admin_key(self) -> str:
