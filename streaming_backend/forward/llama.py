@@ -275,6 +275,35 @@ class CompactLlama(nn.Module):
         x = rms_norm(x, self.final_norm, self.shape.eps)
         return linear(x, self.head).float()
 
+    def decode_front(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, window: int
+    ) -> torch.Tensor:
+        """One new token for each of the cache's first N places -> logits [N, V] (fp32).
+
+        index: [2, N] long on the model's device, the tokens and their positions; row r is the
+        slot at place r (SlotCache.gather_front put them there). The arithmetic of `forward` for
+        N rows of one token, but every layer attends over one view of places [0, N) and
+        positions [0, window) instead of a copy of each row's keys, with one [N, 1, 1, window]
+        mask per sliding-window length broadcast over the heads.
+        """
+        tokens, positions = index
+        n = tokens.shape[0]
+        dims = self.shape.dims
+        x = F.embedding(tokens, self.embed)  # [N, hidden]
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [N, 1, D]
+        places = torch.arange(n, device=tokens.device)
+        distance = positions[:, None] - torch.arange(window, device=tokens.device)[None]
+        windows = self.shape.windows
+        masks = {w: ((distance >= 0) & (distance < w))[:, None, None] for w in set(windows)}
+        for number, block in enumerate(self.blocks):
+            kv = (k_cache[number], v_cache[number])
+            h = rms_norm(x, block.norm1, dims.eps)
+            where = (places, positions, window, masks[windows[number]])
+            x = x + front_attention(h, block, kv, cos, sin, where, dims)
+            x = mlp(x, block, dims)
+        x = rms_norm(x, self.final_norm, self.shape.eps)
+        return linear(x, self.head).float()
+
     def _grouped(self, mask: torch.Tensor) -> torch.Tensor:
         """[N, T, W] -> [N, 1, groups * T, W]: one mask row per (query head of a group, token)."""
         n, t, w = mask.shape
@@ -385,6 +414,28 @@ def one_row_attention(h, block: Block, kv, cos, sin, span: tuple[int, int], dims
     q = qk[: dims.heads].view(1, dims.kv_heads, dims.heads // dims.kv_heads, dims.head_dim)
     out = F.scaled_dot_product_attention(q, keys, values)  # [1, Hkv, groups, D]
     return linear(out.reshape(1, q_size), block.o, block.o_bias)
+
+
+def front_attention(h, block: Block, kv, cos, sin, where, dims: Dims) -> torch.Tensor:
+    """`attention` for N rows of one token (h [N, hidden]) in the cache's first N places.
+
+    where: (places [N] = 0..N-1, positions [N], window, mask [N, 1, 1, window]). Writes each
+    row's K/V at its place and position, then attends over the view kv[:N, :, :window].
+    """
+    places, positions, window, mask = where
+    n = h.shape[0]
+    k_layer, v_layer = kv
+    q_size, kv_size = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
+    qkv = linear(h, block.qkv, block.qkv_bias)  # [N, (H + 2 Hkv) D]
+    qk = qkv[:, : q_size + kv_size].view(n, dims.heads + dims.kv_heads, dims.head_dim)
+    qk = qk * cos + _rotate_half(qk) * sin  # q's heads, then k's
+    k_layer[places, :, positions] = qk[:, dims.heads :]  # [N, Hkv, D]
+    v_layer[places, :, positions] = qkv[:, q_size + kv_size :].view(n, dims.kv_heads, -1)
+    # the query heads sharing a key/value head stacked along the query axis, as in `attention`
+    q = qk[:, : dims.heads].reshape(n, dims.kv_heads, dims.heads // dims.kv_heads, -1)
+    keys, values = k_layer[:n, :, :window], v_layer[:n, :, :window]  # views: nothing copied
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [N, Hkv, groups, D]
+    return linear(out.reshape(n, q_size), block.o, block.o_bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -46,6 +46,10 @@ class ForwardConfig:
     # The linear weights as torch's CPU weight-only kernels take them: "none", "int8" or "int4"
     # (forward/quant.py; scripts/quant_quality.py checks greedy agreement and perplexity).
     quantize: str = "none"
+    # An eager step of several slots moves them to the cache's front and attends over one view
+    # of them (SlotCache.gather_front); False copies each row's keys out of its slot instead, as
+    # the compiled and graphed steps do (kept to measure one against the other).
+    front_decode: bool = True
 
     def __post_init__(self) -> None:
         check_kind(self.quantize)
@@ -71,6 +75,7 @@ class SlotForward:
         self._decode_fn: DecodeFn = model  # replaced by a compiled or graphed step at setup
         self._zeros = torch.zeros(cache.slots + 1, dtype=torch.long, device=device)
         self.compile_seconds: float | None = None
+        self.front_decode = True  # see ForwardConfig.front_decode
 
     @classmethod
     def create(cls, loaded: LoadedModel, config: ForwardConfig) -> SlotForward:
@@ -82,6 +87,7 @@ class SlotForward:
         )
         forward = cls(model, cache, loaded.device)
         forward._set_up_decode(config)
+        forward.front_decode = config.front_decode
         return forward
 
     def _set_up_decode(self, config: ForwardConfig) -> None:
@@ -141,8 +147,8 @@ class SlotForward:
             size = len(chunk.tokens)
             tokens[row, :size] = torch.as_tensor(chunk.tokens, dtype=torch.long)
             positions[row, :size] = torch.arange(start, start + size)
-            write_slots[row, :size] = chunk.slot
-        read_slots = torch.tensor([c.slot for c in chunks], dtype=torch.long)
+            write_slots[row, :size] = self.cache.physical[chunk.slot]
+        read_slots = torch.tensor([self.cache.physical[c.slot] for c in chunks], dtype=torch.long)
         last = torch.tensor([len(c.tokens) - 1 for c in chunks], dtype=torch.long)
         to = self.device
         return Rows(
@@ -158,17 +164,39 @@ class SlotForward:
         lengths = [self.cache.lengths[s] for s in slots]
         for slot in slots:
             self.cache.check_room(slot, 1)
-        index = self.decode_index(tokens, slots, lengths)
-        if len(slots) == 1 and self._decode_fn is self.model:  # eager, one stream
-            logits = self.model.decode_one(
-                self.cache.k, self.cache.v, index[0], slots[0], lengths[0]
-            )
-        else:
+        eager = self._decode_fn is self.model
+        if eager and len(slots) == 1:
+            token = torch.tensor(tokens, dtype=torch.long).to(self.device)
+            place = self.cache.physical[slots[0]]
+            logits = self.model.decode_one(self.cache.k, self.cache.v, token, place, lengths[0])
+        elif eager and self.front_decode:
+            logits = self._decode_front(slots, tokens, lengths)
+        else:  # compiled or graphed (fixed shapes), or asked for: each row's keys gathered
+            places = [self.cache.physical[s] for s in slots]
+            index = self.decode_index(tokens, places, lengths)
             window = window_for(max(lengths) + 1, self.cache.max_len)
             logits = self._decode_fn(self.cache.k, self.cache.v, self.decode_rows(index), window)
         for slot in slots:
             self.cache.lengths[slot] += 1
         return logits
+
+    def _decode_front(
+        self, slots: Sequence[int], tokens: Sequence[int], lengths: Sequence[int]
+    ) -> torch.Tensor:
+        """An eager step of several slots: moved to the cache's front, each row attends over a
+        view of its place (CompactLlama.decode_front); logits returned in `slots` order."""
+        self.cache.gather_front(slots)
+        order = sorted(range(len(slots)), key=lambda row: self.cache.physical[slots[row]])
+        index = torch.tensor(
+            [[tokens[row] for row in order], [lengths[row] for row in order]], dtype=torch.long
+        ).to(self.device)
+        window = min(max(lengths) + 1, self.cache.max_len)
+        logits = self.model.decode_front(self.cache.k, self.cache.v, index, window)
+        if order == sorted(order):
+            return logits
+        back = torch.empty(len(order), dtype=torch.long)
+        back[torch.tensor(order)] = torch.arange(len(order))
+        return logits[back.to(self.device)]
 
     def decode_index(
         self, tokens: Sequence[int], slots: Sequence[int], lengths: Sequence[int]
