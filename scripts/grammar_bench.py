@@ -5,10 +5,13 @@ cost per token, in one run on the engine (no server).
 
 Each round submits --streams streams of --tokens tokens each (the shipped chat prompts, cycled),
 once free and once with every stream under SCHEMA, a list of records that cannot be complete
-before --tokens tokens, so both runs generate the same number of tokens. Free and constrained
-runs alternate over --rounds rounds (the machine is shared and noisy) and the median is
-reported. The mask time is the time spent in grammar.apply_grammar_masks (llguidance filling
-every constrained row's mask, and applying it), per step and per constrained token.
+before --tokens tokens, so both runs generate the same number of tokens; with --mask-ahead both,
+the constrained run twice: masks filled on the engine thread after each forward, and filled
+ahead on a worker while the forward runs (the engine's choice: ahead on a GPU only). Runs
+alternate over --rounds rounds (the machine is shared and noisy) and medians are reported. The
+model runs as served (--dtype auto, quantize auto). The mask time is the engine thread's time in
+grammar.apply_grammar_masks (filling the masks not filled ahead, waiting for those that were,
+applying them), per step and per constrained token.
 """
 
 from __future__ import annotations
@@ -18,10 +21,10 @@ import json
 import statistics
 import time
 
-from streaming_backend import engine as engine_module
+from streaming_backend import logits as logits_module
 from streaming_backend.config import EngineConfig
 from streaming_backend.engine import Engine
-from streaming_backend.loading import default_model_path, load_model
+from streaming_backend.loading import default_model_path, load_model, resolve_quantize
 from streaming_backend.prompts import encode_prompt, load_chat_prompts
 from streaming_backend.settings import SamplingSettings
 
@@ -42,10 +45,14 @@ SCHEMA = {
 
 
 class MaskTimer:
-    """Wraps the engine's apply_grammar_masks: total seconds, calls, constrained rows."""
+    """Wraps the logits pipeline's apply_grammar_masks: total seconds, calls, constrained rows."""
 
     def __init__(self, apply) -> None:
-        self.apply, self.seconds, self.calls, self.rows = apply, 0.0, 0, 0
+        self.apply = apply
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds, self.calls, self.rows = 0.0, 0, 0
 
     def __call__(self, logits, matchers):
         start = time.perf_counter()
@@ -54,6 +61,12 @@ class MaskTimer:
         self.calls += 1
         self.rows += sum(m is not None for m in matchers)
         return out
+
+    def figures(self) -> dict[str, float]:
+        return {
+            "ms_per_step": round(1e3 * self.seconds / max(self.calls, 1), 3),
+            "us_per_token": round(1e6 * self.seconds / max(self.rows, 1), 1),
+        }
 
 
 def run(engine: Engine, prompts: list[list[int]], settings: SamplingSettings) -> tuple[int, float]:
@@ -69,7 +82,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--mask-ahead", choices=("on", "off", "both"), default="both")
     args = parser.parse_args()
     loaded = load_model(str(default_model_path()), dtype=args.dtype, device="cpu")
     chats = load_chat_prompts()
@@ -79,30 +93,38 @@ def main() -> None:
     common = {"max_tokens": args.tokens, "temperature": 0.7, "seed": 1, "ignore_eos": True}
     free = SamplingSettings.parse(common)
     constrained = SamplingSettings.parse({**common, "guided_json": SCHEMA})
-    timer = MaskTimer(engine_module.apply_grammar_masks)
-    engine_module.apply_grammar_masks = timer
+    timer = MaskTimer(logits_module.apply_grammar_masks)
+    logits_module.apply_grammar_masks = timer
     config = EngineConfig(max_streams=args.streams, queue_limit=args.streams)
-    rates: dict[str, list[float]] = {"free": [], "json": []}
-    counts: dict[str, list[int]] = {"free": [], "json": []}
+    runs = [("free", free, False)]
+    if args.mask_ahead in ("off", "both"):
+        runs.append(("json", constrained, False))
+    if args.mask_ahead in ("on", "both"):
+        runs.append(("json_ahead", constrained, True))
+    rates = {name: [] for name, _, _ in runs}
+    counts = {name: [] for name, _, _ in runs}
+    timers = {name: MaskTimer(timer.apply) for name, _, _ in runs if name != "free"}
     with Engine(loaded, config) as engine:
         run(engine, prompts[:2], constrained)  # warm up: the grammar compiles, caches fill
-        timer.seconds = timer.calls = timer.rows = 0
         for _ in range(args.rounds):
-            for name, settings in (("free", free), ("json", constrained)):
+            for name, settings, ahead in runs:
+                engine.mask_ahead = ahead
+                logits_module.apply_grammar_masks = timers.get(name, timer)
                 tokens, seconds = run(engine, prompts, settings)
                 rates[name].append(tokens / seconds)
                 counts[name].append(tokens)
-    free_rate, json_rate = (statistics.median(rates[k]) for k in ("free", "json"))
+    medians = {name: statistics.median(r) for name, r in rates.items()}
     result = {
+        "model": loaded.name,
+        "dtype": str(loaded.dtype),
+        "quantize": resolve_quantize(config.quantize, loaded),
         "streams": args.streams,
         "tokens_per_stream": args.tokens,
-        "free_tokens_per_s": round(free_rate, 1),
-        "json_tokens_per_s": round(json_rate, 1),
-        "ratio": round(json_rate / free_rate, 3),
-        "mask_ms_per_step": round(1e3 * timer.seconds / max(timer.calls, 1), 3),
-        "mask_us_per_token": round(1e6 * timer.seconds / max(timer.rows, 1), 1),
+        "tokens_per_s": {name: round(rate, 1) for name, rate in medians.items()},
+        "ratio_to_free": {name: round(rate / medians["free"], 3) for name, rate in medians.items()},
+        "mask": {name: timer.figures() for name, timer in timers.items()},
         "rounds": {k: [round(r, 1) for r in v] for k, v in rates.items()},
-        "tokens": counts,  # per run: both should be streams * tokens (no stream ended early)
+        "tokens": counts,  # per run: each should be streams * tokens (no stream ended early)
     }
     print(json.dumps(result, indent=2))
 

@@ -284,4 +284,5 @@ def _beam_log_probs(
         for tokens in group.search.tokens
     ]
     chooser = NextTokenChooser.for_rows(rows, eos_ids, logits.device)
-    return torch.log_softmax(chooser.process(logits.clone(), rows).float(), dim=-1)
+    processed, _ = chooser.process(logits.clone(), rows)  # no grammars: nothing fails
+    return torch.log_softmax(processed.float(), dim=-1)

@@ -30,7 +30,7 @@ from streaming_backend.errors import (
     StreamingError,
 )
 from streaming_backend.events import FinishReason, LogprobDetail, TokenEvent, TokenLogprob
-from streaming_backend.grammar import GrammarCompiler, GrammarMatcher
+from streaming_backend.grammar import GrammarCompiler, GrammarMatcher, compute_masks_ahead
 from streaming_backend.loading import LoadedModel
 from streaming_backend.logits import NextTokenChooser
 from streaming_backend.settings import SamplingSettings
@@ -151,6 +151,10 @@ class Engine:
         self._vocab_size = int(model.model.get_input_embeddings().weight.shape[0])
         # grammar: compiles guided_* settings into per-request matchers (streaming_backend.grammar)
         self._grammars = GrammarCompiler(model.tokenizer, self._vocab_size, model.eos_ids)
+        # Fill the next step's grammar masks on a worker while the forward runs: on a GPU the
+        # host is free meanwhile; on a CPU the forward's threads hold every core, and the worker
+        # would take them from it (docs/openai.md, scripts/grammar_bench.py --mask-ahead).
+        self.mask_ahead = model.device.type == "cuda"
 
     def _build(self, loaded: LoadedModel | Callable[[], LoadedModel]) -> None:
         """On the engine thread: load the model (if given a loader) and build its steps."""
@@ -383,6 +387,8 @@ class Engine:
                     raise NonFiniteLogits(
                         "the model produced NaN or infinite logits (float16 overflow? try bfloat16)"
                     )
+                if row in choice.failed:
+                    raise choice.failed[row]
                 lp = None
                 if choice.logprobs is not None and stream.logprobs:
                     lp = self._logprob_detail(stream, choice.ids[row], *choice.logprobs[row])
@@ -392,6 +398,8 @@ class Engine:
                 log.exception("stream %s failed", stream.handle.request_id)
                 self._fail([stream], exc)
         self._steps.remove(done)
+        if self.mask_ahead:  # the next masks are filled while the next forward runs
+            compute_masks_ahead([s.grammar for s in streams if not s.ended], logits.shape[-1])
 
     def _logprob_detail(
         self, stream: _Stream, token: int, logprob: float, top: tuple[tuple[int, float], ...]

@@ -6,6 +6,11 @@ grammar share one batch, and a batch without any grammar pays nothing. After a t
 the row's matcher `accept`s it; once the grammar is complete (`done`), the stream ends with STOP.
 EOS is allowed only where the grammar accepts.
 
+A row whose mask cannot be made (llguidance failing mid-stream) is reported, not raised: its
+stream ends with MaskFailed and the batch goes on. Where the host is idle while the forward runs
+(a GPU), the engine has the next step's masks filled on a worker thread meanwhile
+(`compute_masks_ahead`), and the step only waits for them.
+
 Compiled grammars are cached by their text: every request with the same schema starts from a
 copy of one compiled matcher. A grammar that does not compile (a bad schema, regex or Lark text)
 fails its request alone with InvalidRequest, at submit.
@@ -14,6 +19,7 @@ fails its request alone with InvalidRequest, at submit.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import json
 import threading
 from collections.abc import Collection, Sequence
@@ -21,7 +27,7 @@ from typing import Any
 
 import torch
 
-from streaming_backend.errors import InvalidRequest
+from streaming_backend.errors import InvalidRequest, StreamingError
 from streaming_backend.settings import SamplingSettings
 from streaming_backend.wire import (
     GUIDED_CHOICE,
@@ -74,8 +80,23 @@ class GrammarMatcher:
 
     def __init__(self, matcher: Any) -> None:
         self._matcher = matcher
+        self._ahead: Any = None  # its next mask, being computed (compute_masks_ahead)
         with GrammarMatcher._count_lock:
             GrammarMatcher.live += 1
+
+    def native(self) -> Any:
+        """llguidance's matcher; MaskFailed once released."""
+        if self._matcher is None:
+            raise MaskFailed("the grammar's matcher was released")
+        return self._matcher
+
+    def set_ahead(self, ahead: Any) -> None:
+        self._ahead = ahead
+
+    def take_ahead(self) -> Any:
+        """The mask being computed ahead for the current state (None if none), handed once."""
+        ahead, self._ahead = self._ahead, None
+        return ahead
 
     @property
     def done(self) -> bool:
@@ -84,6 +105,9 @@ class GrammarMatcher:
 
     def accept(self, token: int) -> bool:
         """Advance past a chosen token; False when the grammar forbids it."""
+        ahead = self.take_ahead()  # a mask of the state before this token: let it finish
+        if ahead is not None:
+            ahead.wait()
         return self._matcher is not None and self._matcher.consume_token(token)
 
     def error(self) -> str:
@@ -156,23 +180,97 @@ class GrammarCompiler:
 
 
 _executor = None  # llguidance's thread pool for filling many rows' masks at once
+_ahead_worker = None  # the thread that fills next steps' masks while a forward runs
+
+
+class MaskFailed(StreamingError):
+    """A row's grammar mask could not be made: its stream fails, the batch goes on."""
 
 
 def apply_grammar_masks(
     logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None]
-) -> torch.Tensor:
+) -> dict[int, MaskFailed]:
     """Set forbidden tokens' logits to -inf in rows with a matcher; logits [B, V], in place.
 
     matchers[row] is None for an unconstrained row; when every row's is None nothing is done.
+    A mask computed ahead (`compute_masks_ahead`) is used when there is one. Returns the rows
+    whose mask failed, each with its error: those rows are left unmasked, and their streams
+    must end with the error (the other rows are masked and go on).
     """
     rows = [row for row, m in enumerate(matchers) if m is not None and m._matcher is not None]
     if not rows:
-        return logits
-    allowed = allowed_tokens([matchers[row] for row in rows], logits.shape[-1])  # [R, V]
-    index = torch.tensor(rows).to(logits.device)
-    forbidden = ~allowed.to(logits.device, non_blocking=True)
-    logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
-    return logits
+        return {}
+    vocab_size = logits.shape[-1]
+    masks, failed = {}, {}
+    for row in rows:  # masks filled ahead, on the worker, while this step's forward ran
+        ahead = matchers[row].take_ahead()
+        if ahead is not None:
+            try:
+                masks[row] = ahead.result()
+            except Exception:  # computed again below, where a failure is this row's alone
+                pass
+    now = [row for row in rows if row not in masks]
+    if now:
+        masks.update(_masks_now([matchers[row] for row in now], now, vocab_size, failed))
+    if masks:
+        masked = sorted(masks)
+        allowed = torch.stack([masks[row] for row in masked])  # [R, V] bool, on the CPU
+        index = torch.tensor(masked).to(logits.device)
+        forbidden = ~allowed.to(logits.device, non_blocking=True)
+        logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
+    return failed
+
+
+def _masks_now(
+    matchers: list[GrammarMatcher], rows: list[int], vocab_size: int, failed: dict
+) -> dict[int, torch.Tensor]:
+    """Every row's mask at once; should that fail, each row alone, recording which failed."""
+    try:
+        return dict(zip(rows, allowed_tokens(matchers, vocab_size)))
+    except Exception:
+        pass
+    masks = {}
+    for row, matcher in zip(rows, matchers):
+        try:
+            masks[row] = allowed_tokens([matcher], vocab_size)[0]
+        except Exception as exc:
+            failed[row] = MaskFailed(f"the grammar's token mask failed: {exc}")
+    return masks
+
+
+def compute_masks_ahead(matchers: Sequence[GrammarMatcher | None], vocab_size: int) -> None:
+    """Start filling these matchers' next masks on a worker thread, to overlap the next forward.
+
+    Call after each has accepted its latest token; `apply_grammar_masks` picks the masks up
+    (or computes a row's now if its matcher was not given here). A matcher must not accept a
+    token before its mask ahead was taken.
+    """
+    live = [m for m in matchers if m is not None and m._matcher is not None and not m.done]
+    if not live:
+        return
+    future = _worker().submit(allowed_tokens, live, vocab_size)
+    for index, matcher in enumerate(live):
+        matcher.set_ahead(_Row(future, index))
+
+
+class _Row:
+    """One row of a batch of masks being computed: result() waits for it."""
+
+    def __init__(self, future: concurrent.futures.Future, index: int) -> None:
+        self._future, self._index = future, index
+
+    def result(self) -> torch.Tensor:
+        return self._future.result()[self._index]
+
+    def wait(self) -> None:
+        concurrent.futures.wait([self._future])
+
+
+def _worker() -> concurrent.futures.ThreadPoolExecutor:
+    global _ahead_worker
+    if _ahead_worker is None:
+        _ahead_worker = concurrent.futures.ThreadPoolExecutor(1, "grammar-masks")
+    return _ahead_worker
 
 
 def allowed_tokens(matchers: Sequence[GrammarMatcher], vocab_size: int) -> torch.Tensor:
@@ -184,7 +282,7 @@ def allowed_tokens(matchers: Sequence[GrammarMatcher], vocab_size: int) -> torch
     bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)  # [R, W], contiguous
     if _executor is None:
         _executor = llguidance.LLExecutor()
-    pairs = [(m._matcher, row) for row, m in enumerate(matchers)]
+    pairs = [(m.native(), row) for row, m in enumerate(matchers)]
     # every row's mask at once, on llguidance's threads, written straight into the tensor
     _executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, len(matchers))
     shifts = torch.arange(BITS, dtype=torch.int32)  # [32]

@@ -20,14 +20,14 @@ log-softmax.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from streaming_backend import logprobs as lp
 from streaming_backend import sampling
-from streaming_backend.grammar import GrammarMatcher, apply_grammar_masks
+from streaming_backend.grammar import GrammarMatcher, MaskFailed, apply_grammar_masks
 from streaming_backend.settings import SamplingSettings
 
 TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
@@ -51,6 +51,8 @@ class Choice:
     finite: list[bool]  # False: the row's logits held NaN or inf (it was drawn from zeros)
     # per row (the choice's logprob, its top_logprobs alternatives), when asked for
     logprobs: list[tuple[float, TopLogprobs]] | None
+    # rows whose grammar mask failed (their token was drawn unmasked): the stream ends with it
+    failed: dict[int, MaskFailed] = field(default_factory=dict)
 
 
 class NextTokenChooser:
@@ -77,9 +79,12 @@ class NextTokenChooser:
     def __len__(self) -> int:
         return len(self.penalties)
 
-    def process(self, logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
+    def process(
+        self, logits: torch.Tensor, rows: Sequence[Row]
+    ) -> tuple[torch.Tensor, dict[int, MaskFailed]]:
         """The logits processors, in place where possible: repetition penalty, EOS banned on
-        rows short of min_tokens, then each grammar's mask -> logits [B, V]."""
+        rows short of min_tokens, then each grammar's mask -> (logits [B, V], the rows whose
+        grammar mask failed, with the error their streams must end with)."""
         self._check(rows)
         penalised = [
             (r, penalty, _seen(row))
@@ -93,7 +98,7 @@ class NextTokenChooser:
             if len(row.output_ids) < least
         ]
         logits = sampling.suppress_tokens(logits, early, self.eos_ids)
-        return apply_grammar_masks(logits, [row.grammar for row in rows])
+        return logits, apply_grammar_masks(logits, [row.grammar for row in rows])
 
     def choose(
         self,
@@ -107,7 +112,7 @@ class NextTokenChooser:
         # NaN or inf (fp16 overflow, a broken device) would be sampled as some token: such a row
         # is drawn from zeros instead and reported, so its stream can fail alone
         finite = torch.isfinite(logits).all(-1)  # [B]
-        logits = self.process(torch.where(finite[:, None], logits, 0.0), rows)
+        logits, failed = self.process(torch.where(finite[:, None], logits, 0.0), rows)
         uniforms = sampling.draw_uniforms([row.generator for row in rows])
         chosen = sampling.sample(logits, self.params, uniforms)  # [B] on the device
         # float64 holds every id exactly: ids, flags and logprobs come back in one copy
@@ -120,6 +125,7 @@ class NextTokenChooser:
             ids=[int(i) for i in host[0]],
             finite=[bool(f) for f in host[1]],
             logprobs=lp.rows_from_host(host, 2, top_logprobs) if logprobs else None,
+            failed=failed,
         )
 
     def _check(self, rows: Sequence[Row]) -> None:

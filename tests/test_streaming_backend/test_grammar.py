@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import re
+import threading
 
 import pytest
 import torch
@@ -112,8 +113,70 @@ def test_masks_cost_nothing_without_grammars():
     """All-None matchers leave the logits untouched (the same tensor, same values)."""
     logits = torch.randn(3, 10)
     copy = logits.clone()
-    assert apply_grammar_masks(logits, [None, None, None]) is logits
+    assert apply_grammar_masks(logits, [None, None, None]) == {}
     assert torch.equal(logits, copy)
+
+
+def test_a_failing_mask_ends_its_stream_alone(tiny_loaded, monkeypatch):
+    """A grammar mask that cannot be made (llguidance failing mid-stream) ends that stream with
+    the error; a constrained and a free row in the same batch go on to their ends."""
+    from streaming_backend import grammar
+
+    real, poisoned = grammar.allowed_tokens, set()
+
+    def failing(matchers, vocab_size):
+        if any(id(m) in poisoned for m in matchers):
+            raise RuntimeError("llguidance broke")
+        return real(matchers, vocab_size)
+
+    monkeypatch.setattr(grammar, "allowed_tokens", failing)
+    config = EngineConfig(max_streams=8, queue_limit=8, test_token_delay_s=0.02)  # they overlap
+    constrained = SamplingSettings.parse({"guided_regex": "[a-z]{40}", "max_tokens": 40})
+    free = SamplingSettings(max_tokens=40, ignore_eos=True)
+    with Engine(tiny_loaded, config) as engine:
+        victim = engine.submit(_prompt(tiny_loaded), constrained)
+        other = engine.submit(_prompt(tiny_loaded), constrained)
+        unconstrained = engine.submit(_prompt(tiny_loaded, "Hello"), free)
+        wait_for(lambda: engine.live_streams == 3)
+        (stream,) = [s for s in engine._steps.live() if s.handle is victim]
+        poisoned.add(id(stream.grammar))
+        events = list(victim)
+        assert events[-1].finish_reason is FinishReason.ERROR
+        assert 0 < events[-1].num_output_tokens < 40
+        assert "token mask failed: llguidance broke" in str(events[-1].error)
+        assert re.fullmatch("[a-z]{40}", other.text())
+        assert [e.finish_reason for e in unconstrained][-1] is FinishReason.LENGTH
+        wait_for(lambda: engine.live_streams == 0)
+
+
+@pytest.mark.parametrize("forward", ("compact", "hf"))
+def test_masks_filled_ahead_give_the_same_streams(tiny_loaded, monkeypatch, forward):
+    """With the next masks filled on the worker while the forward runs, seeded constrained and
+    free rows in one batch produce exactly what they produce with masks filled after it; and
+    the masks were filled on the worker."""
+    from streaming_backend import grammar
+
+    real, threads = grammar.allowed_tokens, []
+
+    def recording(matchers, vocab_size):
+        threads.append(threading.current_thread().name)
+        return real(matchers, vocab_size)
+
+    monkeypatch.setattr(grammar, "allowed_tokens", recording)
+    requests = [
+        (_prompt(tiny_loaded), _sampled(guided_json=COLOURS)),
+        (_prompt(tiny_loaded), _sampled(guided_regex="[ab]{20}", seed=2)),
+        (_prompt(tiny_loaded, "Hello"), _sampled(max_tokens=20, seed=3)),
+    ]
+    outputs = {}
+    for ahead in (False, True):
+        config = EngineConfig(max_streams=8, queue_limit=8, forward=forward)
+        with Engine(tiny_loaded, config) as engine:
+            engine.mask_ahead = ahead
+            handles = [engine.submit(prompt, settings) for prompt, settings in requests]
+            outputs[ahead] = [[e.token_ids for e in h] for h in handles]
+    assert outputs[True] == outputs[False]
+    assert any(name.startswith("grammar-masks") for name in threads)
 
 
 def test_top_logprobs_are_sorted_and_the_models_log_softmax(engine, tiny_loaded):
