@@ -48,11 +48,7 @@ class MaskTimer:
     """Wraps the logits pipeline's apply_grammar_masks: total seconds, calls, constrained rows."""
 
     def __init__(self, apply) -> None:
-        self.apply = apply
-        self.reset()
-
-    def reset(self) -> None:
-        self.seconds, self.calls, self.rows = 0.0, 0, 0
+        self.apply, self.seconds, self.calls, self.rows = apply, 0.0, 0, 0
 
     def __call__(self, logits, matchers):
         start = time.perf_counter()
@@ -77,15 +73,16 @@ def run(engine: Engine, prompts: list[list[int]], settings: SamplingSettings) ->
     return tokens, time.perf_counter() - start
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a model folder (default: the shipped one)")
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--mask-ahead", choices=("on", "off", "both"), default="both")
-    args = parser.parse_args()
-    loaded = load_model(str(default_model_path()), dtype=args.dtype, device="cpu")
+    args = parser.parse_args(argv)
+    loaded = load_model(args.model or str(default_model_path()), dtype=args.dtype, device="cpu")
     chats = load_chat_prompts()
     prompts = [
         encode_prompt(loaded.tokenizer, messages=chats[i % len(chats)]) for i in range(args.streams)
@@ -93,8 +90,6 @@ def main() -> None:
     common = {"max_tokens": args.tokens, "temperature": 0.7, "seed": 1, "ignore_eos": True}
     free = SamplingSettings.parse(common)
     constrained = SamplingSettings.parse({**common, "guided_json": SCHEMA})
-    timer = MaskTimer(logits_module.apply_grammar_masks)
-    logits_module.apply_grammar_masks = timer
     config = EngineConfig(max_streams=args.streams, queue_limit=args.streams)
     runs = [("free", free, False)]
     if args.mask_ahead in ("off", "both"):
@@ -103,16 +98,20 @@ def main() -> None:
         runs.append(("json_ahead", constrained, True))
     rates = {name: [] for name, _, _ in runs}
     counts = {name: [] for name, _, _ in runs}
-    timers = {name: MaskTimer(timer.apply) for name, _, _ in runs if name != "free"}
-    with Engine(loaded, config) as engine:
-        run(engine, prompts[:2], constrained)  # warm up: the grammar compiles, caches fill
-        for _ in range(args.rounds):
-            for name, settings, ahead in runs:
-                engine.mask_ahead = ahead
-                logits_module.apply_grammar_masks = timers.get(name, timer)
-                tokens, seconds = run(engine, prompts, settings)
-                rates[name].append(tokens / seconds)
-                counts[name].append(tokens)
+    apply = logits_module.apply_grammar_masks
+    timers = {name: MaskTimer(apply) for name, _, _ in runs}
+    try:
+        with Engine(loaded, config) as engine:
+            run(engine, prompts[:2], constrained)  # warm up: the grammar compiles, caches fill
+            for _ in range(args.rounds):
+                for name, settings, ahead in runs:
+                    engine.mask_ahead = ahead
+                    logits_module.apply_grammar_masks = timers[name]
+                    tokens, seconds = run(engine, prompts, settings)
+                    rates[name].append(tokens / seconds)
+                    counts[name].append(tokens)
+    finally:
+        logits_module.apply_grammar_masks = apply
     medians = {name: statistics.median(r) for name, r in rates.items()}
     result = {
         "model": loaded.name,
@@ -122,11 +121,12 @@ def main() -> None:
         "tokens_per_stream": args.tokens,
         "tokens_per_s": {name: round(rate, 1) for name, rate in medians.items()},
         "ratio_to_free": {name: round(rate / medians["free"], 3) for name, rate in medians.items()},
-        "mask": {name: timer.figures() for name, timer in timers.items()},
+        "mask": {name: timers[name].figures() for name in rates if name != "free"},
         "rounds": {k: [round(r, 1) for r in v] for k, v in rates.items()},
         "tokens": counts,  # per run: each should be streams * tokens (no stream ended early)
     }
     print(json.dumps(result, indent=2))
+    return result
 
 
 if __name__ == "__main__":
