@@ -428,18 +428,38 @@ function fitPrompt() {
   box.style.height = `${Math.min(box.scrollHeight + 2, innerHeight / 3)}px`;
 }
 
+const TOKEN_KEY = "tokenstream-token";
+
 function initToken() {
   // A token in the URL fragment (#token=...) never reaches a server log; keep it for the tab only.
   const fromHash = new URLSearchParams(location.hash.slice(1)).get("token");
   if (fromHash) {
-    sessionStorage.setItem("tokenstream-token", fromHash);
+    keepToken(fromHash);
     history.replaceState(null, "", location.pathname + location.search);
   }
-  $("token").value = sessionStorage.getItem("tokenstream-token") || "";
+  $("token").value = fromHash || readToken();
   $("token").addEventListener("change", () => {
-    sessionStorage.setItem("tokenstream-token", $("token").value.trim());
+    keepToken($("token").value.trim());
     if (page.ws) page.ws.close();  // reconnect with the new token
   });
+}
+
+/** The token kept for this tab; "" when there is none or the browser refuses storage. */
+function readToken() {
+  try {
+    return sessionStorage.getItem(TOKEN_KEY) || "";
+  } catch (err) {
+    console.warn("tokenstream: the tab's storage is unavailable", err);
+    return "";
+  }
+}
+
+function keepToken(token) {
+  try {
+    sessionStorage.setItem(TOKEN_KEY, token);
+  } catch (err) {
+    console.warn("tokenstream: access token not kept for the tab", err);
+  }
 }
 
 // The settings kept across reloads (not the access token: that stays with the tab).
@@ -456,6 +476,7 @@ function initSettings() {
 }
 
 function init() {
+  connect();  // first: the page talks to the bridge whatever goes wrong below (it opens later)
   initToken();
   initSettings();
   $("composer").addEventListener("submit", (event) => {
@@ -484,7 +505,6 @@ function init() {
   $("chat-list").addEventListener("click", onListClick);
   window.addEventListener("storage", onStorage);
   showChat();
-  connect();
 }
 
 init();

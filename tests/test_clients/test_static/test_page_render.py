@@ -253,6 +253,50 @@ async def test_conversations_survive_reload_and_switch(bridge):
         await page.screenshot(path=SCREENSHOTS / "tokenstream-page-phone.png")
 
 
+# Stored conversations that parse as JSON but are not all the page's shape, and a tab whose
+# sessionStorage the browser refuses (as with storage disabled): set before the page's scripts run.
+BAD_STORAGE = """() => {
+  const good = (id, question) => ({ id, title: question, updatedAt: 1, messages: [
+    { role: 'user', content: question }, { role: 'assistant', content: 'Kept', state: 'done' }] });
+  localStorage.setItem('tokenstream-chats', JSON.stringify({ version: 1, currentId: 'no-messages',
+    chats: [null, 7, 'text', good('good-1', 'Good one'), { id: 'no-messages', title: 'x' },
+      { id: 'messages-not-a-list', messages: 'hi' }, { messages: [] },
+      { id: 'bad-messages', title: { not: 'a string' }, messages: [null, 5,
+        { role: 'user', content: { text: 'not a string' } }, { role: 'robot', content: 'x' },
+        { role: 'user', content: 'Valid question' }] },
+      good('good-2', 'Good two')] }));
+  Object.defineProperty(window, 'sessionStorage', {
+    get() { throw new DOMException('storage disabled', 'SecurityError'); } });
+}"""
+
+
+async def test_malformed_storage_is_dropped_and_the_page_works(bridge):
+    """Stored conversations of the wrong shape (null, no messages, a message whose content is not
+    text) and a tab whose sessionStorage throws do not stop the page: it connects, the good
+    conversations are listed and shown, the well-formed messages of a damaged one are kept, and a
+    question gets its answer."""
+    model = ScriptedModel(["Answered"])
+
+    async def seed(page):
+        await model.attach(page)
+        await page.add_init_script(f"({BAD_STORAGE})()")
+
+    async with open_page(bridge, DESKTOP, on_page=seed) as seen:
+        page = seen.page
+        titles = await page.locator(".chat-item").all_inner_texts()
+        assert titles == ["Good one", "Valid question", "Good two"]
+        await page.click('.chat-item:text("Good two")')
+        assert await log_texts(page) == [("user", "Good two"), ("assistant", "Kept")]
+        await send(page, "Still working?")
+        await wait_answers(page, 2)
+        assert model.messages(0) == [
+            ("user", "Good two"),
+            ("assistant", "Kept"),
+            ("user", "Still working?"),
+        ]
+        assert (await log_texts(page))[-1] == ("assistant", "Answered")
+
+
 async def test_regenerate_replaces_and_edit_truncates(bridge):
     """Regenerate asks again with the same conversation and replaces the last answer; editing an
     earlier question drops what followed it and the conversation continues from the edit."""
