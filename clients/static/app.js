@@ -17,6 +17,7 @@ const page = {
   renderQueued: false,
   store: store.loadStore(),
   current: null,      // the answer being streamed, see newAnswer()
+  unsaved: false,     // the browser refused the last save: the store here is the only full copy
 };
 
 // ------------------------------------------------------------------ connection
@@ -143,8 +144,10 @@ function currentChat() {
 }
 
 /** Read the store again before changing it: another tab may have changed it meanwhile (this tab
- * keeps showing its own conversation). */
+ * keeps showing its own conversation). Not while the browser refuses to save: the stored copy
+ * lacks what this tab holds, and reading it would lose that. */
 function refresh() {
+  if (page.unsaved) return;
   const currentId = page.store.currentId;
   page.store = store.loadStore();
   if (store.findChat(page.store, currentId)) page.store.currentId = currentId;
@@ -156,8 +159,12 @@ function saveChat(chat) {
 }
 
 function persist() {
-  if (!store.saveStore(page.store)) {
+  const { saved, dropped } = store.saveStore(page.store);
+  page.unsaved = !saved;
+  if (!saved) {
     showBanner("this browser refused to store the conversation (storage full or disabled)");
+  } else if (dropped) {
+    showBanner(`browser storage full: the ${dropped} oldest conversation(s) were deleted`);
   }
   renderList();
 }

@@ -48,14 +48,25 @@ function validMessage(m) {
   return message;
 }
 
-/** Write the store; false when the browser refuses (storage full or disabled). */
+/** Write the store. When the browser's storage is full, the oldest conversations (never the
+ * current one) are dropped until it fits. Returns {saved, dropped}: saved is false when the
+ * browser refuses even so (the store is then left as it was), dropped counts what was removed. */
 export function saveStore(store) {
-  try {
-    localStorage.setItem(KEY, JSON.stringify(store));
-    return true;
-  } catch (err) {
-    console.warn("tokenstream: conversations not saved", err);
-    return false;
+  let chats = store.chats;
+  for (;;) {
+    try {
+      localStorage.setItem(KEY, JSON.stringify({ ...store, chats }));
+      const dropped = store.chats.length - chats.length;
+      store.chats = chats;
+      return { saved: true, dropped };
+    } catch (err) {
+      const oldest = chats.findLast((c) => c.id !== store.currentId);
+      if (err.name !== "QuotaExceededError" || !oldest) {
+        console.warn("tokenstream: conversations not saved", err);
+        return { saved: false, dropped: 0 };
+      }
+      chats = chats.filter((c) => c !== oldest);
+    }
   }
 }
 

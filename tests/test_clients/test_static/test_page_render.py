@@ -253,6 +253,68 @@ async def test_conversations_survive_reload_and_switch(bridge):
         await page.screenshot(path=SCREENSHOTS / "tokenstream-page-phone.png")
 
 
+# Fills the origin's localStorage to its quota with keys of the test's own: chunks halved on each
+# refusal, down to one character.
+FILL_STORAGE = """() => {
+  let n = 0;
+  for (let chunk = 1 << 22; chunk >= 1;) {
+    try { localStorage.setItem(`filler-${n}`, 'x'.repeat(chunk)); n += 1; }
+    catch { chunk = Math.floor(chunk / 2); }
+  }
+  return n;
+}"""
+
+
+async def test_full_storage_keeps_the_conversation_in_the_tab(bridge):
+    """With the browser's storage full (and no old conversation to delete) each save fails: the
+    banner says so, and the conversation goes on from the tab's own copy, every turn on screen
+    and the earlier turns sent to the model as history."""
+    model = ScriptedModel(["A1", "A2", "A3"])
+    async with open_page(bridge, DESKTOP, on_page=model.attach) as seen:
+        page = seen.page
+        assert await page.evaluate(FILL_STORAGE) > 0
+        for i in (1, 2, 3):
+            await send(page, f"Q{i}")
+            await wait_answers(page, i)
+        assert "refused to store" in await page.locator("#banner").inner_text()
+        turns = [("user", "Q1"), ("assistant", "A1"), ("user", "Q2"), ("assistant", "A2")]
+        assert model.messages(2) == [*turns, ("user", "Q3")]
+        assert await log_texts(page) == [*turns, ("user", "Q3"), ("assistant", "A3")]
+        assert await page.locator(".chat-item").all_inner_texts() == ["Q1"]
+
+
+# Two stored conversations, the older one large.
+OLD_CHATS = """() => {
+  const chat = (id, question, answer, updatedAt) => ({ id, title: question, updatedAt, messages: [
+    { role: 'user', content: question }, { role: 'assistant', content: answer, state: 'done' }] });
+  localStorage.setItem('tokenstream-chats', JSON.stringify({ version: 1, currentId: null, chats: [
+    chat('recent', 'Recent', 'Short', 2), chat('old', 'Old', 'y'.repeat(500000), 1)] }));
+}"""
+
+
+async def test_full_storage_deletes_the_oldest_conversations(bridge):
+    """When the conversations no longer fit in the browser's storage, the oldest ones are deleted
+    (never the current one) until they fit, and the banner says so."""
+    model = ScriptedModel(["A1", "A2"])
+    async with open_page(bridge, DESKTOP, on_page=model.attach) as seen:
+        page = seen.page
+        await page.evaluate(OLD_CHATS)
+        await page.reload()
+        await page.wait_for_selector('#status[data-state="open"]')
+        assert await page.evaluate(FILL_STORAGE) > 0
+        await send(page, "Q1")
+        await wait_answers(page, 1)
+        assert "1 oldest conversation(s) were deleted" in await page.locator("#banner").inner_text()
+        await send(page, "Q2")
+        await wait_answers(page, 2)
+        await page.reload()
+        await page.wait_for_selector('#status[data-state="open"]')
+        assert await page.locator(".chat-item").all_inner_texts() == ["Q1", "Recent"]
+        assert await log_texts(page) == [
+            ("user", "Q1"), ("assistant", "A1"), ("user", "Q2"), ("assistant", "A2"),
+        ]
+
+
 # Stored conversations that parse as JSON but are not all the page's shape, and a tab whose
 # sessionStorage the browser refuses (as with storage disabled): set before the page's scripts run.
 BAD_STORAGE = """() => {
