@@ -18,6 +18,7 @@ const page = {
   store: store.loadStore(),
   current: null,      // the answer being streamed, see newAnswer()
   unsaved: false,     // the browser refused the last save: the store here is the only full copy
+  retryOnOpen: null,  // the chat whose Retry (or Regenerate) waits for the connection
 };
 
 // ------------------------------------------------------------------ connection
@@ -33,6 +34,9 @@ function connect() {
     if (token) ws.send(JSON.stringify({ type: "auth", token }));
     setStatus("open", "connected");
     hideBanner();
+    const retryId = page.retryOnOpen;
+    page.retryOnOpen = null;
+    if (retryId && retryId === page.store.currentId) regenerate();
   };
   ws.onmessage = (event) => onFrame(JSON.parse(event.data));
   ws.onclose = (event) => {
@@ -241,8 +245,12 @@ function removeChat(id) {
 
 // ------------------------------------------------------------------ sending
 
+function isOpen() {
+  return page.ws !== null && page.ws.readyState === WebSocket.OPEN;
+}
+
 function connected() {
-  if (page.ws && page.ws.readyState === WebSocket.OPEN) return true;
+  if (isOpen()) return true;
   showBanner("not connected to the bridge yet; retrying…");
   return false;
 }
@@ -300,9 +308,15 @@ function send(text) {
   return true;
 }
 
-/** Replace the last answer (or the failed one, or the missing one) with a new one. */
+/** Replace the last answer (or the failed one, or the missing one) with a new one; while the
+ * connection is down, once it is back (unless another conversation is shown by then). */
 function regenerate() {
-  if (page.current || !connected()) return;
+  if (page.current) return;
+  if (!isOpen()) {
+    page.retryOnOpen = page.store.currentId;
+    showBanner("not connected to the bridge; asking again once it reconnects…");
+    return;
+  }
   refresh();
   const chat = currentChat();
   if (!chat || !chat.messages.length) return;

@@ -102,7 +102,8 @@ class ScriptedModel:
 
     An answer is a text, a list of texts and PAUSE, or ("error", code, message). The page's
     generate frames are kept in `requests`, its cancels in `cancels`; a cancel ends a paused
-    answer there, as `cancelled`.
+    answer there, as `cancelled`. `drop` closes the page's websocket; while `online` is clear,
+    the page's new websockets do not open (they wait, connecting).
     """
 
     def __init__(self, answers, chars_per_token: int = 3):
@@ -112,14 +113,25 @@ class ScriptedModel:
         self.cancels: list[str] = []
         self.resume = asyncio.Event()
         self.paused = asyncio.Event()
+        self.online = asyncio.Event()
+        self.online.set()
+        self._sockets: list = []
         self._tasks: set[asyncio.Task] = set()
 
     async def attach(self, page) -> None:
         """Route the page's websocket to this model (before the page loads)."""
         await page.route_web_socket(lambda url: url.endswith("/ws"), self._connected)
 
-    def _connected(self, ws) -> None:
+    async def _connected(self, ws) -> None:
+        """A websocket the page opened: it opens when this returns (Playwright's mock)."""
         ws.on_message(lambda message: self._on_message(ws, message))
+        self._sockets.append(ws)
+        await self.online.wait()
+
+    async def drop(self, reason: str) -> None:
+        """Close the page's latest websocket, as a lost connection, and go offline."""
+        self.online.clear()
+        await self._sockets[-1].close(code=1011, reason=reason)
 
     def _on_message(self, ws, message) -> None:
         frame = json.loads(message)

@@ -477,6 +477,32 @@ async def test_reload_mid_answer_offers_retry(bridge):
         assert await log_texts(page) == [("user", "Tell me"), ("assistant", "A whole answer")]
 
 
+async def test_lost_connection_keeps_the_partial_answer_and_retry_waits_for_it(bridge):
+    """The websocket closing mid-answer ends the answer in place: its partial text stays, with the
+    error and Retry. A Retry clicked before the page has reconnected is not lost: the question is
+    asked again once the connection is back."""
+    model = ScriptedModel([["Half an ans", PAUSE, "wer"], "A whole answer"])
+    async with open_page(bridge, DESKTOP, on_page=model.attach) as seen:
+        page = seen.page
+        await send(page, "Tell me")
+        await page.wait_for_function(
+            "() => document.querySelector('.msg.assistant .text')?.innerText === 'Half an ans'"
+        )
+        await model.drop("bridge restarting")
+        failed = page.locator('.msg.assistant[data-state="error"]')
+        assert await failed.locator(".error").inner_text() == (
+            "error (connection lost): the connection closed: bridge restarting"
+        )
+        assert await failed.locator(".text").inner_text() == "Half an ans"
+        await page.wait_for_selector('#status[data-state="connecting"]')  # held by the model
+        await failed.locator(".retry").click()
+        assert len(model.requests) == 1
+        model.online.set()
+        await wait_answers(page, 1)
+        assert model.messages(1) == [("user", "Tell me")]
+        assert await log_texts(page) == [("user", "Tell me"), ("assistant", "A whole answer")]
+
+
 async def test_two_tabs_keep_each_others_conversations(bridge):
     """A second tab lists the first tab's conversation as soon as it is stored; a conversation
     each tab adds is kept, none overwrites the other's."""
