@@ -176,13 +176,52 @@ async def test_markdown_renders_while_it_streams(bridge):
         assert not await page.evaluate("document.documentElement.scrollWidth > innerWidth")
 
 
-async def test_hostile_answer_runs_nothing_and_loads_nothing(bridge):
+# Where the hostile answer pauses mid-stream: inside a raw tag with a javascript: link and a handler.
+HOSTILE_PAUSE = HOSTILE.index("onclick=") + len("onclick=\"window")
+
+# An inline event handler that runs only when no Content-Security-Policy stops it.
+CSP_PROBE = """() => new Promise((resolve) => {
+  const img = document.createElement('img');
+  img.setAttribute('onerror', 'window.__probe = true');
+  img.src = 'data:,not-an-image';
+  img.addEventListener('error', () => setTimeout(() => resolve(window.__probe === true)));
+})"""
+
+
+async def strip_csp(route) -> None:
+    """Serve the page without its Content-Security-Policy header."""
+    response = await route.fetch()
+    headers = {k: v for k, v in response.headers.items() if k != "content-security-policy"}
+    await route.fulfill(response=response, headers=headers)
+
+
+@pytest.mark.parametrize("csp", [True, False], ids=["csp", "csp-stripped"])
+async def test_hostile_answer_runs_nothing_and_loads_nothing(bridge, csp):
     """Raw HTML in an answer is shown as text; no script, event handler, javascript: or data:
-    link survives, no remote image is requested, while streaming, after, and after a reload."""
-    model = ScriptedModel([HOSTILE])
-    async with open_page(bridge, DESKTOP, on_page=model.attach) as seen:
+    link survives, no remote image is requested, while streaming, after, and after a reload.
+    With the bridge's Content-Security-Policy stripped (a probe shows inline handlers would
+    run), the sanitiser alone keeps the sentinel unset."""
+    model = ScriptedModel([[HOSTILE[:HOSTILE_PAUSE], PAUSE, HOSTILE[HOSTILE_PAUSE:]]])
+
+    async def prepare(page):
+        await model.attach(page)
+        if not csp:
+            await page.route(f"http://127.0.0.1:{bridge.port}/", strip_csp)
+
+    async with open_page(bridge, DESKTOP, on_page=prepare) as seen:
         page = seen.page
+        if not csp:
+            assert await page.evaluate(CSP_PROBE)
         await send(page, "Say something nasty")
+        await model.paused.wait()
+        await page.wait_for_function(
+            "() => document.querySelector('.msg.assistant .text')?.innerText"
+            ".includes('onclick=\"window')"
+        )
+        await page.wait_for_timeout(300)  # time for an onerror or onload to fire, if any
+        assert await page.evaluate("window.__pwned") is None
+        assert await page.evaluate(UNSAFE_NODES) == []
+        model.resume.set()
         await wait_answers(page, 1)
         for _ in range(2):
             disarmed = await page.locator("#log a:not([href])").all()  # javascript:, data:
