@@ -609,6 +609,8 @@ TRAPS = [
     "Title\n=====\nSub\n---\n\n| a | b |\n|---|---|\n| 1 | 2 |\ntext after the table\n",
     "```python\nx = '```'\n```\n~~~\ntilde fence\n~~~\n    indented code\n\nend `code` here\n",
     "- [x] done\n- [ ] to do\n\n  continued item\n\n<div>raw</div> &amp; *emph*\n",
+    "See [the docs][docs] and [a].\n\n- [listed][docs]\n\n[docs]: https://example.com/docs\n"
+    "[a]: https://example.com/a 'A title'\n",
 ]
 
 # The same text streamed into the page's StreamView a character at a time (rendering after each)
@@ -626,6 +628,33 @@ STREAM_VS_ONCE = """async (text) => {
   renderMarkdown(once, text);
   return [shape(streamed), shape(once)];
 }"""
+
+
+async def test_reference_links_defined_after_their_use_render_as_links(bridge):
+    """Reference-style links whose definitions come after them (in later blocks) are links once
+    the streamed answer is complete, as after a reload, not literal "[text][name]"."""
+    uses = "Read [the docs][docs].\n\n- and [the guide][guide]\n\n"
+    definitions = "[docs]: https://example.com/docs\n[guide]: https://example.com/guide\n"
+    model = ScriptedModel([[uses, PAUSE, definitions]])
+    async with open_page(bridge, DESKTOP, on_page=model.attach) as seen:
+        page = seen.page
+        await send(page, "Where is it documented?")
+        await page.wait_for_function(  # the uses are rendered before the definitions arrive
+            "() => document.querySelector('.msg.assistant li')?.innerText"
+            " === 'and [the guide][guide]'"
+        )
+        model.resume.set()
+        for _ in range(2):  # streamed, then the stored answer after a reload
+            await wait_answers(page, 1)
+            links = page.locator(".msg.assistant .text a")
+            assert await links.all_inner_texts() == ["the docs", "the guide"]
+            hrefs = [await link.get_attribute("href") for link in await links.all()]
+            assert hrefs == ["https://example.com/docs", "https://example.com/guide"]
+            assert await page.locator(".msg.assistant .text").inner_text() == (
+                "Read the docs.\n\nand the guide"
+            )
+            await page.reload()
+            await page.wait_for_selector('#status[data-state="open"]')
 
 
 async def test_streamed_rendering_ends_as_rendering_at_once(bridge):
