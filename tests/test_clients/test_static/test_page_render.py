@@ -498,6 +498,63 @@ async def test_two_thousand_tokens_are_all_on_screen_when_done_arrives(bridge):
         assert await page.eval_on_selector("#log", at_end)
 
 
+# How much of the streaming answer is on screen at each animation frame, and the page's long tasks
+# (over 50 ms) in ms, from when this runs until the streamed answer is done. A task of the test's
+# own, 80 ms long, shows that long tasks are observed at all.
+WATCH_STREAMING = """() => new Promise((resolve) => {
+  window.__onScreen = [];
+  window.__longTasks = [];
+  new PerformanceObserver((list) => {
+    for (const entry of list.getEntries()) window.__longTasks.push(Math.round(entry.duration));
+  }).observe({ type: 'longtask' });
+  const sample = () => {
+    const text = document.querySelector('.msg.assistant[data-state="streaming"] .text');
+    if (text) window.__onScreen.push(text.textContent.length);
+    if (text || !window.__onScreen.length) requestAnimationFrame(sample);
+  };
+  requestAnimationFrame(sample);
+  setTimeout(() => {
+    const start = performance.now();
+    while (performance.now() - start < 80) { /* busy: a long task */ }
+    setTimeout(resolve, 100);  // the observer reports it after the task
+  });
+})"""
+
+SECTION = """## Step {i}
+
+Some **text** with `code` and a [link](https://example.com/{i}).
+
+- item one
+- item two
+
+```python
+def f{i}(x):
+    return [y * {i} for y in range(x) if y % 2]
+```
+
+"""
+
+
+async def test_answer_renders_smoothly_while_it_streams_at_100_tokens_a_second(bridge):
+    """Tokens arriving at 100 a second are rendered as they arrive: the text on screen grows on
+    many frames during the stream (not only when done arrives), and no task of the page blocks
+    it for long (a generous 200 ms, for a loaded machine)."""
+    text = "".join(SECTION.format(i=i) for i in range(8))
+    model = ScriptedModel([text], chars_per_token=4, tokens_per_s=100)
+    tokens = len(model.tokens(text))
+    async with open_page(bridge, DESKTOP, on_page=model.attach) as seen:
+        page = seen.page
+        await page.evaluate(WATCH_STREAMING)
+        assert await page.evaluate("window.__longTasks.length") >= 1  # the test's own
+        await page.evaluate("window.__longTasks = []")
+        await send(page, "Go on")
+        await wait_answers(page, 1)
+        renders = len({n for n in await page.evaluate("window.__onScreen") if n > 0})
+        long_tasks = await page.evaluate("window.__longTasks")
+        assert renders >= tokens // 10, f"{renders} renders of {tokens} tokens while streaming"
+        assert max(long_tasks, default=0) < 200, f"long tasks (ms): {long_tasks}"
+
+
 async def test_reload_mid_answer_offers_retry(bridge):
     """A question whose answer was still streaming when the page reloaded is kept, with a notice
     and a Retry that answers it."""
