@@ -176,8 +176,8 @@ async def test_markdown_renders_while_it_streams(bridge):
         assert not await page.evaluate("document.documentElement.scrollWidth > innerWidth")
 
 
-# Where the hostile answer pauses mid-stream: inside a raw tag with a javascript: link and a handler.
-HOSTILE_PAUSE = HOSTILE.index("onclick=") + len("onclick=\"window")
+# Where the hostile answer pauses: inside a raw tag with a javascript: link and a handler.
+HOSTILE_PAUSE = HOSTILE.index("onclick=") + len('onclick="window')
 
 # An inline event handler that runs only when no Content-Security-Policy stops it.
 CSP_PROBE = """() => new Promise((resolve) => {
@@ -350,7 +350,10 @@ async def test_full_storage_deletes_the_oldest_conversations(bridge):
         await page.wait_for_selector('#status[data-state="open"]')
         assert await page.locator(".chat-item").all_inner_texts() == ["Q1", "Recent"]
         assert await log_texts(page) == [
-            ("user", "Q1"), ("assistant", "A1"), ("user", "Q2"), ("assistant", "A2"),
+            ("user", "Q1"),
+            ("assistant", "A1"),
+            ("user", "Q2"),
+            ("assistant", "A2"),
         ]
 
 
@@ -396,6 +399,34 @@ async def test_malformed_storage_is_dropped_and_the_page_works(bridge):
             ("user", "Still working?"),
         ]
         assert (await log_texts(page))[-1] == ("assistant", "Answered")
+
+
+COLOURS = """() => ['body', '#prompt'].map((selector) => {
+  const style = getComputedStyle(document.querySelector(selector));
+  return [style.backgroundColor, style.color];
+})"""
+
+
+def luminance(css_colour: str) -> float:
+    """0 (black) to 1 (white), of an "rgb(r, g, b)" or "rgba(...)" colour, roughly."""
+    r, g, b = (float(v) for v in css_colour.split("(")[1].rstrip(")").split(",")[:3])
+    return (0.2126 * r + 0.7152 * g + 0.0722 * b) / 255
+
+
+async def test_dark_theme_follows_the_system(bridge):
+    """With the system's dark colour scheme the page is dark (light text on a dark background),
+    and the light scheme gives other colours, a light background."""
+    model = ScriptedModel([])
+    async with open_page(bridge, PHONE, color_scheme="dark", on_page=model.attach) as seen:
+        page = seen.page
+        dark = await page.evaluate(COLOURS)
+        await page.screenshot(path=SCREENSHOTS / "tokenstream-page-dark.png")
+        await page.emulate_media(color_scheme="light")
+        light = await page.evaluate(COLOURS)
+    (dark_bg, dark_fg), (light_bg, _) = dark[0], light[0]
+    assert luminance(dark_bg) < 0.2 < 0.8 < luminance(dark_fg)
+    assert luminance(light_bg) > 0.8
+    assert dark[1] != light[1]  # the message box follows too
 
 
 async def test_regenerate_replaces_and_edit_truncates(bridge):
