@@ -168,7 +168,8 @@ function persist() {
   if (!saved) {
     showBanner("this browser refused to store the conversation (storage full or disabled)");
   } else if (dropped) {
-    showBanner(`browser storage full: the ${dropped} oldest conversation(s) were deleted`);
+    const which = dropped === 1 ? "oldest conversation was" : `${dropped} oldest ones were`;
+    showBanner(`browser storage full: the ${which} deleted to make room`);
   }
   renderList();
 }
