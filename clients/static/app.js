@@ -17,6 +17,8 @@ const page = {
   renderQueued: false,
   store: store.loadStore(),
   current: null,      // the answer being streamed, see newAnswer()
+  unsaved: false,     // the browser refused the last save: the store here is the only full copy
+  retryOnOpen: null,  // the chat whose Retry (or Regenerate) waits for the connection
 };
 
 // ------------------------------------------------------------------ connection
@@ -32,6 +34,9 @@ function connect() {
     if (token) ws.send(JSON.stringify({ type: "auth", token }));
     setStatus("open", "connected");
     hideBanner();
+    const retryId = page.retryOnOpen;
+    page.retryOnOpen = null;
+    if (retryId && retryId === page.store.currentId) regenerate();
   };
   ws.onmessage = (event) => onFrame(JSON.parse(event.data));
   ws.onclose = (event) => {
@@ -143,8 +148,10 @@ function currentChat() {
 }
 
 /** Read the store again before changing it: another tab may have changed it meanwhile (this tab
- * keeps showing its own conversation). */
+ * keeps showing its own conversation). Not while the browser refuses to save: the stored copy
+ * lacks what this tab holds, and reading it would lose that. */
 function refresh() {
+  if (page.unsaved) return;
   const currentId = page.store.currentId;
   page.store = store.loadStore();
   if (store.findChat(page.store, currentId)) page.store.currentId = currentId;
@@ -156,8 +163,13 @@ function saveChat(chat) {
 }
 
 function persist() {
-  if (!store.saveStore(page.store)) {
+  const { saved, dropped } = store.saveStore(page.store);
+  page.unsaved = !saved;
+  if (!saved) {
     showBanner("this browser refused to store the conversation (storage full or disabled)");
+  } else if (dropped) {
+    const which = dropped === 1 ? "oldest conversation was" : `${dropped} oldest ones were`;
+    showBanner(`browser storage full: the ${which} deleted to make room`);
   }
   renderList();
 }
@@ -234,8 +246,12 @@ function removeChat(id) {
 
 // ------------------------------------------------------------------ sending
 
+function isOpen() {
+  return page.ws !== null && page.ws.readyState === WebSocket.OPEN;
+}
+
 function connected() {
-  if (page.ws && page.ws.readyState === WebSocket.OPEN) return true;
+  if (isOpen()) return true;
   showBanner("not connected to the bridge yet; retrying…");
   return false;
 }
@@ -293,9 +309,15 @@ function send(text) {
   return true;
 }
 
-/** Replace the last answer (or the failed one, or the missing one) with a new one. */
+/** Replace the last answer (or the failed one, or the missing one) with a new one; while the
+ * connection is down, once it is back (unless another conversation is shown by then). */
 function regenerate() {
-  if (page.current || !connected()) return;
+  if (page.current) return;
+  if (!isOpen()) {
+    page.retryOnOpen = page.store.currentId;
+    showBanner("not connected to the bridge; asking again once it reconnects…");
+    return;
+  }
   refresh();
   const chat = currentChat();
   if (!chat || !chat.messages.length) return;
@@ -428,18 +450,38 @@ function fitPrompt() {
   box.style.height = `${Math.min(box.scrollHeight + 2, innerHeight / 3)}px`;
 }
 
+const TOKEN_KEY = "tokenstream-token";
+
 function initToken() {
   // A token in the URL fragment (#token=...) never reaches a server log; keep it for the tab only.
   const fromHash = new URLSearchParams(location.hash.slice(1)).get("token");
   if (fromHash) {
-    sessionStorage.setItem("tokenstream-token", fromHash);
+    keepToken(fromHash);
     history.replaceState(null, "", location.pathname + location.search);
   }
-  $("token").value = sessionStorage.getItem("tokenstream-token") || "";
+  $("token").value = fromHash || readToken();
   $("token").addEventListener("change", () => {
-    sessionStorage.setItem("tokenstream-token", $("token").value.trim());
+    keepToken($("token").value.trim());
     if (page.ws) page.ws.close();  // reconnect with the new token
   });
+}
+
+/** The token kept for this tab; "" when there is none or the browser refuses storage. */
+function readToken() {
+  try {
+    return sessionStorage.getItem(TOKEN_KEY) || "";
+  } catch (err) {
+    console.warn("tokenstream: the tab's storage is unavailable", err);
+    return "";
+  }
+}
+
+function keepToken(token) {
+  try {
+    sessionStorage.setItem(TOKEN_KEY, token);
+  } catch (err) {
+    console.warn("tokenstream: access token not kept for the tab", err);
+  }
 }
 
 // The settings kept across reloads (not the access token: that stays with the tab).
@@ -456,6 +498,7 @@ function initSettings() {
 }
 
 function init() {
+  connect();  // first: the page talks to the bridge whatever goes wrong below (it opens later)
   initToken();
   initSettings();
   $("composer").addEventListener("submit", (event) => {
@@ -484,7 +527,6 @@ function init() {
   $("chat-list").addEventListener("click", onListClick);
   window.addEventListener("storage", onStorage);
   showChat();
-  connect();
 }
 
 init();

@@ -10,6 +10,8 @@ const { Marked } = globalThis.marked;
 const { DOMPurify, hljs } = globalThis;
 
 const SAFE_HREF = /^(https?:|mailto:)/i;
+// A reference-style link definition, "[name]: https://...", at the start of a line.
+const LINK_DEFINITION = /^ {0,3}\[[^\]\n]+\]:/m;
 // What a fence's info string may name, e.g. "c++", "objective-c", "python3".
 const LANGUAGE = /^[\w+#.-]{1,32}/;
 
@@ -149,10 +151,13 @@ export class StreamView {
     this.renderLive(md.lexer(source.slice(this.frozenEnd)));
   }
 
-  /** The answer is complete: render what is left, highlighting included. */
+  /** The answer is complete: render what is left, highlighting included. Blocks were rendered
+   * apart, so a reference link ("[text][name]") in one is literal text when "[name]: URL" is in
+   * another: an answer that defines such links is rendered again, whole, once. */
   finish() {
     this.render();
     if (this.liveCode) this.liveCode.highlight();
+    if (!this.plain && LINK_DEFINITION.test(this.text)) renderMarkdown(this.container, this.text);
   }
 
   /** Blocks that are final: rendered once, placed before the live element. */

@@ -8,25 +8,65 @@ const KEY = "tokenstream-chats";
 const VERSION = 1;
 const TITLE_CHARS = 60;
 
-/** The stored conversations, or an empty store when there are none or they cannot be read. */
+/** The stored conversations, or an empty store when there are none or they cannot be read.
+ * A conversation or message of the wrong shape (stored by a bug, an old version, or by hand) is
+ * dropped; the others are kept. */
 export function loadStore() {
   try {
     const data = JSON.parse(localStorage.getItem(KEY) || "null");
-    if (data && data.version === VERSION && Array.isArray(data.chats)) return data;
+    if (data && data.version === VERSION && Array.isArray(data.chats)) {
+      const chats = data.chats.map(validChat).filter(Boolean);
+      const currentId = chats.some((c) => c.id === data.currentId) ? data.currentId : null;
+      return { version: VERSION, currentId, chats };
+    }
   } catch (err) {
     console.warn("tokenstream: stored conversations unreadable, starting afresh", err);
   }
   return { version: VERSION, currentId: null, chats: [] };
 }
 
-/** Write the store; false when the browser refuses (storage full or disabled). */
+const STATES = ["done", "cancelled", "error"];
+
+/** A stored chat with only its well-formed messages, or null when it is not a chat. */
+function validChat(chat) {
+  if (!chat || typeof chat.id !== "string" || !Array.isArray(chat.messages)) return null;
+  const valid = { id: chat.id, messages: chat.messages.map(validMessage).filter(Boolean) };
+  valid.title = typeof chat.title === "string" ? chat.title : titleOf(valid);
+  valid.updatedAt = Number.isFinite(chat.updatedAt) ? chat.updatedAt : 0;
+  return valid;
+}
+
+/** A stored message as the page writes it, or null when it is not one. */
+function validMessage(m) {
+  if (!m || typeof m.content !== "string") return null;
+  if (m.role === "user") return { role: "user", content: m.content };
+  if (m.role !== "assistant") return null;
+  const message = { role: "assistant", content: m.content };
+  message.state = STATES.includes(m.state) ? m.state : "done";
+  if (typeof m.stats === "string") message.stats = m.stats;
+  if (typeof m.error === "string") message.error = m.error;
+  return message;
+}
+
+/** Write the store. When the browser's storage is full, the oldest conversations (never the
+ * current one) are dropped until it fits. Returns {saved, dropped}: saved is false when the
+ * browser refuses even so (the store is then left as it was), dropped counts what was removed. */
 export function saveStore(store) {
-  try {
-    localStorage.setItem(KEY, JSON.stringify(store));
-    return true;
-  } catch (err) {
-    console.warn("tokenstream: conversations not saved", err);
-    return false;
+  let chats = store.chats;
+  for (;;) {
+    try {
+      localStorage.setItem(KEY, JSON.stringify({ ...store, chats }));
+      const dropped = store.chats.length - chats.length;
+      store.chats = chats;
+      return { saved: true, dropped };
+    } catch (err) {
+      const oldest = chats.findLast((c) => c.id !== store.currentId);
+      if (err.name !== "QuotaExceededError" || !oldest) {
+        console.warn("tokenstream: conversations not saved", err);
+        return { saved: false, dropped: 0 };
+      }
+      chats = chats.filter((c) => c !== oldest);
+    }
   }
 }
 

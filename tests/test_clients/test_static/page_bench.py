@@ -1,7 +1,9 @@
 """How long the chat page takes to bring a streaming answer up to date, per frame (a benchmark,
 not a test: it prints figures and asserts none).
 
-    .venv/bin/python tests/test_clients/test_static/page_bench.py
+    PYTHONPATH=tests .venv/bin/python tests/test_clients/test_static/page_bench.py
+
+(`tests/` on the path for bridge_support, as pytest puts it there; this folder is the script's.)
 
 Headless Chromium on a real bridge's page feeds the page's own StreamView (markdown.js) two tokens
 of four characters before each render: 100 tokens/s at 50 renders a second. The layout is forced

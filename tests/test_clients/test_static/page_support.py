@@ -98,28 +98,41 @@ PAUSE = object()  # in a scripted answer: stop there until ScriptedModel.resume 
 class ScriptedModel:
     """Stands in for the bridge's websocket (Playwright routes it): each `generate` the page
     sends is answered with the next of `answers`, as the bridge's frames, a few characters per
-    token frame and as fast as they can be sent.
+    token frame, `tokens_per_s` of them a second (as fast as they can be sent when None).
 
     An answer is a text, a list of texts and PAUSE, or ("error", code, message). The page's
     generate frames are kept in `requests`, its cancels in `cancels`; a cancel ends a paused
-    answer there, as `cancelled`.
+    answer there, as `cancelled`. `drop` closes the page's websocket; while `online` is clear,
+    the page's new websockets do not open (they wait, connecting).
     """
 
-    def __init__(self, answers, chars_per_token: int = 3):
+    def __init__(self, answers, chars_per_token: int = 3, tokens_per_s: float | None = None):
         self.answers = list(answers)
         self.chars_per_token = chars_per_token
+        self.tokens_per_s = tokens_per_s
         self.requests: list[dict] = []
         self.cancels: list[str] = []
         self.resume = asyncio.Event()
         self.paused = asyncio.Event()
+        self.online = asyncio.Event()
+        self.online.set()
+        self._sockets: list = []
         self._tasks: set[asyncio.Task] = set()
 
     async def attach(self, page) -> None:
         """Route the page's websocket to this model (before the page loads)."""
         await page.route_web_socket(lambda url: url.endswith("/ws"), self._connected)
 
-    def _connected(self, ws) -> None:
+    async def _connected(self, ws) -> None:
+        """A websocket the page opened: it opens when this returns (Playwright's mock)."""
         ws.on_message(lambda message: self._on_message(ws, message))
+        self._sockets.append(ws)
+        await self.online.wait()
+
+    async def drop(self, reason: str) -> None:
+        """Close the page's latest websocket, as a lost connection, and go offline."""
+        self.online.clear()
+        await self._sockets[-1].close(code=1011, reason=reason)
 
     def _on_message(self, ws, message) -> None:
         frame = json.loads(message)
@@ -140,6 +153,8 @@ class ScriptedModel:
             ws.send(json.dumps(frames.error_frame(gen_id, code, message)))
             return
         trace = frames.Trace(accepted_ns=time.monotonic_ns())
+        loop = asyncio.get_running_loop()
+        start = loop.time()
         n = 0
         for part in [answer] if isinstance(answer, str) else answer:
             if part is PAUSE:
@@ -149,6 +164,8 @@ class ScriptedModel:
                     break
                 continue
             for piece in self.tokens(part):
+                if self.tokens_per_s:  # on a schedule from the start: no drift from late wakeups
+                    await asyncio.sleep(start + n / self.tokens_per_s - loop.time())
                 n += 1
                 ws.send(json.dumps(frames.token_frame(gen_id, piece, n)))
         trace.completion_tokens = n

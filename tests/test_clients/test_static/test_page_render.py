@@ -176,13 +176,52 @@ async def test_markdown_renders_while_it_streams(bridge):
         assert not await page.evaluate("document.documentElement.scrollWidth > innerWidth")
 
 
-async def test_hostile_answer_runs_nothing_and_loads_nothing(bridge):
+# Where the hostile answer pauses: inside a raw tag with a javascript: link and a handler.
+HOSTILE_PAUSE = HOSTILE.index("onclick=") + len('onclick="window')
+
+# An inline event handler that runs only when no Content-Security-Policy stops it.
+CSP_PROBE = """() => new Promise((resolve) => {
+  const img = document.createElement('img');
+  img.setAttribute('onerror', 'window.__probe = true');
+  img.src = 'data:,not-an-image';
+  img.addEventListener('error', () => setTimeout(() => resolve(window.__probe === true)));
+})"""
+
+
+async def strip_csp(route) -> None:
+    """Serve the page without its Content-Security-Policy header."""
+    response = await route.fetch()
+    headers = {k: v for k, v in response.headers.items() if k != "content-security-policy"}
+    await route.fulfill(response=response, headers=headers)
+
+
+@pytest.mark.parametrize("csp", [True, False], ids=["csp", "csp-stripped"])
+async def test_hostile_answer_runs_nothing_and_loads_nothing(bridge, csp):
     """Raw HTML in an answer is shown as text; no script, event handler, javascript: or data:
-    link survives, no remote image is requested, while streaming, after, and after a reload."""
-    model = ScriptedModel([HOSTILE])
-    async with open_page(bridge, DESKTOP, on_page=model.attach) as seen:
+    link survives, no remote image is requested, while streaming, after, and after a reload.
+    With the bridge's Content-Security-Policy stripped (a probe shows inline handlers would
+    run), the sanitiser alone keeps the sentinel unset."""
+    model = ScriptedModel([[HOSTILE[:HOSTILE_PAUSE], PAUSE, HOSTILE[HOSTILE_PAUSE:]]])
+
+    async def prepare(page):
+        await model.attach(page)
+        if not csp:
+            await page.route(f"http://127.0.0.1:{bridge.port}/", strip_csp)
+
+    async with open_page(bridge, DESKTOP, on_page=prepare) as seen:
         page = seen.page
+        if not csp:
+            assert await page.evaluate(CSP_PROBE)
         await send(page, "Say something nasty")
+        await model.paused.wait()
+        await page.wait_for_function(
+            "() => document.querySelector('.msg.assistant .text')?.innerText"
+            ".includes('onclick=\"window')"
+        )
+        await page.wait_for_timeout(300)  # time for an onerror or onload to fire, if any
+        assert await page.evaluate("window.__pwned") is None
+        assert await page.evaluate(UNSAFE_NODES) == []
+        model.resume.set()
         await wait_answers(page, 1)
         for _ in range(2):
             disarmed = await page.locator("#log a:not([href])").all()  # javascript:, data:
@@ -251,6 +290,144 @@ async def test_conversations_survive_reload_and_switch(bridge):
         await page.wait_for_selector('#status[data-state="open"]')
         assert await page.locator(".chat-item").all_inner_texts() == ["First question"]
         await page.screenshot(path=SCREENSHOTS / "tokenstream-page-phone.png")
+
+
+# Fills the origin's localStorage to its quota with keys of the test's own: chunks halved on each
+# refusal, down to one character.
+FILL_STORAGE = """() => {
+  let n = 0;
+  for (let chunk = 1 << 22; chunk >= 1;) {
+    try { localStorage.setItem(`filler-${n}`, 'x'.repeat(chunk)); n += 1; }
+    catch { chunk = Math.floor(chunk / 2); }
+  }
+  return n;
+}"""
+
+
+async def test_full_storage_keeps_the_conversation_in_the_tab(bridge):
+    """With the browser's storage full (and no old conversation to delete) each save fails: the
+    banner says so, and the conversation goes on from the tab's own copy, every turn on screen
+    and the earlier turns sent to the model as history."""
+    model = ScriptedModel(["A1", "A2", "A3"])
+    async with open_page(bridge, DESKTOP, on_page=model.attach) as seen:
+        page = seen.page
+        assert await page.evaluate(FILL_STORAGE) > 0
+        for i in (1, 2, 3):
+            await send(page, f"Q{i}")
+            await wait_answers(page, i)
+        assert "refused to store" in await page.locator("#banner").inner_text()
+        turns = [("user", "Q1"), ("assistant", "A1"), ("user", "Q2"), ("assistant", "A2")]
+        assert model.messages(2) == [*turns, ("user", "Q3")]
+        assert await log_texts(page) == [*turns, ("user", "Q3"), ("assistant", "A3")]
+        assert await page.locator(".chat-item").all_inner_texts() == ["Q1"]
+
+
+# Two stored conversations, the older one large.
+OLD_CHATS = """() => {
+  const chat = (id, question, answer, updatedAt) => ({ id, title: question, updatedAt, messages: [
+    { role: 'user', content: question }, { role: 'assistant', content: answer, state: 'done' }] });
+  localStorage.setItem('tokenstream-chats', JSON.stringify({ version: 1, currentId: null, chats: [
+    chat('recent', 'Recent', 'Short', 2), chat('old', 'Old', 'y'.repeat(500000), 1)] }));
+}"""
+
+
+async def test_full_storage_deletes_the_oldest_conversations(bridge):
+    """When the conversations no longer fit in the browser's storage, the oldest ones are deleted
+    (never the current one) until they fit, and the banner says so."""
+    model = ScriptedModel(["A1", "A2"])
+    async with open_page(bridge, DESKTOP, on_page=model.attach) as seen:
+        page = seen.page
+        await page.evaluate(OLD_CHATS)
+        await page.reload()
+        await page.wait_for_selector('#status[data-state="open"]')
+        assert await page.evaluate(FILL_STORAGE) > 0
+        await send(page, "Q1")
+        await wait_answers(page, 1)
+        banner = await page.locator("#banner").inner_text()
+        assert banner == "browser storage full: the oldest conversation was deleted to make room"
+        await send(page, "Q2")
+        await wait_answers(page, 2)
+        await page.reload()
+        await page.wait_for_selector('#status[data-state="open"]')
+        assert await page.locator(".chat-item").all_inner_texts() == ["Q1", "Recent"]
+        assert await log_texts(page) == [
+            ("user", "Q1"),
+            ("assistant", "A1"),
+            ("user", "Q2"),
+            ("assistant", "A2"),
+        ]
+
+
+# Stored conversations that parse as JSON but are not all the page's shape, and a tab whose
+# sessionStorage the browser refuses (as with storage disabled): set before the page's scripts run.
+BAD_STORAGE = """() => {
+  const good = (id, question) => ({ id, title: question, updatedAt: 1, messages: [
+    { role: 'user', content: question }, { role: 'assistant', content: 'Kept', state: 'done' }] });
+  localStorage.setItem('tokenstream-chats', JSON.stringify({ version: 1, currentId: 'no-messages',
+    chats: [null, 7, 'text', good('good-1', 'Good one'), { id: 'no-messages', title: 'x' },
+      { id: 'messages-not-a-list', messages: 'hi' }, { messages: [] },
+      { id: 'bad-messages', title: { not: 'a string' }, messages: [null, 5,
+        { role: 'user', content: { text: 'not a string' } }, { role: 'robot', content: 'x' },
+        { role: 'user', content: 'Valid question' }] },
+      good('good-2', 'Good two')] }));
+  Object.defineProperty(window, 'sessionStorage', {
+    get() { throw new DOMException('storage disabled', 'SecurityError'); } });
+}"""
+
+
+async def test_malformed_storage_is_dropped_and_the_page_works(bridge):
+    """Stored conversations of the wrong shape (null, no messages, a message whose content is not
+    text) and a tab whose sessionStorage throws do not stop the page: it connects, the good
+    conversations are listed and shown, the well-formed messages of a damaged one are kept, and a
+    question gets its answer."""
+    model = ScriptedModel(["Answered"])
+
+    async def seed(page):
+        await model.attach(page)
+        await page.add_init_script(f"({BAD_STORAGE})()")
+
+    async with open_page(bridge, DESKTOP, on_page=seed) as seen:
+        page = seen.page
+        titles = await page.locator(".chat-item").all_inner_texts()
+        assert titles == ["Good one", "Valid question", "Good two"]
+        await page.click('.chat-item:text("Good two")')
+        assert await log_texts(page) == [("user", "Good two"), ("assistant", "Kept")]
+        await send(page, "Still working?")
+        await wait_answers(page, 2)
+        assert model.messages(0) == [
+            ("user", "Good two"),
+            ("assistant", "Kept"),
+            ("user", "Still working?"),
+        ]
+        assert (await log_texts(page))[-1] == ("assistant", "Answered")
+
+
+COLOURS = """() => ['body', '#prompt'].map((selector) => {
+  const style = getComputedStyle(document.querySelector(selector));
+  return [style.backgroundColor, style.color];
+})"""
+
+
+def luminance(css_colour: str) -> float:
+    """0 (black) to 1 (white), of an "rgb(r, g, b)" or "rgba(...)" colour, roughly."""
+    r, g, b = (float(v) for v in css_colour.split("(")[1].rstrip(")").split(",")[:3])
+    return (0.2126 * r + 0.7152 * g + 0.0722 * b) / 255
+
+
+async def test_dark_theme_follows_the_system(bridge):
+    """With the system's dark colour scheme the page is dark (light text on a dark background),
+    and the light scheme gives other colours, a light background."""
+    model = ScriptedModel([])
+    async with open_page(bridge, PHONE, color_scheme="dark", on_page=model.attach) as seen:
+        page = seen.page
+        dark = await page.evaluate(COLOURS)
+        await page.screenshot(path=SCREENSHOTS / "tokenstream-page-dark.png")
+        await page.emulate_media(color_scheme="light")
+        light = await page.evaluate(COLOURS)
+    (dark_bg, dark_fg), (light_bg, _) = dark[0], light[0]
+    assert luminance(dark_bg) < 0.2 < 0.8 < luminance(dark_fg)
+    assert luminance(light_bg) > 0.8
+    assert dark[1] != light[1]  # the message box follows too
 
 
 async def test_regenerate_replaces_and_edit_truncates(bridge):
@@ -353,6 +530,63 @@ async def test_two_thousand_tokens_are_all_on_screen_when_done_arrives(bridge):
         assert await page.eval_on_selector("#log", at_end)
 
 
+# How much of the streaming answer is on screen at each animation frame, and the page's long tasks
+# (over 50 ms) in ms, from when this runs until the streamed answer is done. A task of the test's
+# own, 80 ms long, shows that long tasks are observed at all.
+WATCH_STREAMING = """() => new Promise((resolve) => {
+  window.__onScreen = [];
+  window.__longTasks = [];
+  new PerformanceObserver((list) => {
+    for (const entry of list.getEntries()) window.__longTasks.push(Math.round(entry.duration));
+  }).observe({ type: 'longtask' });
+  const sample = () => {
+    const text = document.querySelector('.msg.assistant[data-state="streaming"] .text');
+    if (text) window.__onScreen.push(text.textContent.length);
+    if (text || !window.__onScreen.length) requestAnimationFrame(sample);
+  };
+  requestAnimationFrame(sample);
+  setTimeout(() => {
+    const start = performance.now();
+    while (performance.now() - start < 80) { /* busy: a long task */ }
+    setTimeout(resolve, 100);  // the observer reports it after the task
+  });
+})"""
+
+SECTION = """## Step {i}
+
+Some **text** with `code` and a [link](https://example.com/{i}).
+
+- item one
+- item two
+
+```python
+def f{i}(x):
+    return [y * {i} for y in range(x) if y % 2]
+```
+
+"""
+
+
+async def test_answer_renders_smoothly_while_it_streams_at_100_tokens_a_second(bridge):
+    """Tokens arriving at 100 a second are rendered as they arrive: the text on screen grows on
+    many frames during the stream (not only when done arrives), and no task of the page blocks
+    it for long (a generous 200 ms, for a loaded machine)."""
+    text = "".join(SECTION.format(i=i) for i in range(8))
+    model = ScriptedModel([text], chars_per_token=4, tokens_per_s=100)
+    tokens = len(model.tokens(text))
+    async with open_page(bridge, DESKTOP, on_page=model.attach) as seen:
+        page = seen.page
+        await page.evaluate(WATCH_STREAMING)
+        assert await page.evaluate("window.__longTasks.length") >= 1  # the test's own
+        await page.evaluate("window.__longTasks = []")
+        await send(page, "Go on")
+        await wait_answers(page, 1)
+        renders = len({n for n in await page.evaluate("window.__onScreen") if n > 0})
+        long_tasks = await page.evaluate("window.__longTasks")
+        assert renders >= tokens // 10, f"{renders} renders of {tokens} tokens while streaming"
+        assert max(long_tasks, default=0) < 200, f"long tasks (ms): {long_tasks}"
+
+
 async def test_reload_mid_answer_offers_retry(bridge):
     """A question whose answer was still streaming when the page reloaded is kept, with a notice
     and a Retry that answers it."""
@@ -366,6 +600,32 @@ async def test_reload_mid_answer_offers_retry(bridge):
         notice = page.locator('.msg.assistant[data-state="error"] .error')
         assert "no answer" in await notice.inner_text()
         await page.click(".msg.assistant .retry")
+        await wait_answers(page, 1)
+        assert model.messages(1) == [("user", "Tell me")]
+        assert await log_texts(page) == [("user", "Tell me"), ("assistant", "A whole answer")]
+
+
+async def test_lost_connection_keeps_the_partial_answer_and_retry_waits_for_it(bridge):
+    """The websocket closing mid-answer ends the answer in place: its partial text stays, with the
+    error and Retry. A Retry clicked before the page has reconnected is not lost: the question is
+    asked again once the connection is back."""
+    model = ScriptedModel([["Half an ans", PAUSE, "wer"], "A whole answer"])
+    async with open_page(bridge, DESKTOP, on_page=model.attach) as seen:
+        page = seen.page
+        await send(page, "Tell me")
+        await page.wait_for_function(
+            "() => document.querySelector('.msg.assistant .text')?.innerText === 'Half an ans'"
+        )
+        await model.drop("bridge restarting")
+        failed = page.locator('.msg.assistant[data-state="error"]')
+        assert await failed.locator(".error").inner_text() == (
+            "error (connection lost): the connection closed: bridge restarting"
+        )
+        assert await failed.locator(".text").inner_text() == "Half an ans"
+        await page.wait_for_selector('#status[data-state="connecting"]')  # held by the model
+        await failed.locator(".retry").click()
+        assert len(model.requests) == 1
+        model.online.set()
         await wait_answers(page, 1)
         assert model.messages(1) == [("user", "Tell me")]
         assert await log_texts(page) == [("user", "Tell me"), ("assistant", "A whole answer")]
@@ -438,6 +698,8 @@ TRAPS = [
     "Title\n=====\nSub\n---\n\n| a | b |\n|---|---|\n| 1 | 2 |\ntext after the table\n",
     "```python\nx = '```'\n```\n~~~\ntilde fence\n~~~\n    indented code\n\nend `code` here\n",
     "- [x] done\n- [ ] to do\n\n  continued item\n\n<div>raw</div> &amp; *emph*\n",
+    "See [the docs][docs] and [a].\n\n- [listed][docs]\n\n[docs]: https://example.com/docs\n"
+    "[a]: https://example.com/a 'A title'\n",
 ]
 
 # The same text streamed into the page's StreamView a character at a time (rendering after each)
@@ -455,6 +717,33 @@ STREAM_VS_ONCE = """async (text) => {
   renderMarkdown(once, text);
   return [shape(streamed), shape(once)];
 }"""
+
+
+async def test_reference_links_defined_after_their_use_render_as_links(bridge):
+    """Reference-style links whose definitions come after them (in later blocks) are links once
+    the streamed answer is complete, as after a reload, not literal "[text][name]"."""
+    uses = "Read [the docs][docs].\n\n- and [the guide][guide]\n\n"
+    definitions = "[docs]: https://example.com/docs\n[guide]: https://example.com/guide\n"
+    model = ScriptedModel([[uses, PAUSE, definitions]])
+    async with open_page(bridge, DESKTOP, on_page=model.attach) as seen:
+        page = seen.page
+        await send(page, "Where is it documented?")
+        await page.wait_for_function(  # the uses are rendered before the definitions arrive
+            "() => document.querySelector('.msg.assistant li')?.innerText"
+            " === 'and [the guide][guide]'"
+        )
+        model.resume.set()
+        for _ in range(2):  # streamed, then the stored answer after a reload
+            await wait_answers(page, 1)
+            links = page.locator(".msg.assistant .text a")
+            assert await links.all_inner_texts() == ["the docs", "the guide"]
+            hrefs = [await link.get_attribute("href") for link in await links.all()]
+            assert hrefs == ["https://example.com/docs", "https://example.com/guide"]
+            assert await page.locator(".msg.assistant .text").inner_text() == (
+                "Read the docs.\n\nand the guide"
+            )
+            await page.reload()
+            await page.wait_for_selector('#status[data-state="open"]')
 
 
 async def test_streamed_rendering_ends_as_rendering_at_once(bridge):
