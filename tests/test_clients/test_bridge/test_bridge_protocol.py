@@ -33,7 +33,7 @@ def literals(pattern: str, source: str) -> set[str]:
 
 def sent_objects(source: str) -> list[str]:
     """The bodies of the object literals the page sends: `send(JSON.stringify({ ... }))`."""
-    return re.findall(r"JSON\.stringify\(\s*\{(.*?)\}\s*\)", source, flags=re.S)
+    return re.findall(r"\.send\(\s*JSON\.stringify\(\s*\{(.*?)\}\s*\)", source, flags=re.S)
 
 
 def test_the_page_sends_only_client_messages_with_known_fields():
