@@ -58,6 +58,34 @@ def template_takes_tools(tokenizer: Any) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages for a chat template that takes tools: each call's arguments as an object.
+
+    Templates write `tool_call.function.arguments | tojson` (Qwen 2.5, Llama 3.1), which would
+    encode OpenAI's JSON text a second time; arguments that are not valid JSON stay as given.
+    """
+    return [_with_parsed_arguments(m) if m.get("tool_calls") else m for m in messages]
+
+
+def _with_parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    calls = []
+    for call in message["tool_calls"]:
+        function = call["function"]
+        arguments = _parsed(function.get("arguments", {}))
+        calls.append({**call, "function": {**function, "arguments": arguments}})
+    return {**message, "tool_calls": calls}
+
+
+def _parsed(arguments: str | Mapping[str, Any]) -> Any:
+    """JSON text as the value it encodes; anything else (an object, broken JSON) as given."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            pass  # written back as given: the model made it so
+    return arguments
+
+
 def generic_messages(
     messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
 ) -> list[dict[str, str]]:
@@ -89,12 +117,7 @@ def instructions(tools: list[dict[str, Any]]) -> str:
 
 def format_call(name: str, arguments: str | Mapping[str, Any]) -> str:
     """One call as the model writes it; arguments as JSON text (OpenAI's form) or an object."""
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            pass  # written back as given: the model made it so
-    call = {"name": name, "arguments": arguments}
+    call = {"name": name, "arguments": _parsed(arguments)}
     return f"{TOOL_CALL_OPEN}{json.dumps(call, ensure_ascii=False)}{TOOL_CALL_CLOSE}"
 
 

@@ -63,6 +63,28 @@ def test_a_template_that_takes_tools_renders_them(tiny_loaded):
     assert "CALL=get_weather" in text and TOOL_CALL_OPEN not in text
 
 
+# As Qwen 2.5's and Llama 3.1's templates write a call: the arguments through `tojson`.
+TOJSON_TEMPLATE = (
+    "{% for m in messages %}[{{ m.role }}]{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}CALL={{ c.function.arguments | tojson }}{% endfor %}\n"
+    "{% endfor %}{% if tools %}(tools){% endif %}[assistant]"
+)
+
+
+def test_a_template_gets_call_arguments_as_an_object(tiny_loaded):
+    """OpenAI's arguments (JSON text) reach a tools template as an object, so `tojson` writes
+    them once; arguments that are not JSON are passed as given."""
+    tokenizer = copy.copy(tiny_loaded.tokenizer)
+    tokenizer.chat_template = TOJSON_TEMPLATE
+    text = _text(tokenizer, messages=HISTORY, tools=TOOLS)
+    assert 'CALL={"city": "Paris"}' in text, text
+    broken = copy.deepcopy(HISTORY)
+    broken[1]["tool_calls"][0]["function"]["arguments"] = '{"city": Par'
+    text = _text(tokenizer, messages=broken, tools=TOOLS)
+    assert 'CALL="{\\"city\\": Par"' in text, text
+    assert HISTORY[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+
+
 def test_bad_tools_are_invalid_requests(tiny_loaded):
     """Tools without messages, or not a list of function tools: InvalidRequest naming them."""
     with pytest.raises(InvalidRequest, match="tools needs messages"):
