@@ -9,6 +9,7 @@ parses the answer back into calls (clients/bridge/openai_tools.py).
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -35,7 +36,34 @@ def parse_tools(tools: str | bytes | Sequence[Any] | None) -> list[dict[str, Any
         if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
             shape = '{"type": "function", "function": {"name": ..., "parameters": ...}}'
             raise InvalidRequest(f"{TOOLS}[{i}] must be {shape}")
+        if "parameters" in function:
+            check_parameters(function["parameters"], f"{TOOLS}[{i}].function.parameters")
     return tools or None
+
+
+def check_parameters(schema: Any, where: str) -> None:
+    """A function's parameters must be a JSON schema that compiles, as response_format's must,
+    whatever tool_choice says: InvalidRequest naming `where` if not."""
+    if not isinstance(schema, dict):
+        raise InvalidRequest(f"{where} must be a JSON schema object")
+    problem = _schema_problem(json.dumps(schema, sort_keys=True))
+    if problem:
+        raise InvalidRequest(f"{where} is not a valid JSON schema: {problem}")
+
+
+@functools.lru_cache(maxsize=256)  # an agent sends the same tools with every turn
+def _schema_problem(schema: str) -> str:
+    """What llguidance finds wrong with a JSON schema (its text); "" when it compiles."""
+    import llguidance
+
+    from streaming_backend.grammar import JSON_OPTIONS
+
+    build = llguidance.LLMatcher
+    try:
+        source = build.grammar_from_json_schema(json.loads(schema), defaults=JSON_OPTIONS)
+    except Exception as exc:  # llguidance's own errors (ValueError, RuntimeError)
+        return str(exc).strip()
+    return build.validate_grammar(source).strip()
 
 
 def parse_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:

@@ -94,3 +94,25 @@ def test_bad_tools_are_invalid_requests(tiny_loaded):
     bad_call = [{"role": "assistant", "content": "", "tool_calls": [{"function": {}}]}]
     with pytest.raises(InvalidRequest, match="tool_calls"):
         encode_prompt(tiny_loaded.tokenizer, messages=bad_call)
+
+
+@pytest.mark.parametrize(
+    "parameters, message",
+    [
+        ({"type": "object", "properties": {"a": {"type": 7}}}, "type must be a string"),
+        ({"$ref": "#/$defs/missing"}, "does not exist"),
+        ({"type": "string", "pattern": "(oops"}, "unclosed group"),
+        ([], "must be a JSON schema object"),
+    ],
+)
+def test_a_tools_parameters_schema_must_compile(tiny_loaded, parameters, message):
+    """Every tool's parameters schema is compiled as a grammar's would be, whether or not a
+    call is forced: one that does not compile is an InvalidRequest naming the tool's field."""
+    tools = copy.deepcopy(TOOLS) + [{"type": "function", "function": {"name": "f"}}]
+    tools[0]["function"]["parameters"] = parameters
+    with pytest.raises(InvalidRequest, match=r"tools\[0\]\.function\.parameters") as info:
+        encode_prompt(tiny_loaded.tokenizer, messages=HISTORY, tools=tools)
+    assert message in str(info.value)
+    defs = {"$defs": {"c": {"type": "string"}}, "properties": {"city": {"$ref": "#/$defs/c"}}}
+    tools[0]["function"]["parameters"] = {"type": "object", **defs}
+    assert encode_prompt(tiny_loaded.tokenizer, messages=HISTORY, tools=tools)

@@ -224,10 +224,12 @@ async def test_n_choices_with_a_seed_are_reproducible(default_server):
 
 
 async def test_bad_structured_requests_are_400_and_the_server_keeps_serving(default_server):
-    """An invalid schema, an unknown tool_choice name, top_logprobs=50: 400 naming the field."""
+    """An invalid schema (response_format, or a tool's parameters whatever tool_choice is), an
+    unknown tool_choice name, top_logprobs=50: 400 naming the field."""
     schema = {"type": "object", "properties": {"a": {"type": 7}}}
     bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
     unknown = {"type": "function", "function": {"name": "nope"}}
+    bad_tool = {"type": "function", "function": {"name": "broken", "parameters": schema}}
     async with bridge_to(default_server) as bridge, client_of(bridge) as client:
         errors = []
         for extra in (
@@ -235,6 +237,8 @@ async def test_bad_structured_requests_are_400_and_the_server_keeps_serving(defa
             {"response_format": bad_schema, "stream": True},
             {"tools": [WEATHER], "tool_choice": unknown},
             {"logprobs": True, "top_logprobs": 50},
+            {"tools": [WEATHER, bad_tool]},  # auto: no grammar is built from the tools
+            {"tools": [WEATHER, bad_tool], "tool_choice": "required"},
         ):
             with pytest.raises(openai.BadRequestError) as error:
                 await client.chat.completions.create(model=MODEL, messages=ASK, **extra)
@@ -243,9 +247,11 @@ async def test_bad_structured_requests_are_400_and_the_server_keeps_serving(defa
             model=MODEL, messages=ASK, max_tokens=30, response_format={"type": "json_object"}
         )
     params = [e.param for e in errors]
-    assert params == ["response_format", "response_format", "tool_choice", "top_logprobs"]
+    tool = "tools[1].function.parameters"
+    assert params == [*["response_format"] * 2, "tool_choice", "top_logprobs", tool, tool]
     assert all(e.status_code == 400 and e.type == "invalid_request_error" for e in errors)
     assert "does not compile" in errors[0].message
+    assert "not a valid JSON schema: type must be a string" in errors[-1].message
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 
