@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
+import time
+import uuid
 from typing import Annotated
 
 import openai
 import pydantic
 import pytest
 import torch
-from bridge_support import bridge_to, tokens_generated, wait_idle_engine
+from bridge_support import bridge_to, metric, tokens_generated, wait_idle_engine
 from conftest import chat_prompts
 
 from streaming_backend.prompts import encode_prompt
@@ -78,6 +80,17 @@ def default_loaded(default_model_dir):
 def client_of(bridge) -> openai.AsyncOpenAI:
     base = f"http://127.0.0.1:{bridge.port}/v1"
     return openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=300)
+
+
+async def wait_until(condition, timeout: float = 10.0) -> bool:
+    """Whether a condition on the server (read in a thread) holds within `timeout`: a counter
+    is exported a moment after the response that moved it."""
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(condition):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
 
 
 def ask_summary(chat: list[dict]) -> list[dict]:
@@ -212,11 +225,19 @@ async def test_top_logprobs_are_the_models_log_softmax(default_server, default_l
         ids.append(int(best.indices[0]))
 
 
-async def test_n_choices_with_a_seed_are_reproducible(default_server):
-    """n=3 with a seed: three indexed choices, the same on a second request and when streamed."""
-    kwargs = dict(model=MODEL, messages=ASK, max_tokens=16, n=3, seed=11, temperature=1.0)
+async def test_n_choices_with_a_seed_are_reproducible_and_share_the_prefill(default_server):
+    """n=3 with a seed: three indexed choices, the same on a second request and when streamed.
+    The prompt is prefilled once: choices 1 and 2 take all of it but the last token from the
+    prefix cache (a system message no earlier request had keeps it fresh)."""
+    fresh = {"role": "system", "content": f"Session {uuid.uuid4().hex}: answer in one sentence."}
+    messages = [fresh, *ASK]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=8, n=3, seed=11, temperature=1.0)
+    reused = "tokenstream_prefix_cache_reused_tokens_total"
     async with bridge_to(default_server) as bridge, client_of(bridge) as client:
+        before = metric(default_server, reused)
         first = await client.chat.completions.create(**kwargs)
+        shared = 2 * (first.usage.prompt_tokens - 1)
+        grew = await wait_until(lambda: metric(default_server, reused) - before >= shared)
         again = await client.chat.completions.create(**kwargs)
         stream = await client.chat.completions.create(stream=True, **kwargs)
         texts = ["", "", ""]
@@ -227,7 +248,8 @@ async def test_n_choices_with_a_seed_are_reproducible(default_server):
     contents = [c.message.content for c in first.choices]
     assert contents == [c.message.content for c in again.choices] == texts
     assert len(set(contents)) > 1  # each choice draws with its own seed
-    assert 3 <= first.usage.completion_tokens <= 3 * 16  # every choice's tokens, the prompt once
+    assert 3 <= first.usage.completion_tokens <= 3 * 8  # every choice's tokens, the prompt once
+    assert grew, (metric(default_server, reused) - before, shared)
 
 
 async def test_bad_structured_requests_are_400_and_the_server_keeps_serving(default_server):
