@@ -14,7 +14,7 @@ import openai
 import pydantic
 import pytest
 import torch
-from bridge_support import bridge_to, metric, tokens_generated, wait_idle_engine
+from bridge_support import active_streams, bridge_to, metric, tokens_generated, wait_idle_engine
 from conftest import chat_prompts
 
 from streaming_backend.prompts import encode_prompt
@@ -125,6 +125,47 @@ async def test_parse_a_pydantic_model_for_every_shipped_chat(default_server):
     for deltas, choice in streams:
         assert len(deltas) > 5 and "".join(deltas) == choice.message.content
         assert isinstance(choice.message.parsed, Summary)
+
+
+class Pick(pydantic.BaseModel):
+    colour: Colour
+    count: int = pydantic.Field(ge=0, le=9)
+
+
+async def test_a_constrained_and_a_free_request_share_the_batch(default_server):
+    """A json_schema request runs while a free greedy one streams (it starts after the free
+    one's first token and ends before its last): it validates, and the free answer is the one
+    the same request gets alone."""
+    free = dict(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me a story about a lighthouse."}],
+        max_tokens=48, temperature=0, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    ask = [{"role": "user", "content": "Pick a colour and a count as JSON."}]
+    async with bridge_to(default_server) as bridge, client_of(bridge) as client:
+        alone = await client.chat.completions.create(**free)
+
+        async def streamed():
+            stream = await client.chat.completions.create(stream=True, **free)
+            return [(time.monotonic(), c) async for c in stream]
+
+        async def constrained():
+            started = time.monotonic()
+            picked = await client.chat.completions.parse(
+                model=MODEL, messages=ask, response_format=Pick, max_tokens=40
+            )
+            return started, time.monotonic(), picked.choices[0]
+
+        free_task = asyncio.create_task(streamed())
+        while not await asyncio.to_thread(active_streams, default_server):
+            await asyncio.sleep(0.01)  # the free one is on the engine
+        started, ended, picked = await constrained()
+        chunks = await free_task
+    texts = [(t, c.choices[0].delta.content) for t, c in chunks if c.choices]
+    tokens = [t for t, text in texts if text]
+    assert tokens[0] < ended < tokens[-1], (tokens[0], started, ended, tokens[-1])  # overlapped
+    assert picked.finish_reason == "stop" and isinstance(picked.message.parsed, Pick)
+    assert "".join(text or "" for _, text in texts) == alone.choices[0].message.content
+    assert alone.usage.completion_tokens == 48
 
 
 async def test_required_and_named_tool_calls_validate_and_stream(default_server):
@@ -272,16 +313,19 @@ async def test_bad_structured_requests_are_400_and_the_server_keeps_serving(defa
             with pytest.raises(openai.BadRequestError) as error:
                 await client.chat.completions.create(model=MODEL, messages=ASK, **extra)
             errors.append(error.value)
+        # json_object reaches the model as guided_json_object: a whole object, greedy
         ok = await client.chat.completions.create(
-            model=MODEL, messages=ASK, max_tokens=30, response_format={"type": "json_object"}
-        )
+            model=MODEL, messages=ASK, max_tokens=60, temperature=0,
+            response_format={"type": "json_object"},
+        )  # fmt: skip
     params = [e.param for e in errors]
     tool = "tools[1].function.parameters"
     assert params == [*["response_format"] * 2, "tool_choice", "top_logprobs", tool, tool]
     assert all(e.status_code == 400 and e.type == "invalid_request_error" for e in errors)
     assert "does not compile" in errors[0].message
     assert "not a valid JSON schema: type must be a string" in errors[-1].message
-    assert ok.choices[0].finish_reason in ("stop", "length")
+    assert ok.choices[0].finish_reason == "stop", ok.choices[0].message.content
+    assert isinstance(json.loads(ok.choices[0].message.content), dict)
 
 
 async def test_cancelling_a_constrained_stream_frees_its_slot(default_server):
