@@ -62,6 +62,17 @@ def parse_sse_line(line: bytes) -> dict | None:
     return json.loads(payload) if payload else None
 
 
+def refusal_message(status: int, body: bytes) -> str:
+    """The model's message in a refused request's body: Triton answers {"error": "..."}, as
+    JSON or, from generate_stream, as one SSE event (`data: {"error": ...}`); else the body."""
+    text = body.strip()
+    try:
+        event = parse_sse_line(text) if text.startswith(b"data:") else json.loads(text)
+        return str(event[ERROR_FIELD])
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {status}: {body.decode('utf-8', 'replace').strip()}"
+
+
 def _int(value) -> int | None:
     if isinstance(value, list):  # an output of shape [1] may come as a one-element list
         value = value[0] if value else None
@@ -108,11 +119,7 @@ async def generate(
     )
     async with response as resp:
         if resp.status != 200:
-            message = (await resp.text()).strip()
-            try:  # Triton answers {"error": "..."} for a refused request
-                message = str(json.loads(message)[ERROR_FIELD])
-            except (ValueError, KeyError, TypeError):
-                message = f"HTTP {resp.status}: {message}"
+            message = refusal_message(resp.status, await resp.read())
             raise GenerationError(message, error_code(message))
         while line := await within_idle_timeout(resp.content.readline(), idle_timeout_s):
             received_ns = time.monotonic_ns()

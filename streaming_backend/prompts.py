@@ -12,6 +12,7 @@ from streaming_backend.tool_prompt import (
     generic_messages,
     parse_tool_calls,
     parse_tools,
+    template_messages,
     template_takes_tools,
 )
 from streaming_backend.wire import INPUT_IDS, MESSAGES, ROLES, TEXT_INPUT, TOOLS
@@ -104,8 +105,7 @@ def render_chat(
         raise InvalidRequest("this model has no chat template: send text_input instead")
     own = bool(tools) and template_takes_tools(tokenizer)
     extra = {"tools": tools} if own else {}
-    if not own:
-        messages = generic_messages(messages, tools)
+    messages = template_messages(messages) if own else generic_messages(messages, tools)
     try:
         text = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False, **extra

@@ -9,6 +9,7 @@ parses the answer back into calls (clients/bridge/openai_tools.py).
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -35,7 +36,34 @@ def parse_tools(tools: str | bytes | Sequence[Any] | None) -> list[dict[str, Any
         if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
             shape = '{"type": "function", "function": {"name": ..., "parameters": ...}}'
             raise InvalidRequest(f"{TOOLS}[{i}] must be {shape}")
+        if "parameters" in function:
+            check_parameters(function["parameters"], f"{TOOLS}[{i}].function.parameters")
     return tools or None
+
+
+def check_parameters(schema: Any, where: str) -> None:
+    """A function's parameters must be a JSON schema that compiles, as response_format's must,
+    whatever tool_choice says: InvalidRequest naming `where` if not."""
+    if not isinstance(schema, dict):
+        raise InvalidRequest(f"{where} must be a JSON schema object")
+    problem = _schema_problem(json.dumps(schema, sort_keys=True))
+    if problem:
+        raise InvalidRequest(f"{where} is not a valid JSON schema: {problem}")
+
+
+@functools.lru_cache(maxsize=256)  # an agent sends the same tools with every turn
+def _schema_problem(schema: str) -> str:
+    """What llguidance finds wrong with a JSON schema (its text); "" when it compiles."""
+    import llguidance
+
+    from streaming_backend.grammar import JSON_OPTIONS
+
+    build = llguidance.LLMatcher
+    try:
+        source = build.grammar_from_json_schema(json.loads(schema), defaults=JSON_OPTIONS)
+    except Exception as exc:  # llguidance's own errors (ValueError, RuntimeError)
+        return str(exc).strip()
+    return build.validate_grammar(source).strip()
 
 
 def parse_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
@@ -56,6 +84,34 @@ def template_takes_tools(tokenizer: Any) -> bool:
     """True when the model's chat template reads the `tools` variable."""
     template = getattr(tokenizer, "chat_template", None)
     return isinstance(template, str) and "tools" in template
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages for a chat template that takes tools: each call's arguments as an object.
+
+    Templates write `tool_call.function.arguments | tojson` (Qwen 2.5, Llama 3.1), which would
+    encode OpenAI's JSON text a second time; arguments that are not valid JSON stay as given.
+    """
+    return [_with_parsed_arguments(m) if m.get("tool_calls") else m for m in messages]
+
+
+def _with_parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    calls = []
+    for call in message["tool_calls"]:
+        function = call["function"]
+        arguments = _parsed(function.get("arguments", {}))
+        calls.append({**call, "function": {**function, "arguments": arguments}})
+    return {**message, "tool_calls": calls}
+
+
+def _parsed(arguments: str | Mapping[str, Any]) -> Any:
+    """JSON text as the value it encodes; anything else (an object, broken JSON) as given."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            pass  # written back as given: the model made it so
+    return arguments
 
 
 def generic_messages(
@@ -89,12 +145,7 @@ def instructions(tools: list[dict[str, Any]]) -> str:
 
 def format_call(name: str, arguments: str | Mapping[str, Any]) -> str:
     """One call as the model writes it; arguments as JSON text (OpenAI's form) or an object."""
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            pass  # written back as given: the model made it so
-    call = {"name": name, "arguments": arguments}
+    call = {"name": name, "arguments": _parsed(arguments)}
     return f"{TOOL_CALL_OPEN}{json.dumps(call, ensure_ascii=False)}{TOOL_CALL_CLOSE}"
 
 

@@ -17,6 +17,7 @@ from streaming_backend.wire import (
     INVALID_REQUEST,
     OVERLOADED,
     SAMPLING_PARAMETERS,
+    TOOLS,
     UNAVAILABLE,
 )
 
@@ -29,7 +30,8 @@ STATUS_OF_CODE: dict[str, tuple[int, str, int | None]] = {
     CANCELLED.code: (503, "server_error", RETRY_AFTER_S),  # the engine shut down under it
     INTERNAL.code: (500, "server_error", None),
 }
-_PARAM = re.compile(rf"{SAMPLING_PARAMETERS}\.(\w+)")
+# The field a model's message names: a sampling key, or a tool's parameters schema.
+_PARAM = re.compile(rf"{SAMPLING_PARAMETERS}\.(\w+)|({TOOLS}\[\d+\]\.function\.parameters)")
 
 
 @dataclass(eq=False)  # not frozen: Python sets __traceback__ on exceptions
@@ -62,7 +64,8 @@ def from_generation_error(code: str, message: str) -> ApiError:
     """The API's answer to a failed generation (a GenerationError's code and message)."""
     status, kind, retry = STATUS_OF_CODE.get(code, STATUS_OF_CODE[INTERNAL.code])
     match = _PARAM.search(message) if status == 400 else None
-    return ApiError(status, message, kind, match and match.group(1), code, retry)
+    param = match and (match.group(1) or match.group(2))
+    return ApiError(status, message, kind, param, code, retry)
 
 
 def not_ready(triton_url: str) -> ApiError:

@@ -11,6 +11,7 @@ import pytest
 import websockets
 from bridge_support import bridge_to, collect, frame, ws_url
 
+from clients.chunk import GenerationError
 from clients.grpc_client import AsyncChatClient, GenerateRequest, stream_generate
 from clients.sse_client import generate, generate_stream_url
 
@@ -82,3 +83,51 @@ async def test_websocket_guided_keys(triton_server):
     assert frames["c"][-1]["type"] == frames["j"][-1]["type"] == "done"
     assert texts["c"] in ("alpha", "beta")
     assert json.loads(texts["j"])["colour"] in ("red", "green")
+
+
+BAD_GRAMMARS = [
+    ("guided_json", {"type": "object", "properties": {"colour": {"type": 7}}}),
+    ("guided_regex", "(oops"),
+]
+
+
+async def test_websocket_bad_grammar_is_an_error_frame(triton_server):
+    """The websocket: a guided_json or guided_regex that does not compile ends that generation
+    with an invalid_request error frame naming the key; a good one beside it is served."""
+    async with bridge_to(triton_server) as bridge, websockets.connect(ws_url(bridge)) as ws:
+        for key, value in BAD_GRAMMARS:
+            await ws.send(frame(type="generate", id=key, prompt="Hi", params={key: value}))
+        await ws.send(
+            frame(type="generate", id="ok", prompt="Hi", params={"guided_choice": ["fine"]})
+        )
+        frames = await collect(ws, {key for key, _ in BAD_GRAMMARS} | {"ok"})
+    for key, _ in BAD_GRAMMARS:
+        (end,) = frames[key]
+        assert (end["type"], end["code"]) == ("error", "invalid_request"), end
+        assert f"sampling_parameters.{key} does not compile" in end["message"]
+    assert frames["ok"][-1]["type"] == "done"
+    assert "".join(f.get("text", "") for f in frames["ok"]) == "fine"
+
+
+@pytest.mark.parametrize("key, value", BAD_GRAMMARS)
+async def test_generate_stream_bad_grammar_is_invalid_request(triton_server, key, value):
+    """HTTP generate_stream: a grammar that does not compile is an invalid_request error whose
+    message names the key, before any token."""
+    url = generate_stream_url(triton_server.http_url)
+    async with aiohttp.ClientSession() as session:
+        request = GenerateRequest(prompt="Hi", sampling={key: value})
+        got = []
+        with pytest.raises(GenerationError) as error:
+            async for chunk in generate(session, url, request):
+                got.append(chunk)
+    assert got == [] and error.value.code == "invalid_request"
+    assert f"sampling_parameters.{key} does not compile" in error.value.message
+
+
+def test_grpc_guided_grammar(triton_server):
+    """gRPC: a Lark grammar (guided_grammar) shapes the whole answer."""
+    lark = 'start: "id-" DIGIT DIGIT ("a" | "b")\nDIGIT: /[0-9]/'
+    request = GenerateRequest(prompt="Hello", sampling={"guided_grammar": lark, "seed": 2})
+    chunks = list(stream_generate(triton_server.grpc_url, request))
+    assert re.fullmatch(r"id-[0-9]{2}[ab]", "".join(c.text for c in chunks))
+    assert chunks[-1].finish_reason == "stop"

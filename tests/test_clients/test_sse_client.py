@@ -18,6 +18,7 @@ from clients.sse_client import (
     generate,
     generate_stream_url,
     parse_sse_line,
+    refusal_message,
     request_body,
 )
 from streaming_backend import wire
@@ -145,3 +146,19 @@ async def test_a_stream_that_goes_silent_fails_after_the_idle_timeout(events, he
     assert "no response from the server for 0.5 s" in failed.value.message
     assert not failed.value.retryable
     assert 0.5 <= took < 5.0
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (b'data: {"error":"invalid request: sampling_parameters.x is bad"}\n\n',
+         "invalid request: sampling_parameters.x is bad"),
+        (b'{"error": "invalid request: bad"}', "invalid request: bad"),
+        (b"<html>oops</html>", "HTTP 400: <html>oops</html>"),
+        (b"data: [1]", 'HTTP 400: data: [1]'),
+    ],
+)  # fmt: skip
+def test_a_refused_requests_message(body, message):
+    """A refusal's body gives the model's own message, whether Triton wrote it as JSON or as
+    generate_stream's one SSE event; anything else is kept with the HTTP status."""
+    assert refusal_message(400, body) == message

@@ -63,6 +63,28 @@ def test_a_template_that_takes_tools_renders_them(tiny_loaded):
     assert "CALL=get_weather" in text and TOOL_CALL_OPEN not in text
 
 
+# As Qwen 2.5's and Llama 3.1's templates write a call: the arguments through `tojson`.
+TOJSON_TEMPLATE = (
+    "{% for m in messages %}[{{ m.role }}]{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}CALL={{ c.function.arguments | tojson }}{% endfor %}\n"
+    "{% endfor %}{% if tools %}(tools){% endif %}[assistant]"
+)
+
+
+def test_a_template_gets_call_arguments_as_an_object(tiny_loaded):
+    """OpenAI's arguments (JSON text) reach a tools template as an object, so `tojson` writes
+    them once; arguments that are not JSON are passed as given."""
+    tokenizer = copy.copy(tiny_loaded.tokenizer)
+    tokenizer.chat_template = TOJSON_TEMPLATE
+    text = _text(tokenizer, messages=HISTORY, tools=TOOLS)
+    assert 'CALL={"city": "Paris"}' in text, text
+    broken = copy.deepcopy(HISTORY)
+    broken[1]["tool_calls"][0]["function"]["arguments"] = '{"city": Par'
+    text = _text(tokenizer, messages=broken, tools=TOOLS)
+    assert 'CALL="{\\"city\\": Par"' in text, text
+    assert HISTORY[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+
+
 def test_bad_tools_are_invalid_requests(tiny_loaded):
     """Tools without messages, or not a list of function tools: InvalidRequest naming them."""
     with pytest.raises(InvalidRequest, match="tools needs messages"):
@@ -72,3 +94,25 @@ def test_bad_tools_are_invalid_requests(tiny_loaded):
     bad_call = [{"role": "assistant", "content": "", "tool_calls": [{"function": {}}]}]
     with pytest.raises(InvalidRequest, match="tool_calls"):
         encode_prompt(tiny_loaded.tokenizer, messages=bad_call)
+
+
+@pytest.mark.parametrize(
+    "parameters, message",
+    [
+        ({"type": "object", "properties": {"a": {"type": 7}}}, "type must be a string"),
+        ({"$ref": "#/$defs/missing"}, "does not exist"),
+        ({"type": "string", "pattern": "(oops"}, "unclosed group"),
+        ([], "must be a JSON schema object"),
+    ],
+)
+def test_a_tools_parameters_schema_must_compile(tiny_loaded, parameters, message):
+    """Every tool's parameters schema is compiled as a grammar's would be, whether or not a
+    call is forced: one that does not compile is an InvalidRequest naming the tool's field."""
+    tools = copy.deepcopy(TOOLS) + [{"type": "function", "function": {"name": "f"}}]
+    tools[0]["function"]["parameters"] = parameters
+    with pytest.raises(InvalidRequest, match=r"tools\[0\]\.function\.parameters") as info:
+        encode_prompt(tiny_loaded.tokenizer, messages=HISTORY, tools=tools)
+    assert message in str(info.value)
+    defs = {"$defs": {"c": {"type": "string"}}, "properties": {"city": {"$ref": "#/$defs/c"}}}
+    tools[0]["function"]["parameters"] = {"type": "object", **defs}
+    assert encode_prompt(tiny_loaded.tokenizer, messages=HISTORY, tools=tools)

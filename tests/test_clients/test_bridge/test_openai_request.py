@@ -174,6 +174,13 @@ def test_completion_prompts():
             "top_p",
             None,
         ),
+        (
+            "invalid_request",
+            "invalid request: tools[3].function.parameters is not a valid JSON schema: ...",
+            400,
+            "tools[3].function.parameters",
+            None,
+        ),
         ("overloaded", "overloaded: the queue is full", 429, None, "1"),
         ("unavailable", "unavailable: Stream removed", 503, None, "1"),
         ("internal", "internal error: boom", 500, None, None),

@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
+import time
+import uuid
 from typing import Annotated
 
 import openai
 import pydantic
 import pytest
 import torch
-from bridge_support import bridge_to, tokens_generated, wait_idle_engine
+from bridge_support import active_streams, bridge_to, metric, tokens_generated, wait_idle_engine
 from conftest import chat_prompts
 
 from streaming_backend.prompts import encode_prompt
@@ -80,6 +82,17 @@ def client_of(bridge) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=300)
 
 
+async def wait_until(condition, timeout: float = 10.0) -> bool:
+    """Whether a condition on the server (read in a thread) holds within `timeout`: a counter
+    is exported a moment after the response that moved it."""
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(condition):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
 def ask_summary(chat: list[dict]) -> list[dict]:
     request = "Summarise the conversation above as JSON: topic, words, colour, tags."
     return [*chat, {"role": "user", "content": request}]
@@ -114,6 +127,47 @@ async def test_parse_a_pydantic_model_for_every_shipped_chat(default_server):
         assert isinstance(choice.message.parsed, Summary)
 
 
+class Pick(pydantic.BaseModel):
+    colour: Colour
+    count: int = pydantic.Field(ge=0, le=9)
+
+
+async def test_a_constrained_and_a_free_request_share_the_batch(default_server):
+    """A json_schema request runs while a free greedy one streams (it starts after the free
+    one's first token and ends before its last): it validates, and the free answer is the one
+    the same request gets alone."""
+    free = dict(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me a story about a lighthouse."}],
+        max_tokens=48, temperature=0, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    ask = [{"role": "user", "content": "Pick a colour and a count as JSON."}]
+    async with bridge_to(default_server) as bridge, client_of(bridge) as client:
+        alone = await client.chat.completions.create(**free)
+
+        async def streamed():
+            stream = await client.chat.completions.create(stream=True, **free)
+            return [(time.monotonic(), c) async for c in stream]
+
+        async def constrained():
+            started = time.monotonic()
+            picked = await client.chat.completions.parse(
+                model=MODEL, messages=ask, response_format=Pick, max_tokens=40
+            )
+            return started, time.monotonic(), picked.choices[0]
+
+        free_task = asyncio.create_task(streamed())
+        while not await asyncio.to_thread(active_streams, default_server):
+            await asyncio.sleep(0.01)  # the free one is on the engine
+        started, ended, picked = await constrained()
+        chunks = await free_task
+    texts = [(t, c.choices[0].delta.content) for t, c in chunks if c.choices]
+    tokens = [t for t, text in texts if text]
+    assert tokens[0] < ended < tokens[-1], (tokens[0], started, ended, tokens[-1])  # overlapped
+    assert picked.finish_reason == "stop" and isinstance(picked.message.parsed, Pick)
+    assert "".join(text or "" for _, text in texts) == alone.choices[0].message.content
+    assert alone.usage.completion_tokens == 48
+
+
 async def test_required_and_named_tool_calls_validate_and_stream(default_server):
     """tool_choice required / named: arguments always validate; streamed deltas reassemble to
     the whole answer's call; finish_reason is tool_calls."""
@@ -146,8 +200,9 @@ async def test_required_and_named_tool_calls_validate_and_stream(default_server)
     assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == expected
 
 
-async def test_a_tool_result_yields_text(default_server):
-    """The round trip: the assistant's call and the tool's result in history give an answer."""
+async def test_a_tool_result_yields_an_answer_with_tool_choice_auto(default_server):
+    """The round trip: the assistant's call and the tool's result in history, the tools still
+    offered (auto), give a well-formed answer: text, or calls that parse."""
     async with bridge_to(default_server) as bridge, client_of(bridge) as client:
         first = await client.chat.completions.create(
             model=MODEL,
@@ -162,12 +217,18 @@ async def test_a_tool_result_yields_text(default_server):
         (call,) = message.tool_calls
         result = {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 degrees C."}
         history = [*ASK, message.model_dump(exclude_none=True), result]
+        # tool_choice left at "auto": the tools stay in the prompt and the model chooses
         answer = await client.chat.completions.create(
-            model=MODEL, messages=history, tools=[WEATHER], tool_choice="none", max_tokens=40
+            model=MODEL, messages=history, tools=[WEATHER], max_tokens=120, temperature=0
         )
     reply = answer.choices[0]
-    assert reply.message.content and not reply.message.tool_calls
-    assert reply.finish_reason in ("stop", "length")
+    if reply.message.tool_calls:  # another call: whole, parsed, and said so
+        assert reply.finish_reason == "tool_calls"
+        for again in reply.message.tool_calls:
+            assert again.function.name == "get_weather" and again.id.startswith("call_")
+            assert isinstance(json.loads(again.function.arguments), dict)
+    else:  # an answer in text (an unfinished call, cut by max_tokens, stays text)
+        assert reply.message.content and reply.finish_reason in ("stop", "length")
 
 
 async def test_top_logprobs_are_the_models_log_softmax(default_server, default_loaded):
@@ -205,11 +266,19 @@ async def test_top_logprobs_are_the_models_log_softmax(default_server, default_l
         ids.append(int(best.indices[0]))
 
 
-async def test_n_choices_with_a_seed_are_reproducible(default_server):
-    """n=3 with a seed: three indexed choices, the same on a second request and when streamed."""
-    kwargs = dict(model=MODEL, messages=ASK, max_tokens=16, n=3, seed=11, temperature=1.0)
+async def test_n_choices_with_a_seed_are_reproducible_and_share_the_prefill(default_server):
+    """n=3 with a seed: three indexed choices, the same on a second request and when streamed.
+    The prompt is prefilled once: choices 1 and 2 take all of it but the last token from the
+    prefix cache (a system message no earlier request had keeps it fresh)."""
+    fresh = {"role": "system", "content": f"Session {uuid.uuid4().hex}: answer in one sentence."}
+    messages = [fresh, *ASK]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=8, n=3, seed=11, temperature=1.0)
+    reused = "tokenstream_prefix_cache_reused_tokens_total"
     async with bridge_to(default_server) as bridge, client_of(bridge) as client:
+        before = metric(default_server, reused)
         first = await client.chat.completions.create(**kwargs)
+        shared = 2 * (first.usage.prompt_tokens - 1)
+        grew = await wait_until(lambda: metric(default_server, reused) - before >= shared)
         again = await client.chat.completions.create(**kwargs)
         stream = await client.chat.completions.create(stream=True, **kwargs)
         texts = ["", "", ""]
@@ -220,14 +289,17 @@ async def test_n_choices_with_a_seed_are_reproducible(default_server):
     contents = [c.message.content for c in first.choices]
     assert contents == [c.message.content for c in again.choices] == texts
     assert len(set(contents)) > 1  # each choice draws with its own seed
-    assert 3 <= first.usage.completion_tokens <= 3 * 16  # every choice's tokens, the prompt once
+    assert 3 <= first.usage.completion_tokens <= 3 * 8  # every choice's tokens, the prompt once
+    assert grew, (metric(default_server, reused) - before, shared)
 
 
 async def test_bad_structured_requests_are_400_and_the_server_keeps_serving(default_server):
-    """An invalid schema, an unknown tool_choice name, top_logprobs=50: 400 naming the field."""
+    """An invalid schema (response_format, or a tool's parameters whatever tool_choice is), an
+    unknown tool_choice name, top_logprobs=50: 400 naming the field."""
     schema = {"type": "object", "properties": {"a": {"type": 7}}}
     bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
     unknown = {"type": "function", "function": {"name": "nope"}}
+    bad_tool = {"type": "function", "function": {"name": "broken", "parameters": schema}}
     async with bridge_to(default_server) as bridge, client_of(bridge) as client:
         errors = []
         for extra in (
@@ -235,18 +307,25 @@ async def test_bad_structured_requests_are_400_and_the_server_keeps_serving(defa
             {"response_format": bad_schema, "stream": True},
             {"tools": [WEATHER], "tool_choice": unknown},
             {"logprobs": True, "top_logprobs": 50},
+            {"tools": [WEATHER, bad_tool]},  # auto: no grammar is built from the tools
+            {"tools": [WEATHER, bad_tool], "tool_choice": "required"},
         ):
             with pytest.raises(openai.BadRequestError) as error:
                 await client.chat.completions.create(model=MODEL, messages=ASK, **extra)
             errors.append(error.value)
+        # json_object reaches the model as guided_json_object: a whole object, greedy
         ok = await client.chat.completions.create(
-            model=MODEL, messages=ASK, max_tokens=30, response_format={"type": "json_object"}
-        )
+            model=MODEL, messages=ASK, max_tokens=60, temperature=0,
+            response_format={"type": "json_object"},
+        )  # fmt: skip
     params = [e.param for e in errors]
-    assert params == ["response_format", "response_format", "tool_choice", "top_logprobs"]
+    tool = "tools[1].function.parameters"
+    assert params == [*["response_format"] * 2, "tool_choice", "top_logprobs", tool, tool]
     assert all(e.status_code == 400 and e.type == "invalid_request_error" for e in errors)
     assert "does not compile" in errors[0].message
-    assert ok.choices[0].finish_reason in ("stop", "length")
+    assert "not a valid JSON schema: type must be a string" in errors[-1].message
+    assert ok.choices[0].finish_reason == "stop", ok.choices[0].message.content
+    assert isinstance(json.loads(ok.choices[0].message.content), dict)
 
 
 async def test_cancelling_a_constrained_stream_frees_its_slot(default_server):
