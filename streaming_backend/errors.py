@@ -50,3 +50,9 @@ class NonFiniteLogits(StreamingError):
     """A stream's logits held NaN or inf (float16 overflow, a broken device): no token to pick."""
 
     kind = wire.INTERNAL  # the model's fault, not the request's
+
+
+class MaskFailed(StreamingError):
+    """A row's grammar token mask could not be made: its stream fails, the batch goes on."""
+
+    kind = wire.INTERNAL  # the grammar library's fault, not the request's

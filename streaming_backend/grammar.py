@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from streaming_backend.errors import InvalidRequest, StreamingError
+from streaming_backend.errors import InvalidRequest, MaskFailed
 from streaming_backend.settings import SamplingSettings
 from streaming_backend.wire import (
     GUIDED_CHOICE,
@@ -181,10 +181,6 @@ class GrammarCompiler:
 
 _executor = None  # llguidance's thread pool for filling many rows' masks at once
 _ahead_worker = None  # the thread that fills next steps' masks while a forward runs
-
-
-class MaskFailed(StreamingError):
-    """A row's grammar mask could not be made: its stream fails, the batch goes on."""
 
 
 def apply_grammar_masks(

@@ -27,7 +27,8 @@ import torch
 
 from streaming_backend import logprobs as lp
 from streaming_backend import sampling
-from streaming_backend.grammar import GrammarMatcher, MaskFailed, apply_grammar_masks
+from streaming_backend.errors import MaskFailed
+from streaming_backend.grammar import GrammarMatcher, apply_grammar_masks
 from streaming_backend.settings import SamplingSettings
 
 TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first

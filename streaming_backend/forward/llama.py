@@ -14,6 +14,7 @@ chunk, a reused prefix) are simply part of what it attends to.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -179,7 +180,12 @@ class CompactLlama(nn.Module):
         inner = model.model
         self.embed = inner.embed_tokens.weight.detach()  # [V, hidden]
         # [V, hidden]; tied models share the tensor (unless quantized)
-        self.head: Weight = quantize_weight(model.lm_head.weight.detach(), HEAD_KIND[quantize])
+        self.full_head = model.lm_head.weight.detach()  # as loaded: the model holds it anyway
+        self.head: Weight = quantize_weight(self.full_head, HEAD_KIND[quantize])
+        # A quantized head reads fewer bytes, which wins for a few rows; for many rows the
+        # loaded one's matmul wins. From this many rows on the loaded one is used (None: never);
+        # `calibrate_head` measures where, on this machine.
+        self.full_head_from: int | None = None
         self.final_norm = inner.norm.weight.detach()
         self.blocks = [_block(layer).quantized(quantize) for layer in inner.layers]
         self.cos, self.sin = _rope_tables(inner.rotary_emb, self.shape, self.embed.dtype)
@@ -203,12 +209,13 @@ class CompactLlama(nn.Module):
         n = rows.tokens.shape[0]
         x = x[torch.arange(n, device=x.device), rows.last]  # [N, hidden]
         x = rms_norm(x, self.final_norm, self.shape.eps)
-        return linear(x, self.head).float()  # [N, V]
+        return self.logits(x)  # [N, V]
 
     def score(self, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: Rows, window: int):
         """`forward`, but the logits [N, T, V] (fp32) of every token (`rows.last` unused):
         teacher-forced quality checks."""
         x = self.hidden(k_cache, v_cache, rows, window)
+        # the quantized head always (the less exact one): quality checks measure the worst case
         return linear(rms_norm(x, self.final_norm, self.shape.eps), self.head).float()
 
     def hidden(
@@ -273,7 +280,7 @@ class CompactLlama(nn.Module):
             x = x + one_row_attention(h, block, kv, cos, sin, (position, start), dims)
             x = mlp(x, block, dims)
         x = rms_norm(x, self.final_norm, self.shape.eps)
-        return linear(x, self.head).float()
+        return self.logits(x)
 
     def decode_front(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, window: int
@@ -302,12 +309,53 @@ class CompactLlama(nn.Module):
             x = x + front_attention(h, block, kv, cos, sin, where, dims)
             x = mlp(x, block, dims)
         x = rms_norm(x, self.final_norm, self.shape.eps)
+        return self.logits(x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The head: normalised hidden states [..., hidden] -> fp32 logits [..., V]."""
+        rows = x.numel() // x.shape[-1]
+        if self.full_head_from is not None and rows >= self.full_head_from:
+            return linear(x, self.full_head).float()
         return linear(x, self.head).float()
+
+    def calibrate_head(self, max_rows: int, repeats: int = 3) -> None:
+        """With a quantized head: time it against the loaded one at 1, 2, 4, ... max_rows rows
+        and set `full_head_from` to the fewest rows from which the loaded one was faster at every
+        size measured (None if it never was). A few milliseconds per size."""
+        if self.head is self.full_head:
+            return
+        sizes = [1]
+        while sizes[-1] < max_rows:
+            sizes.append(min(2 * sizes[-1], max_rows))
+        faster = []
+        for rows in sizes:
+            x = torch.zeros(
+                rows, self.shape.hidden, dtype=self.embed.dtype, device=self.embed.device
+            )
+            quantized = _best_of(linear, (x, self.head), repeats)
+            loaded = _best_of(linear, (x, self.full_head), repeats)
+            faster.append(loaded < quantized)
+        self.full_head_from = None
+        for rows, loaded_wins in zip(reversed(sizes), reversed(faster)):
+            if not loaded_wins:
+                break
+            self.full_head_from = rows
 
     def _grouped(self, mask: torch.Tensor) -> torch.Tensor:
         """[N, T, W] -> [N, 1, groups * T, W]: one mask row per (query head of a group, token)."""
         n, t, w = mask.shape
         return mask[:, None, None].expand(n, 1, self.shape.groups, t, w).reshape(n, 1, -1, w)
+
+
+def _best_of(call: Callable[..., Any], args: tuple, repeats: int) -> float:
+    """The fastest of `repeats` timed calls after one warm-up, in seconds."""
+    call(*args)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call(*args)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def _block(layer: Any) -> Block:

@@ -50,6 +50,10 @@ class ForwardConfig:
     # of them (SlotCache.gather_front); False copies each row's keys out of its slot instead, as
     # the compiled and graphed steps do (kept to measure one against the other).
     front_decode: bool = True
+    # With a quantized head: time it against the loaded one at load and use the loaded one for
+    # steps of as many rows as it was faster at (CompactLlama.calibrate_head). False: the
+    # quantized head always (a row's logits then do not depend on how many rows share its step).
+    calibrate_head: bool = True
 
     def __post_init__(self) -> None:
         check_kind(self.quantize)
@@ -86,6 +90,16 @@ class SlotForward:
             model.shape, max_len, loaded.dtype, loaded.device, config.budget, config.max_slots
         )
         forward = cls(model, cache, loaded.device)
+        if config.calibrate_head:
+            model.calibrate_head(cache.slots)
+        if model.full_head_from is not None:
+            dtype = str(loaded.dtype).removeprefix("torch.")
+            log.info(
+                "the head: int8 below %d rows, %s from %d (measured faster here)",
+                model.full_head_from,
+                dtype,
+                model.full_head_from,
+            )
         forward._set_up_decode(config)
         forward.front_decode = config.front_decode
         return forward

@@ -13,6 +13,7 @@ from streaming_backend.errors import (
     Cancelled,
     EngineStopped,
     InvalidRequest,
+    MaskFailed,
     NonFiniteLogits,
     Overloaded,
     StreamingError,
@@ -81,6 +82,7 @@ def test_error_code_falls_back_to_the_rpc_status(message, status, code):
         (EngineStopped("x"), "unavailable", "UNAVAILABLE"),
         (Cancelled(), "cancelled", "CANCELLED"),
         (NonFiniteLogits("x"), "internal", "INTERNAL"),
+        (MaskFailed("x"), "internal", "INTERNAL"),
     ],
     ids=lambda v: type(v).__name__ if isinstance(v, Exception) else None,
 )
@@ -94,7 +96,14 @@ def test_every_error_carries_its_kind(error, code, triton_code):
 def test_every_error_class_is_covered():
     """No StreamingError subclass without a kind of its own (or an entry above)."""
     subclasses = {cls.__name__ for cls in StreamingError.__subclasses__()}
-    expected = {"InvalidRequest", "Overloaded", "EngineStopped", "Cancelled", "NonFiniteLogits"}
+    expected = {
+        "InvalidRequest",
+        "Overloaded",
+        "EngineStopped",
+        "Cancelled",
+        "NonFiniteLogits",
+        "MaskFailed",
+    }
     assert subclasses == expected
     assert {cls.kind for cls in StreamingError.__subclasses__()} <= set(wire.ERROR_KINDS)
 

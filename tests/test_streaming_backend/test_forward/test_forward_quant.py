@@ -73,7 +73,8 @@ def test_bad_kinds_and_devices_are_refused():
         quant.quantize_weight(torch.empty(8, 64, device="meta"), "int8")
 
 
-CONFIG = ForwardConfig(CacheBudget(bytes=64 << 20), max_len=128, max_slots=4)
+# the quantized head at every batch size: a row's logits do not depend on its step's size
+CONFIG = ForwardConfig(CacheBudget(bytes=64 << 20), max_len=128, max_slots=4, calibrate_head=False)
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
@@ -133,3 +134,24 @@ def test_score_gives_every_tokens_logits(tiny_model_dir):
     last = model(forward.cache.k, forward.cache.v, rows, 16)
     assert every.shape == (1, 10, loaded.model.config.vocab_size)
     torch.testing.assert_close(every[:, -1], last, atol=1e-5, rtol=0)
+
+
+def test_the_head_is_chosen_by_rows_as_calibrated(tiny_model_dir):
+    """From `full_head_from` rows on, the logits are the loaded head's; below, the quantized
+    head's. calibrate_head leaves an unquantized model alone and picks a measured size."""
+    loaded = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    plain = SlotForward.create(loaded, ForwardConfig(**{**CONFIG.__dict__, "calibrate_head": True}))
+    assert plain.model.full_head_from is None and plain.model.head is plain.model.full_head
+    config = ForwardConfig(**{**CONFIG.__dict__, "quantize": "int8"})
+    model: CompactLlama = SlotForward.create(loaded, config).model
+    x = torch.randn(3, loaded.model.config.hidden_size, generator=torch.Generator().manual_seed(6))
+    full = torch.nn.functional.linear(x, model.full_head)
+    quantized = quant.linear(x, model.head).float()
+    assert not torch.allclose(full, quantized, atol=1e-4)  # the two heads can be told apart
+    model.full_head_from = 3
+    torch.testing.assert_close(model.logits(x), full)
+    torch.testing.assert_close(model.logits(x[:2]), quantized[:2])
+    model.full_head_from = None
+    torch.testing.assert_close(model.logits(x), quantized)
+    model.calibrate_head(4, repeats=1)
+    assert model.full_head_from in (None, 1, 2, 4)
