@@ -10,6 +10,9 @@ The rule, one pure function (`choose_dtype`) used by the model at load and by th
 | a CPU with AVX512_BF16 or AMX-BF16 | bfloat16 | native bfloat16 dot products: half the bytes |
 | any other CPU (AVX2, AVX-512 without BF16, Arm) | float32 | bfloat16 is converted in software |
 
+A CPU whose bfloat16 instructions torch is told not to use (ONEDNN_MAX_CPU_ISA or
+ATEN_CPU_CAPABILITY below them: `isa_caps`) counts as one without them.
+
 Measured (docs/performance.md): on an AVX2-only EPYC float32 served twice the tokens of bfloat16
 at 16 streams and halved TTFT; on an EPYC with AVX512_BF16 bfloat16 matmuls beat float32.
 
@@ -27,8 +30,10 @@ tokens/s of unquantized bfloat16 and 16 streams the same; the quality gate held.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,8 +126,11 @@ def choose_quantize(
     return QuantizeChoice(setting, "none", "CPU without native bfloat16: int4 unmeasured there")
 
 
-def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
-    """The first CPU's feature flags (`flags`, or `Features` on Arm); empty when unreadable."""
+def cpu_flags(cpuinfo: Path = CPUINFO, environ: Mapping[str, str] = os.environ) -> frozenset[str]:
+    """The first CPU's feature flags (`flags`, or `Features` on Arm); empty when unreadable.
+
+    Without the bfloat16 ones that torch was told not to use (`isa_caps`).
+    """
     try:
         text = cpuinfo.read_text(errors="replace")
     except OSError:
@@ -130,7 +138,27 @@ def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
     for line in text.splitlines():
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
+            return frozenset(value.split()) - isa_caps(environ)
+    return frozenset()
+
+
+# oneDNN's instruction-set limits (ONEDNN_MAX_CPU_ISA) below its bfloat16 and AMX kernels
+ONEDNN_BELOW_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE")
+ONEDNN_BELOW_AMX = (*ONEDNN_BELOW_BF16, "AVX512_CORE_VNNI", "AVX512_CORE_BF16", "AVX10_1_512")
+ATEN_BELOW_AVX512 = ("default", "avx2", "no avx")  # ATEN_CPU_CAPABILITY values
+
+
+def isa_caps(environ: Mapping[str, str]) -> frozenset[str]:
+    """The native bfloat16 flags torch is told not to use: ONEDNN_MAX_CPU_ISA (or the older
+    DNNL_MAX_CPU_ISA) or ATEN_CPU_CAPABILITY set below them. Such a machine computes bfloat16
+    in software, as one without the instructions does (the way to try the AVX2 rules on an
+    AVX-512 machine)."""
+    onednn = (environ.get("ONEDNN_MAX_CPU_ISA") or environ.get("DNNL_MAX_CPU_ISA") or "").upper()
+    aten = environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    if onednn in ONEDNN_BELOW_BF16 or aten in ATEN_BELOW_AVX512:
+        return frozenset(NATIVE_BF16_FLAGS)
+    if onednn in ONEDNN_BELOW_AMX:
+        return frozenset({"amx_bf16"})
     return frozenset()
 
 

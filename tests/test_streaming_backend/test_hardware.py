@@ -87,9 +87,33 @@ def test_cpu_flags_from_cpuinfo(tmp_path):
     x86.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16\n\nflags\t: other\n")
     arm = tmp_path / "arm"
     arm.write_text("processor\t: 0\nFeatures\t: fp asimd\n")
-    assert hardware.cpu_flags(x86) == {"fpu", "avx2", "avx512_bf16"}
-    assert hardware.cpu_flags(arm) == {"fp", "asimd"}
+    assert hardware.cpu_flags(x86, {}) == {"fpu", "avx2", "avx512_bf16"}
+    assert hardware.cpu_flags(arm, {}) == {"fp", "asimd"}
     assert hardware.cpu_flags(tmp_path / "missing") == frozenset()
+
+
+@pytest.mark.parametrize(
+    "environ, left",
+    [
+        ({}, {"avx2", "avx512_bf16", "amx_bf16"}),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, {"avx2"}),
+        ({"DNNL_MAX_CPU_ISA": "avx512_core"}, {"avx2"}),
+        ({"ATEN_CPU_CAPABILITY": "avx2"}, {"avx2"}),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, {"avx2", "avx512_bf16"}),
+        ({"ONEDNN_MAX_CPU_ISA": "ALL", "ATEN_CPU_CAPABILITY": "avx512"}, None),
+    ],
+)
+def test_bf16_flags_torch_may_not_use_are_dropped(tmp_path, environ, left):
+    """An instruction-set limit given to oneDNN or ATen below bfloat16 (or AMX) drops those
+    flags, so `auto` chooses as on a CPU without them."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags\t: avx2 avx512_bf16 amx_bf16\n")
+    left = left or {"avx2", "avx512_bf16", "amx_bf16"}
+    flags = hardware.cpu_flags(cpuinfo, environ)
+    assert flags == left
+    assert choose_dtype("auto", "cpu", flags).dtype == (
+        "bfloat16" if "avx512_bf16" in left else "float32"
+    )
 
 
 def test_this_machines_flags_are_read():
