@@ -208,9 +208,7 @@ class SlotForward:
         logits = self.model.decode_front(self.cache.k, self.cache.v, index, window)
         if order == sorted(order):
             return logits
-        back = torch.empty(len(order), dtype=torch.long)
-        back[torch.tensor(order)] = torch.arange(len(order))
-        return logits[back.to(self.device)]
+        return logits[torch.tensor(order).argsort().to(self.device)]  # back to `slots` order
 
     def decode_index(
         self, tokens: Sequence[int], slots: Sequence[int], lengths: Sequence[int]
