@@ -14,7 +14,7 @@ from conftest import wait_for
 from streaming_backend.engine import Engine, EngineConfig
 from streaming_backend.errors import InvalidRequest, Overloaded
 from streaming_backend.events import FinishReason
-from streaming_backend.grammar import GrammarMatcher, apply_grammar_masks
+from streaming_backend.grammar import GrammarCompiler, GrammarMatcher, apply_grammar_masks
 from streaming_backend.prompts import encode_prompt
 from streaming_backend.settings import SamplingSettings
 
@@ -107,6 +107,35 @@ def test_cancelling_a_constrained_stream_frees_its_slot_and_matcher(engine, tiny
     assert list(events)[-1].finish_reason is FinishReason.CANCELLED
     wait_for(lambda: engine.live_streams == 0)
     assert GrammarMatcher.live == before
+
+
+def test_eos_is_masked_until_the_grammar_accepts(tiny_loaded):
+    """Logits that favour EOS above all: the mask forbids it until the grammar is complete, and
+    allows it (and only it) once nothing else may follow."""
+    tokenizer, eos = tiny_loaded.tokenizer, min(tiny_loaded.eos_ids)
+    vocab = int(tiny_loaded.model.get_input_embeddings().weight.shape[0])
+    compiler = GrammarCompiler(tokenizer, vocab, tiny_loaded.eos_ids)
+    matcher = compiler.matcher(SamplingSettings.parse({"guided_regex": "ab(cd)?"}))
+    text = [tokenizer.convert_tokens_to_ids(c) for c in "abcd"]  # one token per letter
+    chosen = []
+    for step in range(len(text) + 1):
+        logits = torch.zeros(1, vocab)
+        logits[0, eos] = 100.0  # the model would rather stop here, at every step
+        assert apply_grammar_masks(logits, [matcher]) == {}
+        allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+        if step < 2:  # "", "a": not a match yet
+            assert eos not in allowed, step
+        elif step == 2:  # "ab" matches, and "abcd" would too: EOS or more
+            assert eos in allowed and text[step] in allowed
+        if step == len(text):  # "abcd": complete, only EOS may follow
+            assert allowed == [eos]
+            break
+        assert text[step] in allowed
+        assert matcher.accept(text[step])
+        chosen.append(text[step])
+    assert tokenizer.decode(chosen) == "abcd"
+    assert matcher.accept(eos) and matcher.done
+    matcher.release()
 
 
 def test_masks_cost_nothing_without_grammars():
