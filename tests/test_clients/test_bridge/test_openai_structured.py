@@ -54,6 +54,15 @@ WEATHER = {
         "parameters": WeatherArgs.model_json_schema(),
     },
 }
+
+
+class TimeArgs(pydantic.BaseModel):
+    """get_time's arguments: its schema below, as a model to validate a call's arguments."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+    zone: str = pydantic.Field(max_length=20)
+
+
 TIME = {
     "type": "function",
     "function": {
@@ -185,10 +194,10 @@ async def test_required_and_named_tool_calls_validate_and_stream(default_server)
         if call.function.name == "get_weather":
             WeatherArgs.model_validate_json(call.function.arguments)
         else:
-            assert set(json.loads(call.function.arguments)) == {"zone"}
+            TimeArgs.model_validate_json(call.function.arguments)
     (time_call,) = forced.choices[0].message.tool_calls
     assert time_call.function.name == "get_time"
-    assert set(json.loads(time_call.function.arguments)) == {"zone"}
+    TimeArgs.model_validate_json(time_call.function.arguments)
     calls: dict[int, dict] = {}
     for chunk in chunks:
         for delta in chunk.choices[0].delta.tool_calls or ():
@@ -200,9 +209,10 @@ async def test_required_and_named_tool_calls_validate_and_stream(default_server)
     assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == expected
 
 
-async def test_a_tool_result_yields_an_answer_with_tool_choice_auto(default_server):
-    """The round trip: the assistant's call and the tool's result in history, the tools still
-    offered (auto), give a well-formed answer: text, or calls that parse."""
+async def test_a_tool_result_yields_a_text_answer(default_server):
+    """The round trip: the assistant's call and the tool's result in history give a text answer
+    (tool_choice "none"), whose prompt holds the result; with the tools still offered ("auto")
+    the answer is well formed: text, or calls that parse."""
     async with bridge_to(default_server) as bridge, client_of(bridge) as client:
         first = await client.chat.completions.create(
             model=MODEL,
@@ -216,12 +226,21 @@ async def test_a_tool_result_yields_an_answer_with_tool_choice_auto(default_serv
         message = first.choices[0].message
         (call,) = message.tool_calls
         result = {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 degrees C."}
-        history = [*ASK, message.model_dump(exclude_none=True), result]
-        # tool_choice left at "auto": the tools stay in the prompt and the model chooses
-        answer = await client.chat.completions.create(
-            model=MODEL, messages=history, tools=[WEATHER], max_tokens=120, temperature=0
+        called = [*ASK, message.model_dump(exclude_none=True)]
+        common = dict(model=MODEL, tools=[WEATHER], max_tokens=120, temperature=0)
+        text = await client.chat.completions.create(
+            messages=[*called, result], tool_choice="none", **common
         )
-    reply = answer.choices[0]
+        unanswered = await client.chat.completions.create(
+            messages=called, tool_choice="none", **{**common, "max_tokens": 1}
+        )
+        # tool_choice left at "auto": the tools stay in the prompt and the model chooses
+        chosen = await client.chat.completions.create(messages=[*called, result], **common)
+    reply = text.choices[0]
+    assert reply.message.tool_calls is None and reply.message.content.strip()
+    assert reply.finish_reason in ("stop", "length")
+    assert text.usage.prompt_tokens > unanswered.usage.prompt_tokens  # the result was read
+    reply = chosen.choices[0]
     if reply.message.tool_calls:  # another call: whole, parsed, and said so
         assert reply.finish_reason == "tool_calls"
         for again in reply.message.tool_calls:
@@ -349,12 +368,13 @@ async def test_cancelling_a_constrained_stream_frees_its_slot(default_server):
     assert after.choices[0].message.content in ("yes", "no")
 
 
-async def test_completions_logprobs(default_server):
-    """/v1/completions with logprobs k: tokens, their logprobs, k alternatives and offsets."""
+async def test_completions_logprobs(default_server, default_loaded):
+    """/v1/completions with logprobs k: tokens, their logprobs (the model's log-softmax), at
+    most k alternatives best first (two ids may decode to one key), and offsets."""
+    prompt = "The capital of France is"
     async with bridge_to(default_server) as bridge, client_of(bridge) as client:
         completion = await client.completions.create(
-            model=MODEL, prompt="The capital of France is", max_tokens=5, logprobs=2,
-            temperature=0,
+            model=MODEL, prompt=prompt, max_tokens=5, logprobs=2, temperature=0,
         )  # fmt: skip
     choice = completion.choices[0]
     logprobs = choice.logprobs
@@ -362,3 +382,14 @@ async def test_completions_logprobs(default_server):
     assert len(logprobs.token_logprobs) == completion.usage.completion_tokens
     assert all(len(top) <= 2 and top for top in logprobs.top_logprobs)
     assert logprobs.text_offset[0] == 0
+    tokenizer, model = default_loaded.tokenizer, default_loaded.model
+    ids = encode_prompt(tokenizer, text=prompt)
+    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+        best = torch.log_softmax(logits, -1).topk(2)
+        assert value == pytest.approx(best.values[0].item(), abs=2e-3)  # greedy: the best
+        assert list(top.values()) == sorted(top.values(), reverse=True)
+        assert top[token] == pytest.approx(value, abs=1e-6)
+        assert list(top.values()) == pytest.approx(best.values.tolist()[: len(top)], abs=2e-3)
+        ids.append(int(best.indices[0]))
