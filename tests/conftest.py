@@ -72,13 +72,13 @@ def default_model_dir() -> Path:
     return convert_gguf(default_model_path())
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
-    """A randomly initialised 2-layer Llama with the default model's tokenizer, saved to disk."""
+def save_tiny_model(out: Path, tokenizer_dir: Path, context: int = TINY_CONTEXT) -> Path:
+    """A randomly initialised 2-layer Llama of `context` positions with the default model's
+    tokenizer, saved to `out`."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -86,7 +86,7 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=TINY_CONTEXT,
+        max_position_embeddings=context,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -94,10 +94,15 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    out = tmp_path_factory.mktemp("tiny-model")
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
+    """A randomly initialised 2-layer Llama with the default model's tokenizer, saved to disk."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"), default_model_dir)
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ import pytest
 
 from clients import bridge as br
 from clients.bridge import frames
+from clients.bridge import protocol as p
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -28,7 +30,11 @@ PHONE = {"width": 390, "height": 844}
 DESKTOP = {"width": 1100, "height": 800}
 SCREENSHOTS = Path("/tmp")  # where the tests leave their screenshots for people to look at
 
-needs_chromium = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium package")
+# Skipped on a machine without Debian's chromium, except in CI (CI=true), where setup.sh --test
+# installs it: there a missing browser fails the browser tests instead of hiding them.
+needs_chromium = pytest.mark.skipif(
+    not CHROMIUM.exists() and not os.environ.get("CI"), reason="needs Debian's chromium package"
+)
 
 
 @dataclass
@@ -74,11 +80,44 @@ async def open_page(bridge, viewport=None, color_scheme="light", on_page=None):
 
 
 @asynccontextmanager
-async def chat_page(triton_server, viewport=None):
-    """A bridge to the real server and a Chromium page open on its chat page."""
+async def chat_page(triton_server, viewport=None, on_page=None):
+    """A bridge to the real server and a Chromium page open on its chat page (`on_page` as in
+    open_page)."""
     cfg = br.BridgeConfig(triton_url=triton_server.grpc_url, port=0, health_interval_s=0.5)
-    async with br.Bridge(cfg) as bridge, open_page(bridge, viewport) as seen:
+    async with br.Bridge(cfg) as bridge, open_page(bridge, viewport, on_page=on_page) as seen:
         yield seen.page
+
+
+class Relay:
+    """The page's websocket relayed to the real bridge by Playwright (before the page loads),
+    with `params` added to each `generate` the page sends (keys the page has no setting for),
+    and the bridge's frames kept in `frames` as they reach the page."""
+
+    def __init__(self, **params):
+        self.params = params
+        self.frames: list[dict] = []
+
+    async def attach(self, page) -> None:
+        await page.route_web_socket(lambda url: url.endswith("/ws"), self._connected)
+
+    def _connected(self, ws) -> None:
+        bridge = ws.connect_to_server()
+        ws.on_message(lambda message: bridge.send(self._to_bridge(message)))
+        bridge.on_message(lambda message: self._to_page(ws, message))
+
+    def _to_bridge(self, message: str) -> str:
+        frame = json.loads(message)
+        if frame.get(p.TYPE) == p.GENERATE:
+            frame[p.PARAMS] = {**frame.get(p.PARAMS, {}), **self.params}
+        return json.dumps(frame)
+
+    def _to_page(self, ws, message: str) -> None:
+        self.frames.append(json.loads(message))
+        ws.send(message)
+
+    def text(self) -> str:
+        """The text of every token frame received, in order."""
+        return "".join(f[p.TEXT] for f in self.frames if f.get(p.TYPE) == p.TOKEN)
 
 
 async def ask(page, text: str, max_tokens: int, top_p: str = "0.95") -> None:
