@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+HTML_SOURCE = re.compile(r"<(?:img|a)\s[^>]*?\b(?:src|href)=\"([^\"]+)\"", re.I)  # <img src="...">
 EXTERNAL = re.compile(r"^[a-z][a-z0-9+.-]*:", re.I)  # http:, https:, mailto:, ...
 
 
@@ -54,9 +55,10 @@ def anchors(path: Path) -> set[str]:
 
 
 def links(path: Path) -> list[str]:
-    """Relative link targets of a page (images included), outside code."""
+    """Relative link targets of a page (images and HTML <img>/<a> included), outside code."""
     text = "\n".join(prose(path.read_text(encoding="utf-8")))
-    return [t for t in LINK.findall(text) if not EXTERNAL.match(t)]
+    targets = LINK.findall(text) + HTML_SOURCE.findall(text)
+    return [t for t in targets if not EXTERNAL.match(t)]
 
 
 def broken(page: Path) -> list[str]:
@@ -84,11 +86,12 @@ def test_the_check_reads_headings_and_links_as_github_does(tmp_path):
     page.write_text(
         "# Operating `tokenstream serve`\n## Notes\n## Notes\n```\n# not a heading\n```\n"
         "[a](#operating-tokenstream-serve) [b](#notes-1) [c](#not-a-heading) [d](gone.md)\n"
-        "`[e](also-gone.md)` [f](https://example.com/x)\n",
+        "`[e](also-gone.md)` [f](https://example.com/x)\n"
+        '<img src="img/gone.png" alt="x" width="9"> <img alt="y" src="https://example.com/i.png">\n',
         encoding="utf-8",
     )
     assert anchors(page) == {"operating-tokenstream-serve", "notes", "notes-1"}
-    assert broken(page) == ["#not-a-heading", "gone.md"]
+    assert broken(page) == ["#not-a-heading", "gone.md", "img/gone.png"]
 
 
 def test_readme_is_a_front_door():
