@@ -199,19 +199,21 @@ def test_stream_generate_error_carries_servers_message(triton_server):
 
 
 @pytest.mark.server
-def test_stream_generate_cancel_event(triton_server):
-    """Setting the cancel event ends the iteration and the server stops the request."""
+def test_stream_generate_cancel_event(paced_server):
+    """Setting the cancel event ends the iteration and the server stops the request (paced: the
+    220 tokens take at least 4.4 s, so only a cancel that never arrived lets them all out; on the
+    unpaced tiny model they took about half a second, which a loaded machine's cancel missed)."""
     cancel = threading.Event()
-    before = _metric(triton_server, "tokenstream_generation_tokens_total")
+    before = _metric(paced_server, "tokenstream_generation_tokens_total")
     seen = 0
     request = gc.GenerateRequest(prompt="Story", sampling=LONG)
-    for _ in gc.stream_generate(triton_server.grpc_url, request, cancel=cancel):
+    for _ in gc.stream_generate(paced_server.grpc_url, request, cancel=cancel):
         seen += 1
         if seen == 3:
             cancel.set()
     assert seen == 3
-    _wait_for(lambda: _metric(triton_server, "tokenstream_active_streams") == 0)
-    assert _metric(triton_server, "tokenstream_generation_tokens_total") - before < 220
+    _wait_for(lambda: _metric(paced_server, "tokenstream_active_streams") == 0)
+    assert _metric(paced_server, "tokenstream_generation_tokens_total") - before < 220
 
 
 def _wait_for(condition, timeout: float = 10.0) -> None:
@@ -222,9 +224,10 @@ def _wait_for(condition, timeout: float = 10.0) -> None:
 
 
 @pytest.mark.server
-async def test_async_cancel_stops_exactly_one_generation(triton_server):
-    """Of several generations on one channel, aclose() cancels exactly that one upstream."""
-    async with gc.AsyncChatClient(triton_server.grpc_url) as client:
+async def test_async_cancel_stops_exactly_one_generation(paced_server):
+    """Of several generations on one channel, aclose() cancels exactly that one upstream (paced,
+    so the stopped one cannot finish its 220 tokens before its cancel lands)."""
+    async with gc.AsyncChatClient(paced_server.grpc_url) as client:
         assert await client.is_ready()
 
         async def run(stop_after: int | None) -> list[gc.Chunk]:
@@ -238,7 +241,7 @@ async def test_async_cancel_stops_exactly_one_generation(triton_server):
             return chunks
 
         before = await asyncio.to_thread(
-            _metric, triton_server, "tokenstream_generation_tokens_total"
+            _metric, paced_server, "tokenstream_generation_tokens_total"
         )
         keep = [asyncio.create_task(run(None)) for _ in range(2)]
         stopped = await run(stop_after=2)
@@ -248,10 +251,10 @@ async def test_async_cancel_stops_exactly_one_generation(triton_server):
         assert chunks[-1].final and chunks[-1].finish_reason == "length"
         assert sum(c.num_output_tokens for c in chunks) == 220
     generated = await asyncio.to_thread(
-        _metric, triton_server, "tokenstream_generation_tokens_total"
+        _metric, paced_server, "tokenstream_generation_tokens_total"
     )
     assert 2 * 220 <= generated - before < 3 * 220  # the third stopped early
-    assert await asyncio.to_thread(_metric, triton_server, "tokenstream_active_streams") == 0
+    assert await asyncio.to_thread(_metric, paced_server, "tokenstream_active_streams") == 0
 
 
 @pytest.mark.server
