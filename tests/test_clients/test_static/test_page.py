@@ -164,7 +164,7 @@ async def test_two_thousand_real_tokens_are_all_on_screen_when_done_arrives(long
         await page.evaluate(RECORD_DONE)
         await ask(page, "Go on and on", max_tokens=2000)
         answer = page.locator('.msg.assistant[data-state="done"]')
-        await answer.wait_for(timeout=120_000)
+        await answer.wait_for(timeout=300_000)  # 48 s here with both cores busy elsewhere
         shown = await page.evaluate("window.__done")
         text = relay.text()
         (done,) = [f for f in relay.frames if f["type"] == "done"]
