@@ -144,13 +144,12 @@ STORED_ANSWER = """() => {
   return chats[0].messages.at(-1).content;
 }"""
 
-# The page's own renderer given the whole text at once: what a finished answer must show.
+# The page's own renderer given the whole text at once (as after a reload): what a finished
+# answer must show.
 RENDER_AT_ONCE = """async (text) => {
-  const { StreamView } = await import('/markdown.js');
+  const { renderMarkdown } = await import('/markdown.js');
   const box = document.createElement('div');
-  const view = new StreamView(box);
-  view.append(text);
-  view.render();
+  renderMarkdown(box, text);
   return box.textContent;
 }"""
 
