@@ -119,6 +119,11 @@ class Relay:
         """The text of every token frame received, in order."""
         return "".join(f[p.TEXT] for f in self.frames if f.get(p.TYPE) == p.TOKEN)
 
+    def done(self) -> dict:
+        """The one `done` frame received."""
+        (done,) = [f for f in self.frames if f.get(p.TYPE) == p.DONE]
+        return done
+
 
 async def ask(page, text: str, max_tokens: int, top_p: str = "0.95") -> None:
     """Send `text` greedily: a sampled answer of the random model could end early at EOS."""

@@ -166,7 +166,7 @@ async def test_two_thousand_real_tokens_are_all_on_screen_when_done_arrives(long
         await answer.wait_for(timeout=300_000)  # 48 s here with both cores busy elsewhere
         shown = await page.evaluate("window.__done")
         text = relay.text()
-        (done,) = [f for f in relay.frames if f["type"] == "done"]
+        done = relay.done()
         assert done["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 2000
         assert "2000 tokens" in await answer.locator(".stats").inner_text()
         assert await page.evaluate(STORED_ANSWER) == text  # every character reached the page
