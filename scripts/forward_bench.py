@@ -42,9 +42,9 @@ COMPACT = {
     "int8": {"quantize": "int8"},  # int8 weight-only weights (the CPU only)
     "int4": {"quantize": "int4"},
     "int4-compiled": {"quantize": "int4", "compile": True},
-    # the batched step before gather_front and calibrate_head: each row's keys copied out of its
+    # the batched step before gather_front and the calibration: each row's keys copied out of its
     # slot every step, the int8 head at every batch size
-    "int4-gathered": {"quantize": "int4", "front_decode": False, "calibrate_head": False},
+    "int4-gathered": {"quantize": "int4", "front_decode": False, "calibrate": False},
 }
 SYSTEMS = ("hf", *COMPACT)
 

@@ -170,7 +170,9 @@ class CompactLlama(nn.Module):
 
     `quantize` ("none", "int8", "int4"): the linear weights as torch's CPU weight-only kernels
     take them, the head in int8 (forward/quant.py); the embedding and norms stay as loaded.
-    A quantized weight is a copy: the Hugging Face model keeps its own.
+    A quantized weight is a copy: the Hugging Face model keeps its own, which calls of many
+    rows (prefill) use from `full_blocks_from` rows on, where its matmul measured faster than
+    the quantized kernel (`calibrate`). Keeping them costs nothing: they are the model's.
     """
 
     def __init__(self, model: Any, quantize: str = "none"):
@@ -187,7 +189,12 @@ class CompactLlama(nn.Module):
         # `calibrate_head` measures where, on this machine.
         self.full_head_from: int | None = None
         self.final_norm = inner.norm.weight.detach()
-        self.blocks = [_block(layer).quantized(quantize) for layer in inner.layers]
+        # the loaded weights (views of the Hugging Face model's own), and the quantized ones
+        self.full_blocks = [_block(layer) for layer in inner.layers]
+        self.blocks = [block.quantized(quantize) for block in self.full_blocks]
+        # From this many rows (tokens) in one call on, the loaded weights run the layers (None:
+        # never); `calibrate` measures where, on this machine.
+        self.full_blocks_from: int | None = None
         self.cos, self.sin = _rope_tables(inner.rotary_emb, self.shape, self.embed.dtype)
 
     def forward(
@@ -214,9 +221,17 @@ class CompactLlama(nn.Module):
     def score(self, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: Rows, window: int):
         """`forward`, but the logits [N, T, V] (fp32) of every token (`rows.last` unused):
         teacher-forced quality checks."""
-        x = self.hidden(k_cache, v_cache, rows, window)
-        # the quantized head always (the less exact one): quality checks measure the worst case
+        x = self.hidden(k_cache, v_cache, rows, window, blocks=self.blocks)
+        # the quantized weights and head always (the less exact): quality checks measure the
+        # worst case
         return linear(rms_norm(x, self.final_norm, self.shape.eps), self.head).float()
+
+    def blocks_for(self, rows: int) -> list[Block]:
+        """The layers' weights for a call of `rows` rows (tokens): quantized, or the loaded ones
+        from `full_blocks_from` rows on."""
+        if self.full_blocks_from is not None and rows >= self.full_blocks_from:
+            return self.full_blocks
+        return self.blocks
 
     def hidden(
         self,
@@ -225,9 +240,13 @@ class CompactLlama(nn.Module):
         rows: Rows,
         window: int,
         layer: Callable[..., torch.Tensor] | None = None,
+        blocks: list[Block] | None = None,
     ) -> torch.Tensor:
-        """The last decoder layer's output [N, T, hidden] for every token (see `forward`)."""
+        """The last decoder layer's output [N, T, hidden] for every token (see `forward`);
+        `blocks`: the weights to use (default: `blocks_for` the call's tokens)."""
         layer = layer or decoder_layer
+        if blocks is None:
+            blocks = self.blocks_for(rows.tokens.numel())
         device = rows.tokens.device
         x = F.embedding(rows.tokens, self.embed)  # [N, T, hidden]
         cos = self.cos[rows.positions][:, None]  # [N, 1, T, head_dim]
@@ -237,7 +256,7 @@ class CompactLlama(nn.Module):
         windows = self.shape.windows
         masks = {w: self._grouped((distance >= 0) & (distance < w)) for w in set(windows)}
         dims = self.shape.dims
-        for index, block in enumerate(self.blocks):
+        for index, block in enumerate(blocks):
             mask = masks[windows[index]]
             kv = (k_cache[index], v_cache[index])
             x = layer(
@@ -273,7 +292,7 @@ class CompactLlama(nn.Module):
         x = F.embedding(token, self.embed)  # [1, hidden]
         cos, sin = self.cos[position], self.sin[position]  # [head_dim]
         dims = self.shape.dims
-        for index, block in enumerate(self.blocks):
+        for index, block in enumerate(self.blocks_for(1)):
             start = max(0, position + 1 - self.shape.windows[index])  # the sliding window
             kv = (k_cache[index, slot], v_cache[index, slot])  # [kv_heads, max_len, head_dim]
             h = rms_norm(x, block.norm1, dims.eps)
@@ -302,7 +321,7 @@ class CompactLlama(nn.Module):
         distance = positions[:, None] - torch.arange(window, device=tokens.device)[None]
         windows = self.shape.windows
         masks = {w: ((distance >= 0) & (distance < w))[:, None, None] for w in set(windows)}
-        for number, block in enumerate(self.blocks):
+        for number, block in enumerate(self.blocks_for(n)):
             kv = (k_cache[number], v_cache[number])
             h = rms_norm(x, block.norm1, dims.eps)
             where = (places, positions, window, masks[windows[number]])
@@ -341,6 +360,30 @@ class CompactLlama(nn.Module):
                 break
             self.full_head_from = rows
 
+    def calibrate_blocks(self, max_rows: int, repeats: int = 2) -> None:
+        """With quantized layers: time every layer's linears, quantized against loaded, at 1, 2,
+        4, ... max_rows rows (stopping once the loaded ones won twice running) and set
+        `full_blocks_from` to the fewest rows from which the loaded ones were faster at every
+        size measured (None if they never were). Every layer, not one: a step streams them all
+        from memory, which is what the quantized ones save. Under a second for the default
+        model on a 2-core CPU."""
+        self.full_blocks_from = None
+        if self.blocks[0].gate_up is self.full_blocks[0].gate_up:
+            return
+        first = self.full_blocks[0]
+        widths = [getattr(first, name).shape[1] for name in LINEAR_WEIGHTS]
+        wins: list[int] = []  # the sizes measured since the last one the loaded ones lost at
+        rows = 1
+        while True:
+            inputs = [self.embed.new_zeros(rows, width) for width in widths]
+            quantized = _best_of(_block_linears, (inputs, self.blocks), repeats)
+            loaded = _best_of(_block_linears, (inputs, self.full_blocks), repeats)
+            wins = [*wins, rows] if loaded < quantized else []
+            if len(wins) == 2 or rows >= max_rows:
+                break
+            rows = min(2 * rows, max_rows)
+        self.full_blocks_from = wins[0] if wins else None
+
     def _grouped(self, mask: torch.Tensor) -> torch.Tensor:
         """[N, T, W] -> [N, 1, groups * T, W]: one mask row per (query head of a group, token)."""
         n, t, w = mask.shape
@@ -356,6 +399,14 @@ def _best_of(call: Callable[..., Any], args: tuple, repeats: int) -> float:
         call(*args)
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def _block_linears(inputs: list[torch.Tensor], blocks: list[Block]) -> None:
+    """Every layer's four matmuls (LINEAR_WEIGHTS order) on `inputs`, one per weight, of its
+    input width (calibration: the cost only)."""
+    for block in blocks:
+        for name, x in zip(LINEAR_WEIGHTS, inputs):
+            linear(x, getattr(block, name))
 
 
 def _block(layer: Any) -> Block:

@@ -50,13 +50,43 @@ class ForwardConfig:
     # of them (SlotCache.gather_front); False copies each row's keys out of its slot instead, as
     # the compiled and graphed steps do (kept to measure one against the other).
     front_decode: bool = True
-    # With a quantized head: time it against the loaded one at load and use the loaded one for
-    # steps of as many rows as it was faster at (CompactLlama.calibrate_head). False: the
-    # quantized head always (a row's logits then do not depend on how many rows share its step).
-    calibrate_head: bool = True
+    # With quantized weights: time the quantized head and layers against the loaded ones at load
+    # and use the loaded ones for calls of as many rows as they were faster at
+    # (CompactLlama.calibrate_head, calibrate_blocks): prefill on the loaded weights' matmuls,
+    # decode on the quantized kernels' fewer bytes. False: the quantized ones always (a row's
+    # logits then do not depend on how many rows share its call).
+    calibrate: bool = True
 
     def __post_init__(self) -> None:
         check_kind(self.quantize)
+
+
+# The largest call `calibrate_blocks` times (tokens in one call); larger calls keep its choice.
+CALIBRATE_MAX_ROWS = 256
+
+
+def log_calibration(model: CompactLlama, loaded: LoadedModel) -> None:
+    """Log which weights calls of how many rows use, where a calibration split them."""
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    kind = model.quantize
+    if model.full_head_from == 1:
+        log.info("the head: %s at every step size (measured faster here than int8)", dtype)
+    elif model.full_head_from is not None:
+        head = f"the head: int8 below {model.full_head_from} rows, {dtype} from there"
+        log.info("%s (measured faster here)", head)
+    if kind == "none":
+        return
+    if model.full_blocks_from == 1:
+        log.info("the layers: %s at every call size (measured faster here than %s)", dtype, kind)
+    elif model.full_blocks_from is None:
+        log.info("the layers: %s at every call size measured (up to %d rows)", kind, CALIBRATE_MAX_ROWS)
+    else:
+        log.info(
+            "the layers: %s below %d rows (decode), %s from there (prefill; measured faster here)",
+            kind,
+            model.full_blocks_from,
+            dtype,
+        )
 
 
 class PromptChunk(NamedTuple):
@@ -90,16 +120,10 @@ class SlotForward:
             model.shape, max_len, loaded.dtype, loaded.device, config.budget, config.max_slots
         )
         forward = cls(model, cache, loaded.device)
-        if config.calibrate_head:
+        if config.calibrate:
             model.calibrate_head(cache.slots)
-        if model.full_head_from is not None:
-            dtype = str(loaded.dtype).removeprefix("torch.")
-            log.info(
-                "the head: int8 below %d rows, %s from %d (measured faster here)",
-                model.full_head_from,
-                dtype,
-                model.full_head_from,
-            )
+            model.calibrate_blocks(CALIBRATE_MAX_ROWS)
+        log_calibration(model, loaded)
         forward._set_up_decode(config)
         forward.front_decode = config.front_decode
         return forward

@@ -19,25 +19,37 @@ def weight(out: int = 96, inputs: int = 128, dtype=torch.float32) -> torch.Tenso
 
 
 def test_int8_keeps_each_weight_within_half_a_step():
-    """Per-row symmetric int8: every weight is off by at most half its row's step."""
+    """Per-row symmetric int8: every weight is off by at most half its row's step (as stored, in
+    bfloat16: the kernel's dtype)."""
     w = weight()
     q = quant.quantize_int8(w)
     assert q.weight.dtype == torch.int8 and q.scales.shape == (96,)
+    assert q.scales.dtype == torch.bfloat16  # compute_dtype: no fast float32 path
     error = (quant.dequantize(q) - w).abs()
-    assert (error <= q.scales[:, None] / 2 + 1e-7).all()
+    assert (error <= q.scales.float()[:, None] / 2 + 1e-7).all()
 
 
-def test_int4_kernel_reads_the_packing_as_written():
-    """The kernel's weight (read back through it) is round((w - low) / s) * s + low per group,
-    within half a step of w: the scales, zeros and packing are laid out as it expects."""
-    w = weight()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_kernel_reads_the_packing_as_written(dtype):
+    """The kernel's weight (read back through it) is (q - 8) * s + zero per group with the
+    stored scales and zeros, q = round((w - low) / step): the scales, zeros and packing are laid
+    out as it expects. It computes in bfloat16 for a float32 weight too."""
+    w = weight(dtype=dtype)
     q = quant.quantize_int4(w, quant.INT4_GROUP)
-    groups = w.view(96, -1, quant.INT4_GROUP)
+    assert q.scales_zeros.dtype == torch.bfloat16  # compute_dtype: no fast float32 path
+    groups = w.float().view(96, -1, quant.INT4_GROUP)
     low = groups.amin(-1, keepdim=True)
     step = (groups.amax(-1, keepdim=True) - low) / 15
-    expected = (torch.round((groups - low) / step) * step + low).view(96, 128)
-    torch.testing.assert_close(quant.dequantize(q), expected, atol=1e-5, rtol=0)
-    assert ((quant.dequantize(q) - w).abs().view_as(groups) <= step / 2 + 1e-5).all()
+    levels = torch.round((groups - low) / step)  # [96, groups, group]
+    stored = q.scales_zeros.float().transpose(0, 1)  # [96, groups, 2]
+    scale, zero = stored[..., :1], stored[..., 1:]
+    expected = ((levels - 8) * scale + zero).view(96, 128)
+    got = quant.dequantize(q)
+    # the kernel's output is bfloat16: 8 significant bits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=2**-8)
+    # half a step, and the few hundredths of one that bfloat16 scales, zeros and output add
+    # (measured: 0.524 float32, 0.529 bfloat16); a misread packing is off by whole steps
+    assert ((got - w.float()).abs().view_as(groups) <= step * 0.55).all()
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
@@ -50,7 +62,8 @@ def test_linear_equals_the_dequantized_matmul(kind, dtype):
     expected = x.float() @ quant.dequantize(q).T + bias.float()
     got = quant.linear(x, q, bias)
     assert got.shape == (2, 3, 96) and got.dtype == dtype
-    tolerance = 1e-4 if dtype == torch.float32 else 0.05
+    # both compute in bfloat16 whatever the activations' dtype (quant.compute_dtype)
+    tolerance = 0.05
     torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
 
 
@@ -74,7 +87,7 @@ def test_bad_kinds_and_devices_are_refused():
 
 
 # the quantized head at every batch size: a row's logits do not depend on its step's size
-CONFIG = ForwardConfig(CacheBudget(bytes=64 << 20), max_len=128, max_slots=4, calibrate_head=False)
+CONFIG = ForwardConfig(CacheBudget(bytes=64 << 20), max_len=128, max_slots=4, calibrate=False)
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
@@ -140,7 +153,7 @@ def test_the_head_is_chosen_by_rows_as_calibrated(tiny_model_dir):
     """From `full_head_from` rows on, the logits are the loaded head's; below, the quantized
     head's. calibrate_head leaves an unquantized model alone and picks a measured size."""
     loaded = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
-    plain = SlotForward.create(loaded, ForwardConfig(**{**CONFIG.__dict__, "calibrate_head": True}))
+    plain = SlotForward.create(loaded, ForwardConfig(**{**CONFIG.__dict__, "calibrate": True}))
     assert plain.model.full_head_from is None and plain.model.head is plain.model.full_head
     config = ForwardConfig(**{**CONFIG.__dict__, "quantize": "int8"})
     model: CompactLlama = SlotForward.create(loaded, config).model
@@ -155,3 +168,81 @@ def test_the_head_is_chosen_by_rows_as_calibrated(tiny_model_dir):
     torch.testing.assert_close(model.logits(x), quantized)
     model.calibrate_head(4, repeats=1)
     assert model.full_head_from in (None, 1, 2, 4)
+
+
+def test_the_layers_are_chosen_by_rows_as_calibrated(tiny_model_dir):
+    """From `full_blocks_from` tokens in one call on, the layers run on the loaded weights: a
+    prefill's logits are then the unquantized forward's; a lone decode step below the size
+    stays quantized; `score` is quantized whatever the size (the quality gate's worst case)."""
+    loaded = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    plain = SlotForward.create(loaded, CONFIG)
+    quantized = SlotForward.create(loaded, ForwardConfig(**{**CONFIG.__dict__, "quantize": "int4"}))
+    model: CompactLlama = quantized.model
+    assert model.full_blocks_from is None and model.blocks_for(500) is model.blocks
+    # the loaded weights are the Hugging Face model's own memory, not a copy
+    gate = loaded.model.model.layers[0].mlp.gate_proj.weight
+    assert model.full_blocks[0].gate_up.data_ptr() == gate.data_ptr()
+    model.full_head_from = 1  # the loaded head too: only the layers differ below
+    ids = torch.randint(0, 1000, (12,), generator=torch.Generator().manual_seed(7)).tolist()
+
+    def prefill_and_step(forward: SlotForward) -> tuple[torch.Tensor, torch.Tensor]:
+        slot = forward.cache.allocate()
+        try:
+            first = forward.prefill([PromptChunk(slot, ids)])[0]
+            return first, forward.decode([slot], [5])[0]
+        finally:
+            forward.cache.free(slot)
+
+    plain_prefill, plain_step = prefill_and_step(plain)
+    int4_prefill, int4_step = prefill_and_step(quantized)
+    assert not torch.allclose(int4_prefill, plain_prefill, atol=1e-3)  # the two can be told apart
+    model.full_blocks_from = len(ids)  # the 12-token prefill on loaded weights, the step not
+    mixed_prefill, mixed_step = prefill_and_step(quantized)
+    torch.testing.assert_close(mixed_prefill, plain_prefill, atol=1e-5, rtol=0)
+    assert not torch.allclose(mixed_step, plain_step, atol=1e-3)
+    slot = quantized.cache.allocate()
+    rows = quantized._prefill_rows([PromptChunk(slot, ids)], [0])
+    scored = model.score(quantized.cache.k, quantized.cache.v, rows, 16)[0, -1]
+    quantized.cache.free(slot)
+    model.full_head_from = model.full_blocks_from = None  # quantized head and layers
+    torch.testing.assert_close(scored, prefill_and_step(quantized)[0], atol=1e-5, rtol=0)
+
+
+def test_calibrate_blocks_keeps_the_loaded_weights_from_where_they_win(tiny_model_dir, monkeypatch):
+    """calibrate_blocks times growing call sizes and stops once the loaded weights won twice
+    running: `full_blocks_from` is the first of those; a loss after a win starts over; never
+    winning leaves None; an unquantized model is left alone."""
+    from streaming_backend.forward import llama
+
+    loaded = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    model = SlotForward.create(loaded, ForwardConfig(**{**CONFIG.__dict__, "quantize": "int4"})).model
+    timed = []
+
+    def fake_best_of(loaded_wins_at):
+        def best_of(call, args, repeats):
+            inputs, blocks = args
+            rows = inputs[0].shape[0]
+            timed.append(rows)
+            loaded_weights = blocks is model.full_blocks
+            return 0.0 if loaded_weights == (rows in loaded_wins_at) else 1.0
+
+        return best_of
+
+    for wins, max_rows, expected, sizes in [
+        ({16, 32, 64}, 256, 16, [1, 2, 4, 8, 16, 32]),
+        ({2, 16, 32}, 256, 16, [1, 2, 4, 8, 16, 32]),  # 2 alone was noise
+        (set(), 8, None, [1, 2, 4, 8]),
+        ({8}, 8, 8, [1, 2, 4, 8]),  # won at the largest size measured
+        ({1, 2}, 256, 1, [1, 2]),
+    ]:
+        timed.clear()
+        monkeypatch.setattr(llama, "_best_of", fake_best_of(wins))
+        model.calibrate_blocks(max_rows)
+        assert model.full_blocks_from == expected, wins
+        assert timed[::2] == sizes  # each size twice: quantized, then loaded
+    monkeypatch.undo()
+    plain = SlotForward.create(loaded, CONFIG).model
+    plain.calibrate_blocks(8)
+    assert plain.full_blocks_from is None
+    model.calibrate_blocks(4, repeats=1)  # measured for real: one of the sizes, or None
+    assert model.full_blocks_from in (None, 1, 2, 4)
