@@ -91,8 +91,10 @@ QUANTIZE = Parameter(
     "quantize",
     "auto",
     "the compact forward's linear weights: auto (int4 on a CPU with native bfloat16 when the "
-    "model is in bfloat16, else none; dialogue_model's default is none), none, int8 or int4 "
-    "(weight-only, CPU kernels)",
+    "model is in bfloat16, and on an x86 CPU with AVX2 without it when the model is in float32 "
+    "or bfloat16; else none; dialogue_model's default is none), none, int8 or int4 "
+    "(weight-only, CPU kernels; calls of many rows run on the loaded weights where those "
+    "measured faster at load)",
     choice(AUTO, *QUANTIZE_KINDS),
     option=True,
 )

@@ -21,11 +21,17 @@ at 16 streams and halved TTFT; on an EPYC with AVX512_BF16 bfloat16 matmuls beat
 | device and dtype | chosen | why |
 | --- | --- | --- |
 | a CPU with native bfloat16, model in bfloat16 | int4 | measured faster there, quality held |
-| any other CPU or dtype | none | unmeasured there (int8 was compute-bound on AVX2) |
+| an x86 CPU with AVX2, no native bfloat16, model in float32 or bfloat16 | int4 | measured faster |
+| any other CPU or dtype (Arm, float16) | none | unmeasured there |
 | a GPU | none | the int4/int8 kernels are CPU kernels |
 
-Measured on an EPYC with AVX512_BF16 (docs/performance.md): int4 served a lone stream 1.7x the
-tokens/s of unquantized bfloat16 and 16 streams the same; the quality gate held.
+Measured (docs/performance.md): on an EPYC with AVX512_BF16 int4 served a lone stream 1.7x the
+tokens/s of unquantized bfloat16 and 16 streams the same. On the same EPYC told to use nothing
+above AVX2 (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`,
+under which ATen's int4 kernel runs its AVX2 build) int4 with float32 activations (through
+bfloat16 at each quantized matmul) decoded 3.5x float32's tokens/s for one stream and 1.5x at 16.
+The quality gate held in both. Either way, calls of many rows (prefill) run on the loaded weights
+where those measured faster at load (forward/llama.py, `calibrate_blocks`).
 """
 
 from __future__ import annotations
@@ -69,12 +75,18 @@ def dtype_name(setting: str) -> str:
 
 
 def choose_dtype(
-    setting: str, device: str, cpu_flags: frozenset[str], gpu_bf16: bool | None = None
+    setting: str,
+    device: str,
+    cpu_flags: frozenset[str],
+    gpu_bf16: bool | None = None,
+    capped: frozenset[str] = frozenset(),
 ) -> DtypeChoice:
     """The dtype for `setting` on `device` ("cpu", "cuda", "cuda:1"): the table above.
 
-    cpu_flags: the CPU's /proc/cpuinfo flags; gpu_bf16: whether the GPU has bfloat16 (None:
-    not known, bfloat16 assumed, as every data-centre GPU since 2020 has it).
+    cpu_flags: the CPU's /proc/cpuinfo flags torch may use; gpu_bf16: whether the GPU has
+    bfloat16 (None: not known, bfloat16 assumed, as every data-centre GPU since 2020 has it);
+    capped: native bfloat16 flags the CPU has but torch is told not to use (`capped_flags`),
+    named in the reason.
     """
     name = dtype_name(setting)
     if name != AUTO:
@@ -87,12 +99,19 @@ def choose_dtype(
     native = sorted(set(NATIVE_BF16_FLAGS) & cpu_flags)
     if native:
         return DtypeChoice(setting, "bfloat16", f"CPU with native bfloat16 ({', '.join(native)})")
+    if capped:
+        reason = (
+            f"CPU without native bfloat16 to use ({', '.join(sorted(capped))} present, but "
+            "ONEDNN_MAX_CPU_ISA or ATEN_CPU_CAPABILITY is below it): float32"
+        )
+        return DtypeChoice(setting, "float32", reason)
     return DtypeChoice(
         setting, "float32", "CPU without native bfloat16 (no avx512_bf16 or amx_bf16): float32"
     )
 
 
 QUANTIZE_AUTO_KIND = "int4"  # what auto picks where it was measured faster with quality held
+INT4_AVX2_DTYPES = ("float32", "bfloat16")  # the model dtypes int4 was measured with on AVX2
 
 
 @dataclass(frozen=True)
@@ -123,7 +142,15 @@ def choose_quantize(
         return QuantizeChoice(setting, QUANTIZE_AUTO_KIND, reason)
     if native:
         return QuantizeChoice(setting, "none", f"{dtype} model: int4 measured only with bfloat16")
-    return QuantizeChoice(setting, "none", "CPU without native bfloat16: int4 unmeasured there")
+    if "avx2" in cpu_flags and dtype in INT4_AVX2_DTYPES:
+        reason = (
+            f"CPU with avx2, without native bfloat16, {dtype} model: measured faster "
+            "(on an AVX2 stand-in)"
+        )
+        return QuantizeChoice(setting, QUANTIZE_AUTO_KIND, reason)
+    if "avx2" in cpu_flags:
+        return QuantizeChoice(setting, "none", f"{dtype} model: int4 unmeasured with it")
+    return QuantizeChoice(setting, "none", "CPU without avx2 or native bfloat16: int4 unmeasured")
 
 
 def cpu_flags(cpuinfo: Path = CPUINFO, environ: Mapping[str, str] = os.environ) -> frozenset[str]:
@@ -131,6 +158,18 @@ def cpu_flags(cpuinfo: Path = CPUINFO, environ: Mapping[str, str] = os.environ) 
 
     Without the bfloat16 ones that torch was told not to use (`isa_caps`).
     """
+    return all_cpu_flags(cpuinfo) - isa_caps(environ)
+
+
+def capped_flags(
+    cpuinfo: Path = CPUINFO, environ: Mapping[str, str] = os.environ
+) -> frozenset[str]:
+    """The native bfloat16 flags the CPU has but torch was told not to use (`isa_caps`)."""
+    return all_cpu_flags(cpuinfo) & isa_caps(environ)
+
+
+def all_cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
+    """Every flag of the first CPU in /proc/cpuinfo; empty when unreadable."""
     try:
         text = cpuinfo.read_text(errors="replace")
     except OSError:
@@ -138,7 +177,7 @@ def cpu_flags(cpuinfo: Path = CPUINFO, environ: Mapping[str, str] = os.environ) 
     for line in text.splitlines():
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):
-            return frozenset(value.split()) - isa_caps(environ)
+            return frozenset(value.split())
     return frozenset()
 
 
@@ -199,4 +238,4 @@ def host_dtype(setting: str) -> DtypeChoice:
     device is auto runs on the first GPU the driver sees, else on the CPU."""
     if nvidia_gpu_visible():
         return choose_dtype(setting, "cuda", cpu_flags(), gpu_has_bf16())
-    return choose_dtype(setting, "cpu", cpu_flags())
+    return choose_dtype(setting, "cpu", cpu_flags(), capped=capped_flags())

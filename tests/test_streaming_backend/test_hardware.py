@@ -47,10 +47,12 @@ def test_dtype_rule(setting, device, flags, gpu_bf16, dtype, reason):
         ("auto", "cpu", "bfloat16", AVX512_BF16, "int4", "native bfloat16 (avx512_bf16)"),
         ("auto", "cpu", "bfloat16", AMX, "int4", "native bfloat16 (amx_bf16)"),
         ("auto", "cpu", "float32", AVX512_BF16, "none", "float32 model"),
-        ("auto", "cpu", "float32", AVX2, "none", "without native bfloat16"),
-        ("auto", "cpu", "bfloat16", AVX2, "none", "without native bfloat16"),
-        ("auto", "cpu", "float32", AVX512, "none", "without native bfloat16"),
-        ("auto", "cpu", "float32", ARM, "none", "without native bfloat16"),
+        ("auto", "cpu", "float32", AVX2, "int4", "avx2, without native bfloat16, float32"),
+        ("auto", "cpu", "bfloat16", AVX2, "int4", "avx2, without native bfloat16, bfloat16"),
+        ("auto", "cpu", "float32", AVX512, "int4", "avx2, without native bfloat16"),
+        ("auto", "cpu", "float16", AVX2, "none", "float16 model: int4 unmeasured"),
+        ("auto", "cpu", "float32", ARM, "none", "without avx2 or native bfloat16"),
+        ("auto", "cpu", "float32", frozenset(), "none", "without avx2 or native bfloat16"),
         ("auto", "cuda", "bfloat16", AVX512_BF16, "none", "CPU kernels"),
         ("int8", "cpu", "float32", AVX2, "int8", "as configured"),
         ("none", "cpu", "bfloat16", AVX512_BF16, "none", "as configured"),
@@ -58,7 +60,8 @@ def test_dtype_rule(setting, device, flags, gpu_bf16, dtype, reason):
 )
 def test_quantize_rule(setting, device, dtype, flags, kind, reason):
     """int4 only where it was measured faster (a CPU with native bfloat16, the model in
-    bfloat16), none elsewhere; an explicit kind is kept. The reason says which case applied."""
+    bfloat16; an x86 CPU with AVX2 without it, the model in float32 or bfloat16), none
+    elsewhere; an explicit kind is kept. The reason says which case applied."""
     choice = choose_quantize(setting, device, dtype, flags)
     assert (choice.kind, choice.setting) == (kind, setting)
     assert reason in choice.reason
@@ -71,8 +74,26 @@ def test_host_quantize_follows_the_dtype_and_the_gpu(monkeypatch):
     monkeypatch.setattr(hardware, "cpu_flags", lambda: AVX512_BF16)
     assert hardware.host_quantize("auto", "bfloat16").kind == "int4"
     assert hardware.host_quantize("auto", "float32").kind == "none"
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: AVX2)
+    assert hardware.host_quantize("auto", "float32").kind == "int4"
     monkeypatch.setattr(hardware, "nvidia_gpu_visible", lambda: True)
     assert hardware.host_quantize("auto", "bfloat16").kind == "none"
+
+
+def test_a_capped_cpu_says_why_it_gets_float32(tmp_path):
+    """A CPU with avx512_bf16 that torch is told not to use gets float32, and the reason names
+    the flag and the cap rather than claiming the CPU lacks it."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags\t: avx2 avx512f avx512_bf16\n")
+    environ = {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+    flags = hardware.cpu_flags(cpuinfo, environ)
+    capped = hardware.capped_flags(cpuinfo, environ)
+    assert capped == {"avx512_bf16"} and "avx512_bf16" not in flags
+    choice = choose_dtype("auto", "cpu", flags, capped=capped)
+    assert choice.dtype == "float32"
+    assert "avx512_bf16 present, but ONEDNN_MAX_CPU_ISA or ATEN_CPU_CAPABILITY" in choice.reason
+    assert hardware.capped_flags(cpuinfo, {}) == frozenset()
+    assert choose_quantize("auto", "cpu", "float32", flags).kind == "int4"  # avx2 is left
 
 
 def test_unknown_dtype_is_refused_with_the_choices():
