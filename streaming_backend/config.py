@@ -92,14 +92,12 @@ QUANTIZE = Parameter(
     "auto",
     "the compact forward's linear weights: auto (int4 on a CPU with native bfloat16 when the "
     "model is in bfloat16, and on an x86 CPU with AVX2 without it when the model is in float32 "
-    "or bfloat16; else none; dialogue_model's default is none), none, int8 or int4 "
+    "or bfloat16; else none), none, int8 or int4 "
     "(weight-only, CPU kernels; calls of many rows run on the loaded weights where those "
     "measured faster at load)",
     choice(AUTO, *QUANTIZE_KINDS),
     option=True,
 )
-# The dialogue model's batches are prefill-bound, where int4 measured 0.6x unquantized.
-DIALOGUE_QUANTIZE = replace(QUANTIZE, default="none")
 
 CHAT_PARAMETERS = ParameterTable(
     CHAT_MODEL,
@@ -186,7 +184,7 @@ DIALOGUE_PARAMETERS = ParameterTable(
     (
         MODEL,
         DTYPE,
-        DIALOGUE_QUANTIZE,
+        QUANTIZE,
         Parameter(
             "forward",
             "auto",
