@@ -68,24 +68,21 @@ CALIBRATE_MAX_ROWS = 256
 def log_calibration(model: CompactLlama, loaded: LoadedModel) -> None:
     """Say (a `[tokenstream]` line, as the dtype's) which weights calls of how many rows use,
     where a calibration split them."""
-    dtype = str(loaded.dtype).removeprefix("torch.")
-    kind = model.quantize
-    if kind == "none":
+    if model.quantize == "none":
         return
-    head = HEAD_KIND[kind]
-    if model.full_head_from == 1:
-        head_says = f"head {dtype} at every size"
-    elif model.full_head_from is not None:
-        head_says = f"head {head} below {model.full_head_from} rows, {dtype} from there"
-    else:
-        head_says = f"head {head} at every size"
-    if model.full_blocks_from == 1:
-        layers_says = f"layers {dtype} at every size"
-    elif model.full_blocks_from is not None:
-        layers_says = f"layers {kind} below {model.full_blocks_from} rows, {dtype} from there"
-    else:
-        layers_says = f"layers {kind} at every size up to {CALIBRATE_MAX_ROWS} rows"
-    progress(f"weights by call size, measured here: {layers_says}; {head_says}")
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    layers = _split("layers", model.quantize, dtype, model.full_blocks_from)
+    head = _split("head", HEAD_KIND[model.quantize], dtype, model.full_head_from)
+    progress(f"weights by call size, measured here: {layers}; {head}")
+
+
+def _split(what: str, kind: str, dtype: str, loaded_from: int | None) -> str:
+    """'layers int4 below 32 rows, float32 from there' and the like."""
+    if loaded_from == 1:
+        return f"{what} {dtype} at every size"
+    if loaded_from is None:
+        return f"{what} {kind} at every size measured"
+    return f"{what} {kind} below {loaded_from} rows, {dtype} from there"
 
 
 class PromptChunk(NamedTuple):

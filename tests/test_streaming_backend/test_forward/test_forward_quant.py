@@ -248,3 +248,27 @@ def test_calibrate_blocks_keeps_the_loaded_weights_from_where_they_win(tiny_mode
     assert plain.full_blocks_from is None
     model.calibrate_blocks(4, repeats=1)  # measured for real: one of the sizes, or None
     assert model.full_blocks_from in (None, 1, 2, 4)
+
+
+def test_the_load_log_says_where_the_weights_split(capsys):
+    """One `[tokenstream]` line names each split as calibrated (none for unquantized weights)."""
+    from types import SimpleNamespace
+
+    from streaming_backend.forward.runner import log_calibration
+
+    loaded = SimpleNamespace(dtype=torch.float32)
+    for blocks, head, expected in [
+        (
+            32,
+            None,
+            "layers int4 below 32 rows, float32 from there; head int8 at every size measured",
+        ),
+        (None, 1, "layers int4 at every size measured; head float32 at every size"),
+        (1, 8, "layers float32 at every size; head int8 below 8 rows, float32 from there"),
+    ]:
+        model = SimpleNamespace(quantize="int4", full_blocks_from=blocks, full_head_from=head)
+        log_calibration(model, loaded)
+        line = capsys.readouterr().err.strip()
+        assert line == f"[tokenstream] weights by call size, measured here: {expected}"
+    log_calibration(SimpleNamespace(quantize="none"), loaded)
+    assert capsys.readouterr().err == ""
