@@ -326,6 +326,17 @@ def ratios(results: list[LevelResult]) -> dict[str, dict[str, float]]:
     return out
 
 
+def at_least_one(text: str) -> int:
+    """An argparse type: an integer of 1 or more (the ratios need a baseline and a round)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is less than 1")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of the engine benchmark."""
     parser.add_argument("--model", default=None, help="model dir/GGUF/hub id (default SmolLM2)")
@@ -334,9 +345,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--forward", default="compact,hf", help="our engine's forwards to run (compact, hf)"
     )
     parser.add_argument("--concurrency", default="1,4,16", help="comma-separated stream counts")
-    parser.add_argument("--output-tokens", type=int, default=64)
-    parser.add_argument("--baseline-requests", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=2, help="batches per concurrency level")
+    parser.add_argument("--output-tokens", type=at_least_one, default=64)
+    parser.add_argument(
+        "--baseline-requests",
+        type=at_least_one,
+        default=6,
+        help="Hugging Face generate requests, one at a time (every ratio is against them)",
+    )
+    parser.add_argument(
+        "--rounds", type=at_least_one, default=2, help="batches per concurrency level"
+    )
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--top-p", type=float, default=0.9)
     parser.add_argument(

@@ -127,6 +127,18 @@ def test_quantized_compact_forward_runs_and_is_recorded(tiny_model_dir, tmp_path
     assert all(r["output_tokens"] == 4 * r["requests"] for r in doc["results"])
 
 
+@pytest.mark.parametrize("option", ["--baseline-requests", "--rounds", "--output-tokens"])
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_counts_below_one_are_refused_with_the_option_named(option, value, capsys):
+    """0 baseline requests once crashed printing the table (no baseline figures); now the
+    command line refuses it, naming the option."""
+    parser = __import__("argparse").ArgumentParser()
+    bench.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args([option, value])
+    assert f"argument {option}" in capsys.readouterr().err
+
+
 def test_on_own_thread_returns_and_raises_on_the_caller():
     """The baseline's runner: a value comes back, an exception is raised here, and the work ran
     on another thread."""
