@@ -365,8 +365,9 @@ class CompactLlama(nn.Module):
         4, ... max_rows rows (stopping once the loaded ones won twice running) and set
         `full_blocks_from` to the fewest rows from which the loaded ones were faster at every
         size measured (None if they never were). Every layer, not one: a step streams them all
-        from memory, which is what the quantized ones save. Under a second for the default
-        model on a 2-core CPU."""
+        from memory, which is what the quantized ones save. On a 2-core EPYC with the default
+        model: about 0.5 s in bfloat16 (split at 16-32 rows); 2.3-4.4 s in float32 capped to AVX2,
+        where the split comes later (64-128 rows) and each size costs more."""
         self.full_blocks_from = None
         if self.blocks[0].gate_up is self.full_blocks[0].gate_up:
             return
@@ -376,8 +377,11 @@ class CompactLlama(nn.Module):
         rows = 1
         while True:
             inputs = [self.embed.new_zeros(rows, width) for width in widths]
-            quantized = _best_of(_block_linears, (inputs, self.blocks), repeats)
-            loaded = _best_of(_block_linears, (inputs, self.full_blocks), repeats)
+            # one warm-up each, at the first size: later sizes' first calls are not slower, and
+            # the large sizes are most of the time this takes
+            warm = rows == 1
+            quantized = _best_of(_block_linears, (inputs, self.blocks), repeats, warm)
+            loaded = _best_of(_block_linears, (inputs, self.full_blocks), repeats, warm)
             wins = [*wins, rows] if loaded < quantized else []
             if len(wins) == 2 or rows >= max_rows:
                 break
@@ -390,9 +394,10 @@ class CompactLlama(nn.Module):
         return mask[:, None, None].expand(n, 1, self.shape.groups, t, w).reshape(n, 1, -1, w)
 
 
-def _best_of(call: Callable[..., Any], args: tuple, repeats: int) -> float:
-    """The fastest of `repeats` timed calls after one warm-up, in seconds."""
-    call(*args)
+def _best_of(call: Callable[..., Any], args: tuple, repeats: int, warm_up: bool = True) -> float:
+    """The fastest of `repeats` timed calls (after one warm-up unless told not), in seconds."""
+    if warm_up:
+        call(*args)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()

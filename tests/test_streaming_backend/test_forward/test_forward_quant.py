@@ -221,7 +221,7 @@ def test_calibrate_blocks_keeps_the_loaded_weights_from_where_they_win(tiny_mode
     timed = []
 
     def fake_best_of(loaded_wins_at):
-        def best_of(call, args, repeats):
+        def best_of(call, args, repeats, warm_up=True):
             inputs, blocks = args
             rows = inputs[0].shape[0]
             timed.append(rows)
