@@ -351,8 +351,7 @@ class CompactLlama(nn.Module):
             x = torch.zeros(
                 rows, self.shape.hidden, dtype=self.embed.dtype, device=self.embed.device
             )
-            quantized = _best_of(linear, (x, self.head), repeats)
-            loaded = _best_of(linear, (x, self.full_head), repeats)
+            quantized, loaded = _race(linear, (x, self.head), (x, self.full_head), repeats)
             faster.append(loaded < quantized)
         self.full_head_from = None
         for rows, loaded_wins in zip(reversed(sizes), reversed(faster)):
@@ -379,9 +378,13 @@ class CompactLlama(nn.Module):
             inputs = [self.embed.new_zeros(rows, width) for width in widths]
             # one warm-up each, at the first size: later sizes' first calls are not slower, and
             # the large sizes are most of the time this takes
-            warm = rows == 1
-            quantized = _best_of(_block_linears, (inputs, self.blocks), repeats, warm)
-            loaded = _best_of(_block_linears, (inputs, self.full_blocks), repeats, warm)
+            quantized, loaded = _race(
+                _block_linears,
+                (inputs, self.blocks),
+                (inputs, self.full_blocks),
+                repeats,
+                warm_up=rows == 1,
+            )
             wins = [*wins, rows] if loaded < quantized else []
             if len(wins) == 2 or rows >= max_rows:
                 break
@@ -394,16 +397,22 @@ class CompactLlama(nn.Module):
         return mask[:, None, None].expand(n, 1, self.shape.groups, t, w).reshape(n, 1, -1, w)
 
 
-def _best_of(call: Callable[..., Any], args: tuple, repeats: int, warm_up: bool = True) -> float:
-    """The fastest of `repeats` timed calls (after one warm-up unless told not), in seconds."""
+def _race(
+    call: Callable[..., Any], first: tuple, second: tuple, repeats: int, warm_up: bool = True
+) -> tuple[float, float]:
+    """The fastest of `repeats` timed calls with each argument tuple, in seconds, the two taking
+    turns (after one warm-up each unless told not): a burst of the machine's other load then
+    slows both rather than one, which alone would decide the race."""
     if warm_up:
-        call(*args)
-    best = float("inf")
+        call(*first)
+        call(*second)
+    best = [float("inf"), float("inf")]
     for _ in range(repeats):
-        start = time.perf_counter()
-        call(*args)
-        best = min(best, time.perf_counter() - start)
-    return best
+        for index, args in enumerate((first, second)):
+            start = time.perf_counter()
+            call(*args)
+            best[index] = min(best[index], time.perf_counter() - start)
+    return best[0], best[1]
 
 
 def _block_linears(inputs: list[torch.Tensor], blocks: list[Block]) -> None:

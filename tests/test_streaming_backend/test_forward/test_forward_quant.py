@@ -220,15 +220,15 @@ def test_calibrate_blocks_keeps_the_loaded_weights_from_where_they_win(tiny_mode
     ).model
     timed = []
 
-    def fake_best_of(loaded_wins_at):
-        def best_of(call, args, repeats, warm_up=True):
-            inputs, blocks = args
+    def fake_race(loaded_wins_at):
+        def race(call, quantized_args, loaded_args, repeats, warm_up=True):
+            inputs, blocks = quantized_args
+            assert blocks is model.blocks and loaded_args[1] is model.full_blocks
             rows = inputs[0].shape[0]
             timed.append(rows)
-            loaded_weights = blocks is model.full_blocks
-            return 0.0 if loaded_weights == (rows in loaded_wins_at) else 1.0
+            return (1.0, 0.0) if rows in loaded_wins_at else (0.0, 1.0)
 
-        return best_of
+        return race
 
     for wins, max_rows, expected, sizes in [
         ({16, 32, 64}, 256, 16, [1, 2, 4, 8, 16, 32]),
@@ -238,10 +238,10 @@ def test_calibrate_blocks_keeps_the_loaded_weights_from_where_they_win(tiny_mode
         ({1, 2}, 256, 1, [1, 2]),
     ]:
         timed.clear()
-        monkeypatch.setattr(llama, "_best_of", fake_best_of(wins))
+        monkeypatch.setattr(llama, "_race", fake_race(wins))
         model.calibrate_blocks(max_rows)
         assert model.full_blocks_from == expected, wins
-        assert timed[::2] == sizes  # each size twice: quantized, then loaded
+        assert timed == sizes
     monkeypatch.undo()
     plain = SlotForward.create(loaded, CONFIG).model
     plain.calibrate_blocks(8)
@@ -272,3 +272,15 @@ def test_the_load_log_says_where_the_weights_split(capsys):
         assert line == f"[tokenstream] weights by call size, measured here: {expected}"
     log_calibration(SimpleNamespace(quantize="none"), loaded)
     assert capsys.readouterr().err == ""
+
+
+def test_the_race_takes_turns():
+    """The calibration's two contenders are timed in turns, after one warm-up each (or none)."""
+    from streaming_backend.forward.llama import _race
+
+    calls = []
+    first, second = _race(calls.append, ("q",), ("full",), repeats=3)
+    assert calls == ["q", "full"] * 4 and first >= 0 and second >= 0
+    calls.clear()
+    _race(calls.append, ("q",), ("full",), repeats=2, warm_up=False)
+    assert calls == ["q", "full"] * 2
