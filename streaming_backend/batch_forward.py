@@ -71,16 +71,14 @@ class CompactBatchForward:
     name = "compact"
 
     def __init__(self, loaded: LoadedModel, quantize: str = "none", calibrate: bool = True):
+        from streaming_backend.forward import runner
         from streaming_backend.forward.llama import CompactLlama
-        from streaming_backend.forward.runner import CALIBRATE_MAX_ROWS, log_calibration
 
         self.loaded = loaded
         # UnsupportedModel if not Llama-family
         self.model = CompactLlama(loaded.model, quantize)
         if calibrate:  # quantized weights where they are faster, the loaded ones elsewhere
-            self.model.calibrate_head(HEAD_CALIBRATION_ROWS)
-            self.model.calibrate_blocks(CALIBRATE_MAX_ROWS)
-            log_calibration(self.model, loaded)
+            runner.calibrate(self.model, loaded, HEAD_CALIBRATION_ROWS)
         self._cache = None
 
     def prefill(self, prompts, rows, length):

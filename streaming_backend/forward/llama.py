@@ -341,23 +341,15 @@ class CompactLlama(nn.Module):
         """With a quantized head: time it against the loaded one at 1, 2, 4, ... max_rows rows
         and set `full_head_from` to the fewest rows from which the loaded one was faster at every
         size measured (None if it never was). A few milliseconds per size."""
+        self.full_head_from = None
         if self.head is self.full_head:
             return
-        sizes = [1]
-        while sizes[-1] < max_rows:
-            sizes.append(min(2 * sizes[-1], max_rows))
-        faster = []
-        for rows in sizes:
-            x = torch.zeros(
-                rows, self.shape.hidden, dtype=self.embed.dtype, device=self.embed.device
-            )
-            quantized, loaded = _race(linear, (x, self.head), (x, self.full_head), repeats)
-            faster.append(loaded < quantized)
-        self.full_head_from = None
-        for rows, loaded_wins in zip(reversed(sizes), reversed(faster)):
-            if not loaded_wins:
-                break
-            self.full_head_from = rows
+
+        def race_at(rows: int) -> tuple[float, float]:
+            x = self.embed.new_zeros(rows, self.shape.hidden)
+            return _race(linear, (x, self.head), (x, self.full_head), repeats)
+
+        self.full_head_from = _loaded_from(race_at, max_rows)
 
     def calibrate_blocks(self, max_rows: int, repeats: int = 2) -> None:
         """With quantized layers: time every layer's linears, quantized against loaded, at 1, 2,
@@ -372,24 +364,15 @@ class CompactLlama(nn.Module):
             return
         first = self.full_blocks[0]
         widths = [getattr(first, name).shape[1] for name in LINEAR_WEIGHTS]
-        wins: list[int] = []  # the sizes measured since the last one the loaded ones lost at
-        rows = 1
-        while True:
+
+        def race_at(rows: int) -> tuple[float, float]:
             inputs = [self.embed.new_zeros(rows, width) for width in widths]
             # one warm-up each, at the first size: later sizes' first calls are not slower, and
             # the large sizes are most of the time this takes
-            quantized, loaded = _race(
-                _block_linears,
-                (inputs, self.blocks),
-                (inputs, self.full_blocks),
-                repeats,
-                warm_up=rows == 1,
-            )
-            wins = [*wins, rows] if loaded < quantized else []
-            if len(wins) == 2 or rows >= max_rows:
-                break
-            rows = min(2 * rows, max_rows)
-        self.full_blocks_from = wins[0] if wins else None
+            blocks = ((inputs, self.blocks), (inputs, self.full_blocks))
+            return _race(_block_linears, *blocks, repeats, warm_up=rows == 1)
+
+        self.full_blocks_from = _loaded_from(race_at, max_rows, stop_after=2)
 
     def _grouped(self, mask: torch.Tensor) -> torch.Tensor:
         """[N, T, W] -> [N, 1, groups * T, W]: one mask row per (query head of a group, token)."""
@@ -413,6 +396,22 @@ def _race(
             call(*args)
             best[index] = min(best[index], time.perf_counter() - start)
     return best[0], best[1]
+
+
+def _loaded_from(
+    race_at: Callable[[int], tuple[float, float]], max_rows: int, stop_after: int | None = None
+) -> int | None:
+    """Race (quantized, loaded) seconds at 1, 2, 4, ... max_rows rows; the fewest rows from
+    which the loaded weights were faster at every size measured, None if they lost the last.
+    stop_after: stop once they have won that many sizes running."""
+    wins: list[int] = []  # the sizes measured since the last one the loaded weights lost at
+    rows = 1
+    while True:
+        quantized, loaded = race_at(rows)
+        wins = [*wins, rows] if loaded < quantized else []
+        if rows >= max_rows or (stop_after is not None and len(wins) == stop_after):
+            return wins[0] if wins else None
+        rows = min(2 * rows, max_rows)
 
 
 def _block_linears(inputs: list[torch.Tensor], blocks: list[Block]) -> None:

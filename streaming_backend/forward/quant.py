@@ -125,15 +125,13 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     # the kernels take contiguous 2-D inputs; a lone stream's [1, in] goes as it is (each
     # reshape is one more operator call in a step of a few milliseconds)
     flat = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
-    if isinstance(weight, Int8Weight):
-        compute = weight.scales.dtype
-        if flat.dtype != compute:
-            flat = flat.to(compute)
+    int8 = isinstance(weight, Int8Weight)
+    compute = (weight.scales if int8 else weight.scales_zeros).dtype  # compute_dtype
+    if flat.dtype != compute:
+        flat = flat.to(compute)
+    if int8:
         y = torch.ops.aten._weight_int8pack_mm(flat, weight.weight, weight.scales)
     else:
-        compute = weight.scales_zeros.dtype
-        if flat.dtype != compute:
-            flat = flat.to(compute)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             flat, weight.packed, weight.group, weight.scales_zeros
         )

@@ -13,7 +13,6 @@ several chunks, and a slot whose first N positions were filled otherwise (a pref
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -25,8 +24,6 @@ from streaming_backend.forward.llama import CompactLlama, Rows
 from streaming_backend.forward.quant import HEAD_KIND, check_kind
 from streaming_backend.forward.slots import CacheBudget, SlotCache
 from streaming_backend.loading import LoadedModel, progress
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,6 +60,14 @@ class ForwardConfig:
 
 # The largest call `calibrate_blocks` times (tokens in one call); larger calls keep its choice.
 CALIBRATE_MAX_ROWS = 256
+
+
+def calibrate(model: CompactLlama, loaded: LoadedModel, head_rows: int) -> None:
+    """Time the quantized head (up to `head_rows` rows) and layers against the loaded ones,
+    set where each is used, and say so (both forwards, at load)."""
+    model.calibrate_head(head_rows)
+    model.calibrate_blocks(CALIBRATE_MAX_ROWS)
+    log_calibration(model, loaded)
 
 
 def log_calibration(model: CompactLlama, loaded: LoadedModel) -> None:
@@ -117,9 +122,7 @@ class SlotForward:
         )
         forward = cls(model, cache, loaded.device)
         if config.calibrate:
-            model.calibrate_head(cache.slots)
-            model.calibrate_blocks(CALIBRATE_MAX_ROWS)
-        log_calibration(model, loaded)
+            calibrate(model, loaded, cache.slots)
         forward._set_up_decode(config)
         forward.front_decode = config.front_decode
         return forward
