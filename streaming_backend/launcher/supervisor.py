@@ -308,7 +308,8 @@ class Supervisor:
             self._say(f"tokenstream: reload of {name} failed ({note}): {error}")
             raise ControlError(f"reload failed ({note}): {error}") from None
         if model:
-            server_config = dataclasses.replace(self.config.server, model=model)
+            parameters = {**self.config.server.model_parameters, "model": model}
+            server_config = dataclasses.replace(self.config.server, model_parameters=parameters)
             self.config = dataclasses.replace(self.config, server=server_config)
         self._say(f"tokenstream: reloaded {name}")
 
