@@ -32,6 +32,7 @@ from conftest import (
     ws_generation,
 )
 
+from clients.reload import ReloadConfig, reload
 from streaming_backend import wire
 from streaming_backend.launcher.control import control
 from streaming_backend.wire import SERVER_LOST, UNAVAILABLE
@@ -96,16 +97,23 @@ def status(url: str) -> int | None:
         return None
 
 
-def restarts(health_url: str) -> dict:
+def supervisor_status(health_url: str) -> dict:
+    """The supervisor's /status."""
     with urllib.request.urlopen(f"{health_url}/status", timeout=5) as response:
-        return json.loads(response.read())["restarts"]
+        return json.loads(response.read())
+
+
+def restarts(health_url: str) -> dict:
+    return supervisor_status(health_url)["restarts"]
 
 
 def test_reload_under_16_streams_finishes_them_and_serves_the_new_model(
     chaos_server, second_tiny_model_dir
 ) -> None:
-    """All 16 streams open during a reload end with FINAL and their full length; probes sent
-    all along never fail; requests after the reload get the new model's text."""
+    """`tokenstream reload --model` (the supervisor's POST /reload, as the CLI sends it) under 16
+    open streams: all 16 end with FINAL and their full length; probes sent all along never fail;
+    requests after the reload get the new model's text, and /status names the new model (what a
+    later restart serves)."""
     supervisor, health_url, events, _ = chaos_server
     grpc_url = supervisor.server.grpc_url
     before = greedy_text(grpc_url)
@@ -126,7 +134,9 @@ def test_reload_under_16_streams_finishes_them_and_serves_the_new_model(
     prober = threading.Thread(target=probe, daemon=True)
     prober.start()
     try:
-        seconds = supervisor.reload(model=str(second_tiny_model_dir))
+        seconds = reload(
+            ReloadConfig(health_url, str(second_tiny_model_dir), admin_key=supervisor.admin_key)
+        )
     finally:
         probing.set()
         prober.join(timeout=120)
@@ -144,6 +154,8 @@ def test_reload_under_16_streams_finishes_them_and_serves_the_new_model(
     assert after != before
     assert status(f"{health_url}/ready") == 200
     assert any("reloaded chat" in line for line in events)
+    now = supervisor_status(health_url)
+    assert (now["model"], now["reloads"]) == (str(second_tiny_model_dir), {"ok": 1, "failed": 0})
 
 
 def test_cancel_storm_leaves_no_live_stream(chaos_server) -> None:
