@@ -253,13 +253,14 @@ def aio_inputs(max_tokens: int):
     return inputs
 
 
-def kill_and_measure(chaos_server, victim: str) -> None:
+def kill_and_measure(chaos_server, victim: str) -> str:
     """kill -9 `victim` (the stub or tritonserver) under 8 gRPC streams and 8 websocket
     generations; every one ends with an error within 5 s, readiness drops, and the model serves
-    again by itself."""
+    again by itself after one restart. Returns that restart's cause."""
     supervisor, health_url, events, bridge_port = chaos_server
     server = supervisor.server
-    before = sum(restarts(health_url).values())
+    causes_before = restarts(health_url)
+    before = sum(causes_before.values())
     # the bridge probes Triton by itself: after a previous restart it may still be catching up
     wait_for(lambda: status(f"http://127.0.0.1:{bridge_port}/healthz") == 200, timeout=60)
     streams = [GrpcStream(server.grpc_url, max_tokens=LONG).start() for _ in range(8)]
@@ -281,6 +282,9 @@ def kill_and_measure(chaos_server, victim: str) -> None:
         worker.join(timeout=ERROR_WITHIN_S + 5)
     error_times = [s.ended_at - killed_at for s in streams]
     ws_times = [r["at"] - killed_at for r in sockets]
+    # a dead tritonserver's streams end at once, a moment before the supervisor's next look
+    # sees it gone (until then /ready may still say 200): wait for that look, then ask
+    wait_for(lambda: sum(restarts(health_url).values()) > before, timeout=10)
     saw_not_ready = status(f"{health_url}/ready") != 200
     wait_for(lambda: status(f"{health_url}/ready") == 200, timeout=300)
     ready_at = time.monotonic()
@@ -288,11 +292,14 @@ def kill_and_measure(chaos_server, victim: str) -> None:
     served_at = time.monotonic()
     for stream in streams:
         stream.close()
+    causes = restarts(health_url)
+    cause = ",".join(k for k in causes if causes[k] != causes_before.get(k, 0))
     print(
         f"\nkill -9 {victim}: gRPC streams ended after {min(error_times):.2f}-"
         f"{max(error_times):.2f} s with {streams[0].error}; websockets after "
-        f"{min(ws_times):.2f}-{max(ws_times):.2f} s with {sockets[0]['last']}; ready again after "
-        f"{ready_at - killed_at:.1f} s, first new answer after {served_at - killed_at:.1f} s"
+        f"{min(ws_times):.2f}-{max(ws_times):.2f} s with {sockets[0]['last']}; restart cause "
+        f"{cause}; ready again after {ready_at - killed_at:.1f} s, first new answer after "
+        f"{served_at - killed_at:.1f} s"
     )
     assert all(s.error is not None and not s.final for s in streams)
     assert max(error_times) < ERROR_WITHIN_S
@@ -301,20 +308,25 @@ def kill_and_measure(chaos_server, victim: str) -> None:
     assert max(ws_times) < ERROR_WITHIN_S
     assert saw_not_ready
     assert text
-    assert sum(restarts(health_url).values()) == before + 1
+    assert sum(causes.values()) == before + 1
     assert any("restarting tritonserver" in line for line in events)
+    return cause
 
 
 def test_kill_9_of_the_model_process_ends_streams_and_recovers(chaos_server) -> None:
-    """A dead backend stub: its streams end with an error, then a new Triton serves."""
-    kill_and_measure(chaos_server, "stub")
-    assert restarts(chaos_server[1]).get("stub_died") == 1
+    """A dead backend stub: its streams end with an error, then a new Triton serves.
+
+    The supervisor finds the stub's zombie in two looks 0.25 s apart (cause stub_died); Triton
+    2.51 sometimes aborts by itself first (SIGABRT 0.3 s after the kill, seen in 1 of 6 runs on
+    a busy 2-core machine), and the cause is then its own exit."""
+    cause = kill_and_measure(chaos_server, "stub")
+    aborted = any("tritonserver exited (status -6)" in line for line in chaos_server[2])
+    assert cause == "stub_died" or (cause == "server_died" and aborted), cause
 
 
 def test_kill_9_of_tritonserver_ends_streams_and_recovers(chaos_server) -> None:
     """A dead tritonserver: the same."""
-    kill_and_measure(chaos_server, "tritonserver")
-    assert restarts(chaos_server[1]).get("server_died") == 1
+    assert kill_and_measure(chaos_server, "tritonserver") == "server_died"
 
 
 def test_a_frozen_model_process_is_found_by_the_canary_and_replaced(chaos_server) -> None:
