@@ -10,8 +10,7 @@ its own argmax; only the decode steps are timed. The Hugging Face step is the en
 (DynamicCache, attention mask grown by one column, position ids). Systems are interleaved over
 --rounds rounds and the median round is reported, since the machine is shared and noisy.
 Systems: hf, eager, compiled (the compact forward with torch.compile), graphs (with CUDA graphs,
-a GPU only), int8 and int4 (eager, quantized weights, the CPU only), int4-compiled and
-int4-gathered (the batched step before SlotCache.gather_front and the calibrated head), each in
+a GPU only), int8 and int4 (eager, quantized weights, the CPU only) and int4-compiled, each in
 --dtype or in its own (`eager@float32`); ratios and greedy agreement are against the first
 system named.
 """
@@ -42,9 +41,6 @@ COMPACT = {
     "int8": {"quantize": "int8"},  # int8 weight-only weights (the CPU only)
     "int4": {"quantize": "int4"},
     "int4-compiled": {"quantize": "int4", "compile": True},
-    # the batched step before gather_front and the calibration: each row's keys copied out of its
-    # slot every step, the int8 head at every batch size
-    "int4-gathered": {"quantize": "int4", "front_decode": False, "calibrate": False},
 }
 SYSTEMS = ("hf", *COMPACT)
 

@@ -21,9 +21,6 @@ from streaming_backend.batch import CacheRows, DecodeInputs, Prefill, RowState, 
 from streaming_backend.loading import LoadedModel, resolve_quantize
 
 log = logging.getLogger(__name__)
-# the most rows a quantized head is timed at: a batch of the config's max_batch_size (32) rows,
-# or beams of a few requests
-HEAD_CALIBRATION_ROWS = 64
 
 
 class BatchForward(Protocol):
@@ -70,15 +67,12 @@ class CompactBatchForward:
 
     name = "compact"
 
-    def __init__(self, loaded: LoadedModel, quantize: str = "none", calibrate: bool = True):
-        from streaming_backend.forward import runner
+    def __init__(self, loaded: LoadedModel, quantize: str = "none"):
         from streaming_backend.forward.llama import CompactLlama
 
         self.loaded = loaded
         # UnsupportedModel if not Llama-family
         self.model = CompactLlama(loaded.model, quantize)
-        if calibrate:  # quantized weights where they are faster, the loaded ones elsewhere
-            runner.calibrate(self.model, loaded, HEAD_CALIBRATION_ROWS)
         self._cache = None
 
     def prefill(self, prompts, rows, length):

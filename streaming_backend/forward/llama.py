@@ -14,8 +14,7 @@ chunk, a reused prefix) are simply part of what it attends to.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -39,6 +38,15 @@ class Rows(NamedTuple):
     write_slots: torch.Tensor  # [N, T] long: the slot its K/V is written to (padding: scratch)
     read_slots: torch.Tensor  # [N] long: the slot each row attends over
     last: torch.Tensor  # [N] long: index in T of the token whose logits are returned
+
+
+class Span(NamedTuple):
+    """Where one row of a prefill call lives: its tokens go to `place` in the cache, at
+    positions start, start + 1, ... start + count - 1 (host ints)."""
+
+    place: int
+    start: int
+    count: int
 
 
 class Block(NamedTuple):
@@ -170,9 +178,9 @@ class CompactLlama(nn.Module):
 
     `quantize` ("none", "int8", "int4"): the linear weights as torch's CPU weight-only kernels
     take them, the head in int8 (forward/quant.py); the embedding and norms stay as loaded.
-    A quantized weight is a copy: the Hugging Face model keeps its own, which calls of many
-    rows (prefill) use from `full_blocks_from` rows on, where its matmul measured faster than
-    the quantized kernel (`calibrate`). Keeping them costs nothing: they are the model's.
+    Every call, a lone stream's step, a batch of them or a prefill chunk, runs on these same
+    weights through the same kernels, whose rows do not depend on each other: a row's logits
+    are the same whatever shares its call (docs/performance.md, "One model whatever the load").
     """
 
     def __init__(self, model: Any, quantize: str = "none"):
@@ -182,19 +190,9 @@ class CompactLlama(nn.Module):
         inner = model.model
         self.embed = inner.embed_tokens.weight.detach()  # [V, hidden]
         # [V, hidden]; tied models share the tensor (unless quantized)
-        self.full_head = model.lm_head.weight.detach()  # as loaded: the model holds it anyway
-        self.head: Weight = quantize_weight(self.full_head, HEAD_KIND[quantize])
-        # A quantized head reads fewer bytes, which wins for a few rows; for many rows the
-        # loaded one's matmul wins. From this many rows on the loaded one is used (None: never);
-        # `calibrate_head` measures where, on this machine.
-        self.full_head_from: int | None = None
+        self.head: Weight = quantize_weight(model.lm_head.weight.detach(), HEAD_KIND[quantize])
         self.final_norm = inner.norm.weight.detach()
-        # the loaded weights (views of the Hugging Face model's own), and the quantized ones
-        self.full_blocks = [_block(layer) for layer in inner.layers]
-        self.blocks = [block.quantized(quantize) for block in self.full_blocks]
-        # From this many rows (tokens) in one call on, the loaded weights run the layers (None:
-        # never); `calibrate` measures where, on this machine.
-        self.full_blocks_from: int | None = None
+        self.blocks = [_block(layer).quantized(quantize) for layer in inner.layers]
         self.cos, self.sin = _rope_tables(inner.rotary_emb, self.shape, self.embed.dtype)
 
     def forward(
@@ -204,34 +202,30 @@ class CompactLlama(nn.Module):
         rows: Rows,
         window: int,
         layer: Callable[..., torch.Tensor] | None = None,
+        spans: Sequence[Span] | None = None,
     ) -> torch.Tensor:
         """Run N rows of T tokens; return the logits [N, V] (fp32) of each row's `last` token.
 
         k_cache, v_cache: [layers, slots, kv_heads, max_len, head_dim], written in place at
-        (write_slots, positions). `window` >= the largest position + 1: each row attends over
-        positions [0, window) of its slot, masked to those <= its own (and in its sliding window).
-        `layer` replaces `decoder_layer` (a compiled copy of it).
+        (write_slots, positions). With `spans` (prefill), each row's tokens attend one by one
+        over exactly their own positions, as a decode step's (`tokens_attention`). Without
+        (a compiled decode step of fixed shapes), `window` >= the largest position + 1: each
+        row attends over positions [0, window) of its slot, masked to those <= its own (and in
+        its sliding window), through `layer`, a compiled copy of `decoder_layer`.
         """
-        x = self.hidden(k_cache, v_cache, rows, window, layer)  # [N, T, hidden]
+        x = self.hidden(k_cache, v_cache, rows, window, layer, spans)  # [N, T, hidden]
         n = rows.tokens.shape[0]
         x = x[torch.arange(n, device=x.device), rows.last]  # [N, hidden]
         x = rms_norm(x, self.final_norm, self.shape.eps)
         return self.logits(x)  # [N, V]
 
-    def score(self, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: Rows, window: int):
+    def score(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: Rows, spans: Sequence[Span]
+    ) -> torch.Tensor:
         """`forward`, but the logits [N, T, V] (fp32) of every token (`rows.last` unused):
         teacher-forced quality checks."""
-        x = self.hidden(k_cache, v_cache, rows, window, blocks=self.blocks)
-        # the quantized weights and head always (the less exact): quality checks measure the
-        # worst case
-        return linear(rms_norm(x, self.final_norm, self.shape.eps), self.head).float()
-
-    def blocks_for(self, rows: int) -> list[Block]:
-        """The layers' weights for a call of `rows` rows (tokens): quantized, or the loaded ones
-        from `full_blocks_from` rows on."""
-        if self.full_blocks_from is not None and rows >= self.full_blocks_from:
-            return self.full_blocks
-        return self.blocks
+        x = self.hidden(k_cache, v_cache, rows, 0, spans=spans)
+        return self.logits(rms_norm(x, self.final_norm, self.shape.eps))
 
     def hidden(
         self,
@@ -240,23 +234,26 @@ class CompactLlama(nn.Module):
         rows: Rows,
         window: int,
         layer: Callable[..., torch.Tensor] | None = None,
-        blocks: list[Block] | None = None,
+        spans: Sequence[Span] | None = None,
     ) -> torch.Tensor:
-        """The last decoder layer's output [N, T, hidden] for every token (see `forward`);
-        `blocks`: the weights to use (default: `blocks_for` the call's tokens)."""
-        layer = layer or decoder_layer
-        if blocks is None:
-            blocks = self.blocks_for(rows.tokens.numel())
-        device = rows.tokens.device
+        """The last decoder layer's output [N, T, hidden] for every token (see `forward`)."""
         x = F.embedding(rows.tokens, self.embed)  # [N, T, hidden]
         cos = self.cos[rows.positions][:, None]  # [N, 1, T, head_dim]
         sin = self.sin[rows.positions][:, None]
-        key_pos = torch.arange(window, device=device)
+        dims, windows = self.shape.dims, self.shape.windows
+        if spans is not None:
+            for index, block in enumerate(self.blocks):
+                kv = (k_cache[index], v_cache[index])
+                where = (rows.write_slots, rows.positions, spans, windows[index])
+                h = rms_norm(x, block.norm1, dims.eps)
+                x = x + tokens_attention(h, block, kv, cos, sin, where, dims)
+                x = mlp(x, block, dims)
+            return x
+        layer = layer or decoder_layer
+        key_pos = torch.arange(window, device=rows.tokens.device)
         distance = rows.positions[:, :, None] - key_pos[None, None, :]  # [N, T, W]
-        windows = self.shape.windows
         masks = {w: self._grouped((distance >= 0) & (distance < w)) for w in set(windows)}
-        dims = self.shape.dims
-        for index, block in enumerate(blocks):
+        for index, block in enumerate(self.blocks):
             mask = masks[windows[index]]
             kv = (k_cache[index], v_cache[index])
             x = layer(
@@ -274,152 +271,45 @@ class CompactLlama(nn.Module):
             )
         return x
 
-    def decode_one(
+    def decode(
         self,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        token: torch.Tensor,
-        slot: int,
-        position: int,
+        index: torch.Tensor,
+        rows: Sequence[tuple[int, int]],
     ) -> torch.Tensor:
-        """One new token of one slot at `position` -> its logits [1, V] (fp32).
+        """One new token for each of N slots -> logits [N, V] (fp32).
 
-        The arithmetic of `forward` for a single row of one token, in fewer operations: with
-        the slot and position known on the host, each layer's keys and values are a view of the
-        slot (no gather), every viewed position is attended (no mask), and RoPE turns q and k
-        at once. token: [1] long on the model's device.
-        """
-        x = F.embedding(token, self.embed)  # [1, hidden]
-        cos, sin = self.cos[position], self.sin[position]  # [head_dim]
-        dims = self.shape.dims
-        for index, block in enumerate(self.blocks_for(1)):
-            start = max(0, position + 1 - self.shape.windows[index])  # the sliding window
-            kv = (k_cache[index, slot], v_cache[index, slot])  # [kv_heads, max_len, head_dim]
-            h = rms_norm(x, block.norm1, dims.eps)
-            x = x + one_row_attention(h, block, kv, cos, sin, (position, start), dims)
-            x = mlp(x, block, dims)
-        x = rms_norm(x, self.final_norm, self.shape.eps)
-        return self.logits(x)
-
-    def decode_front(
-        self, k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, window: int
-    ) -> torch.Tensor:
-        """One new token for each of the cache's first N places -> logits [N, V] (fp32).
-
-        index: [2, N] long on the model's device, the tokens and their positions; row r is the
-        slot at place r (SlotCache.gather_front put them there). The arithmetic of `forward` for
-        N rows of one token, but every layer attends over one view of places [0, N) and
-        positions [0, window) instead of a copy of each row's keys, with one [N, 1, 1, window]
-        mask per sliding-window length broadcast over the heads.
+        index: [2, N] long on the model's device, the tokens and their positions; rows: each
+        row's (place in the cache, position) on the host. The arithmetic of `forward` for N
+        rows of one token, in fewer operations: the matmuls, norms and RoPE run on the N rows
+        at once (no row of theirs depends on another) and each row attends over exactly its
+        own positions (`exact_attention`), never over positions padded to a batch mate's length
+        with a mask. So a row's logits are the same alone or among any others, and the same as
+        a prefill of the same token would give.
         """
         tokens, positions = index
-        n = tokens.shape[0]
         dims = self.shape.dims
         x = F.embedding(tokens, self.embed)  # [N, hidden]
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [N, 1, D]
-        places = torch.arange(n, device=tokens.device)
-        distance = positions[:, None] - torch.arange(window, device=tokens.device)[None]
-        windows = self.shape.windows
-        masks = {w: ((distance >= 0) & (distance < w))[:, None, None] for w in set(windows)}
-        for number, block in enumerate(self.blocks_for(n)):
+        places = torch.tensor([place for place, _ in rows], device=tokens.device)
+        for number, block in enumerate(self.blocks):
             kv = (k_cache[number], v_cache[number])
+            where = (places, positions, rows, self.shape.windows[number])
             h = rms_norm(x, block.norm1, dims.eps)
-            where = (places, positions, window, masks[windows[number]])
-            x = x + front_attention(h, block, kv, cos, sin, where, dims)
+            x = x + rows_attention(h, block, kv, cos, sin, where, dims)
             x = mlp(x, block, dims)
         x = rms_norm(x, self.final_norm, self.shape.eps)
         return self.logits(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The head: normalised hidden states [..., hidden] -> fp32 logits [..., V]."""
-        rows = x.numel() // x.shape[-1]
-        if self.full_head_from is not None and rows >= self.full_head_from:
-            return linear(x, self.full_head).float()
         return linear(x, self.head).float()
-
-    def calibrate_head(self, max_rows: int, repeats: int = 3) -> None:
-        """With a quantized head: time it against the loaded one at 1, 2, 4, ... max_rows rows
-        and set `full_head_from` to the fewest rows from which the loaded one was faster at every
-        size measured (None if it never was). A few milliseconds per size."""
-        self.full_head_from = None
-        if self.head is self.full_head:
-            return
-
-        def race_at(rows: int) -> tuple[float, float]:
-            x = self.embed.new_zeros(rows, self.shape.hidden)
-            return _race(linear, (x, self.head), (x, self.full_head), repeats)
-
-        self.full_head_from = _loaded_from(race_at, max_rows)
-
-    def calibrate_blocks(self, max_rows: int, repeats: int = 2) -> None:
-        """With quantized layers: time every layer's linears, quantized against loaded, at 1, 2,
-        4, ... max_rows rows (stopping once the loaded ones won twice running) and set
-        `full_blocks_from` to the fewest rows from which the loaded ones were faster at every
-        size measured (None if they never were). Every layer, not one: a step streams them all
-        from memory, which is what the quantized ones save. On a 2-core EPYC with the default
-        model: about 0.5 s in bfloat16 (split at 16-32 rows); 2.3-4.4 s in float32 capped to AVX2,
-        where the split comes later (64-128 rows) and each size costs more."""
-        self.full_blocks_from = None
-        if self.blocks[0].gate_up is self.full_blocks[0].gate_up:
-            return
-        first = self.full_blocks[0]
-        widths = [getattr(first, name).shape[1] for name in LINEAR_WEIGHTS]
-
-        def race_at(rows: int) -> tuple[float, float]:
-            inputs = [self.embed.new_zeros(rows, width) for width in widths]
-            # one warm-up each, at the first size: later sizes' first calls are not slower, and
-            # the large sizes are most of the time this takes
-            blocks = ((inputs, self.blocks), (inputs, self.full_blocks))
-            return _race(_block_linears, *blocks, repeats, warm_up=rows == 1)
-
-        self.full_blocks_from = _loaded_from(race_at, max_rows, stop_after=2)
 
     def _grouped(self, mask: torch.Tensor) -> torch.Tensor:
         """[N, T, W] -> [N, 1, groups * T, W]: one mask row per (query head of a group, token)."""
         n, t, w = mask.shape
         return mask[:, None, None].expand(n, 1, self.shape.groups, t, w).reshape(n, 1, -1, w)
-
-
-def _race(
-    call: Callable[..., Any], first: tuple, second: tuple, repeats: int, warm_up: bool = True
-) -> tuple[float, float]:
-    """The fastest of `repeats` timed calls with each argument tuple, in seconds, the two taking
-    turns (after one warm-up each unless told not): a burst of the machine's other load then
-    slows both rather than one, which alone would decide the race."""
-    if warm_up:
-        call(*first)
-        call(*second)
-    best = [float("inf"), float("inf")]
-    for _ in range(repeats):
-        for index, args in enumerate((first, second)):
-            start = time.perf_counter()
-            call(*args)
-            best[index] = min(best[index], time.perf_counter() - start)
-    return best[0], best[1]
-
-
-def _loaded_from(
-    race_at: Callable[[int], tuple[float, float]], max_rows: int, stop_after: int | None = None
-) -> int | None:
-    """Race (quantized, loaded) seconds at 1, 2, 4, ... max_rows rows; the fewest rows from
-    which the loaded weights were faster at every size measured, None if they lost the last.
-    stop_after: stop once they have won that many sizes running."""
-    wins: list[int] = []  # the sizes measured since the last one the loaded weights lost at
-    rows = 1
-    while True:
-        quantized, loaded = race_at(rows)
-        wins = [*wins, rows] if loaded < quantized else []
-        if rows >= max_rows or (stop_after is not None and len(wins) == stop_after):
-            return wins[0] if wins else None
-        rows = min(2 * rows, max_rows)
-
-
-def _block_linears(inputs: list[torch.Tensor], blocks: list[Block]) -> None:
-    """Every layer's four matmuls (LINEAR_WEIGHTS order) on `inputs`, one per weight, of its
-    input width (calibration: the cost only)."""
-    for block in blocks:
-        for name, x in zip(LINEAR_WEIGHTS, inputs):
-            linear(x, getattr(block, name))
 
 
 def _block(layer: Any) -> Block:
@@ -505,49 +395,80 @@ def attention(h, block: Block, kv, cos, sin, mask, where, dims: Dims) -> torch.T
     return linear(out, block.o, block.o_bias)
 
 
-def one_row_attention(h, block: Block, kv, cos, sin, span: tuple[int, int], dims: Dims):
-    """`attention` for one row of one token (h [1, hidden]) at a host-known position.
+def tokens_attention(h, block: Block, kv, cos, sin, where, dims: Dims) -> torch.Tensor:
+    """`attention` with every token on its own (h [N, T, hidden]): each attends over exactly
+    its own positions, with the call a decode step makes for it (`exact_attention`).
 
-    kv: this layer's K, V of the row's slot [kv_heads, max_len, head_dim]; span: (position,
-    first attended position). Writes the token's K/V at `position`, attends over
-    [first, position] and returns [1, hidden].
+    where: (write_slots [N, T] and positions [N, T] on the device, a Span per row on the host,
+    this layer's sliding window). Writes every token's K/V first, so a token sees the chunk's
+    earlier ones; padding tokens (past a row's count) get zeros.
     """
-    position, first = span
-    k_slot, v_slot = kv
+    write_slots, positions, spans, window = where
+    n, t, _ = h.shape
+    k_layer, v_layer = kv
     q_size, kv_size = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
-    qkv = linear(h, block.qkv, block.qkv_bias)[0]  # [(H + 2 Hkv) D]
-    qk = qkv[: q_size + kv_size].view(dims.heads + dims.kv_heads, dims.head_dim)
-    qk = qk * cos + _rotate_half(qk) * sin  # q's heads, then k's
-    k_slot[:, position] = qk[dims.heads :]
-    v_slot[:, position] = qkv[q_size + kv_size :].view(dims.kv_heads, dims.head_dim)
-    keys = k_slot[None, :, first : position + 1]  # [1, Hkv, L, D]: a view, every position valid
-    values = v_slot[None, :, first : position + 1]
-    # the query heads sharing a key/value head stacked along the query axis, as in `attention`
-    q = qk[: dims.heads].view(1, dims.kv_heads, dims.heads // dims.kv_heads, dims.head_dim)
-    out = F.scaled_dot_product_attention(q, keys, values)  # [1, Hkv, groups, D]
-    return linear(out.reshape(1, q_size), block.o, block.o_bias)
+    qkv = linear(h, block.qkv, block.qkv_bias)  # [N, T, (H + 2 Hkv) D]
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.view(n, t, dims.heads, dims.head_dim).transpose(1, 2)  # [N, H, T, D]
+    k = k.view(n, t, dims.kv_heads, dims.head_dim).transpose(1, 2)  # [N, Hkv, T, D]
+    q = q * cos + _rotate_half(q) * sin
+    k = (k * cos + _rotate_half(k) * sin).transpose(1, 2)  # [N, T, Hkv, D]
+    k_layer[write_slots, :, positions] = k  # padding tokens go to the scratch slot
+    v_layer[write_slots, :, positions] = v.view(n, t, dims.kv_heads, dims.head_dim)
+    # [N, T, Hkv, groups, D]: a token's query heads grouped by the key/value head they share
+    q = q.transpose(1, 2).reshape(n, t, dims.kv_heads, dims.heads // dims.kv_heads, -1)
+    out = h.new_zeros(n, t, q_size)
+    for row, (place, start, count) in enumerate(spans):
+        tokens = [(q[row, i], start + i) for i in range(count)]
+        out[row, :count] = exact_attention(tokens, (k_layer[place], v_layer[place]), window)
+    return linear(out, block.o, block.o_bias)
 
 
-def front_attention(h, block: Block, kv, cos, sin, where, dims: Dims) -> torch.Tensor:
-    """`attention` for N rows of one token (h [N, hidden]) in the cache's first N places.
+def exact_attention(tokens, kv, window: int) -> torch.Tensor:
+    """Attention of some tokens of one slot, each over exactly its own positions -> [n, H * D].
 
-    where: (places [N] = 0..N-1, positions [N], window, mask [N, 1, 1, window]). Writes each
-    row's K/V at its place and position, then attends over the view kv[:N, :, :window].
+    tokens: (query [Hkv, groups, D], position) each; kv: the slot's K, V [Hkv, max_len, D] of
+    this layer. One call per token, its shapes fixed by its position alone: torch's attention
+    kernel orders its sums by the call's shapes, so a call padded to a longer batch mate's
+    length with a mask, or one of several query tokens, rounds differently, and a token's
+    numbers would depend on what shares its step.
     """
-    places, positions, window, mask = where
+    k_slot, v_slot = kv
+    outs = []
+    for query, position in tokens:
+        first = max(0, position + 1 - window)  # the sliding window
+        keys = k_slot[None, :, first : position + 1]  # [1, Hkv, L, D]: views, every one valid
+        values = v_slot[None, :, first : position + 1]
+        outs.append(F.scaled_dot_product_attention(query[None].contiguous(), keys, values))
+    return torch.cat(outs).reshape(len(tokens), -1)  # [n, Hkv * groups * D]
+
+
+def rows_attention(h, block: Block, kv, cos, sin, where, dims: Dims) -> torch.Tensor:
+    """`attention` for N rows of one token each (h [N, hidden]), each row on its own.
+
+    kv: this layer's K, V [places, kv_heads, max_len, head_dim]; where: (places [N] and
+    positions [N] on the device, (place, position) per row on the host, this layer's sliding
+    window). Writes each row's K/V at its place and position, then attends each row over
+    exactly its own positions (`exact_attention`) and returns [N, hidden].
+    """
+    places, positions, rows, window = where
     n = h.shape[0]
     k_layer, v_layer = kv
     q_size, kv_size = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
     qkv = linear(h, block.qkv, block.qkv_bias)  # [N, (H + 2 Hkv) D]
-    qk = qkv[:, : q_size + kv_size].view(n, dims.heads + dims.kv_heads, dims.head_dim)
+    qk = qkv[:, : q_size + kv_size].reshape(n, dims.heads + dims.kv_heads, dims.head_dim)
     qk = qk * cos + _rotate_half(qk) * sin  # q's heads, then k's
     k_layer[places, :, positions] = qk[:, dims.heads :]  # [N, Hkv, D]
-    v_layer[places, :, positions] = qkv[:, q_size + kv_size :].view(n, dims.kv_heads, -1)
+    v_layer[places, :, positions] = qkv[:, q_size + kv_size :].reshape(n, dims.kv_heads, -1)
     # the query heads sharing a key/value head stacked along the query axis, as in `attention`
     q = qk[:, : dims.heads].reshape(n, dims.kv_heads, dims.heads // dims.kv_heads, -1)
-    keys, values = k_layer[:n, :, :window], v_layer[:n, :, :window]  # views: nothing copied
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [N, Hkv, groups, D]
-    return linear(out.reshape(n, q_size), block.o, block.o_bias)
+    out = torch.cat(
+        [
+            exact_attention([(q[row], position)], (k_layer[place], v_layer[place]), window)
+            for row, (place, position) in enumerate(rows)
+        ]
+    )
+    return linear(out, block.o, block.o_bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

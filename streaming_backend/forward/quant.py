@@ -35,6 +35,8 @@ INT4_INNER_K_TILES = 1  # the CPU packing ignores it; the op still takes it
 # path (16 rows: int4 [576 -> 3072] 23 ms with float32 activations against 0.3-0.5 ms through
 # bfloat16; the int8 head [576 -> 49152] 167 ms against 4-10 ms; with or without AVX-512)
 COMPUTE_DTYPE = {torch.float32: torch.bfloat16}
+# A dense CPU matmul's rows go through one kernel only when they come in fours (`dense`)
+DENSE_ROW_MULTIPLE = 4
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -119,9 +121,10 @@ def dequantize(weight: Weight) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for a plain or quantized weight: x [..., in] -> [..., out]."""
+    """F.linear for a plain or quantized weight: x [..., in] -> [..., out]. A row's result does
+    not depend on the other rows of the call (`dense`; the quantized kernels are so already)."""
     if isinstance(weight, torch.Tensor):
-        return F.linear(x, weight, bias)
+        return dense(x, weight, bias)
     # the kernels take contiguous 2-D inputs; a lone stream's [1, in] goes as it is (each
     # reshape is one more operator call in a step of a few milliseconds)
     flat = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
@@ -140,6 +143,25 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     if x.dim() != 2:
         y = y.view(*x.shape[:-1], y.shape[-1])
     return y if bias is None else y + bias
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear on a CPU with the rows padded to a multiple of DENSE_ROW_MULTIPLE.
+
+    torch's CPU matmuls compute rows that come in whole panels of four one way and the rest
+    (a call of 1-3 rows, the last rows of 5-11) another: float32 results then differ in the
+    last bits with the call's size, which flips a sampled token now and then. Padded, every
+    row goes through the same panel kernel (docs/performance.md, "One model whatever the
+    load").
+    """
+    rows = x.numel() // x.shape[-1] if x.numel() else 0
+    short = -rows % DENSE_ROW_MULTIPLE
+    if not short or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    padded = torch.cat([flat, flat.new_zeros(short, flat.shape[1])])
+    y = F.linear(padded, weight, bias)[:rows]
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def weight_bytes(weight: Weight) -> int:

@@ -20,10 +20,10 @@ from typing import NamedTuple
 import torch
 
 from streaming_backend.forward.buckets import window_for
-from streaming_backend.forward.llama import CompactLlama, Rows
-from streaming_backend.forward.quant import HEAD_KIND, check_kind
+from streaming_backend.forward.llama import CompactLlama, Rows, Span
+from streaming_backend.forward.quant import check_kind
 from streaming_backend.forward.slots import CacheBudget, SlotCache
-from streaming_backend.loading import LoadedModel, progress
+from streaming_backend.loading import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -43,51 +43,9 @@ class ForwardConfig:
     # The linear weights as torch's CPU weight-only kernels take them: "none", "int8" or "int4"
     # (forward/quant.py; scripts/quant_quality.py checks greedy agreement and perplexity).
     quantize: str = "none"
-    # An eager step of several slots moves them to the cache's front and attends over one view
-    # of them (SlotCache.gather_front); False copies each row's keys out of its slot instead, as
-    # the compiled and graphed steps do (kept to measure one against the other).
-    front_decode: bool = True
-    # With quantized weights: time the quantized head and layers against the loaded ones at load
-    # and use the loaded ones for calls of as many rows as they were faster at
-    # (CompactLlama.calibrate_head, calibrate_blocks): prefill on the loaded weights' matmuls,
-    # decode on the quantized kernels' fewer bytes. False: the quantized ones always (a row's
-    # logits then do not depend on how many rows share its call).
-    calibrate: bool = True
 
     def __post_init__(self) -> None:
         check_kind(self.quantize)
-
-
-# The largest call `calibrate_blocks` times (tokens in one call); larger calls keep its choice.
-CALIBRATE_MAX_ROWS = 256
-
-
-def calibrate(model: CompactLlama, loaded: LoadedModel, head_rows: int) -> None:
-    """Time the quantized head (up to `head_rows` rows) and layers against the loaded ones,
-    set where each is used, and say so (both forwards, at load)."""
-    model.calibrate_head(head_rows)
-    model.calibrate_blocks(CALIBRATE_MAX_ROWS)
-    log_calibration(model, loaded)
-
-
-def log_calibration(model: CompactLlama, loaded: LoadedModel) -> None:
-    """Say (a `[tokenstream]` line, as the dtype's) which weights calls of how many rows use,
-    where a calibration split them."""
-    if model.quantize == "none":
-        return
-    dtype = str(loaded.dtype).removeprefix("torch.")
-    layers = _split("layers", model.quantize, dtype, model.full_blocks_from)
-    head = _split("head", HEAD_KIND[model.quantize], dtype, model.full_head_from)
-    progress(f"weights by call size, measured here: {layers}; {head}")
-
-
-def _split(what: str, kind: str, dtype: str, loaded_from: int | None) -> str:
-    """'layers int4 below 32 rows, float32 from there' and the like."""
-    if loaded_from == 1:
-        return f"{what} {dtype} at every size"
-    if loaded_from is None:
-        return f"{what} {kind} at every size measured"
-    return f"{what} {kind} below {loaded_from} rows, {dtype} from there"
 
 
 class PromptChunk(NamedTuple):
@@ -110,7 +68,6 @@ class SlotForward:
         self._decode_fn: DecodeFn = model  # replaced by a compiled or graphed step at setup
         self._zeros = torch.zeros(cache.slots + 1, dtype=torch.long, device=device)
         self.compile_seconds: float | None = None
-        self.front_decode = True  # see ForwardConfig.front_decode
 
     @classmethod
     def create(cls, loaded: LoadedModel, config: ForwardConfig) -> SlotForward:
@@ -121,10 +78,7 @@ class SlotForward:
             model.shape, max_len, loaded.dtype, loaded.device, config.budget, config.max_slots
         )
         forward = cls(model, cache, loaded.device)
-        if config.calibrate:
-            calibrate(model, loaded, cache.slots)
         forward._set_up_decode(config)
-        forward.front_decode = config.front_decode
         return forward
 
     def _set_up_decode(self, config: ForwardConfig) -> None:
@@ -152,10 +106,7 @@ class SlotForward:
                 raise ValueError(f"empty prefill chunk for slot {chunk.slot}")
             self.cache.check_room(chunk.slot, len(chunk.tokens))
         rows = self._prefill_rows(chunks, starts)
-        window = window_for(
-            max(s + len(c.tokens) for s, c in zip(starts, chunks)), self.cache.max_len
-        )
-        logits = self.model(self.cache.k, self.cache.v, rows, window)
+        logits = self.model(self.cache.k, self.cache.v, rows, 0, spans=self._spans(chunks, starts))
         for start, chunk in zip(starts, chunks):
             self.cache.lengths[chunk.slot] = start + len(chunk.tokens)
         return logits
@@ -169,10 +120,17 @@ class SlotForward:
             raise ValueError(f"empty prefill chunk for slot {chunk.slot}")
         self.cache.check_room(chunk.slot, len(chunk.tokens))
         rows = self._prefill_rows([chunk], [start])
-        window = window_for(start + len(chunk.tokens), self.cache.max_len)
-        logits = self.model.score(self.cache.k, self.cache.v, rows, window)[0]
+        spans = self._spans([chunk], [start])
+        logits = self.model.score(self.cache.k, self.cache.v, rows, spans)[0]
         self.cache.lengths[chunk.slot] = start + len(chunk.tokens)
         return logits
+
+    def _spans(self, chunks: Sequence[PromptChunk], starts: list[int]) -> list[Span]:
+        """Each chunk's place in the cache and positions (host ints)."""
+        return [
+            Span(self.cache.physical[c.slot], start, len(c.tokens))
+            for start, c in zip(starts, chunks)
+        ]
 
     def _prefill_rows(self, chunks: Sequence[PromptChunk], starts: list[int]) -> Rows:
         """Right-padded rows [N, T]; padding tokens write to the scratch slot at position 0."""
@@ -201,14 +159,11 @@ class SlotForward:
         lengths = [self.cache.lengths[s] for s in slots]
         for slot in slots:
             self.cache.check_room(slot, 1)
-        eager = self._decode_fn is self.model
-        if eager and len(slots) == 1:
-            token = torch.tensor(tokens, dtype=torch.long).to(self.device)
-            place = self.cache.physical[slots[0]]
-            logits = self.model.decode_one(self.cache.k, self.cache.v, token, place, lengths[0])
-        elif eager and self.front_decode:
-            logits = self._decode_front(slots, tokens, lengths)
-        else:  # compiled or graphed (fixed shapes), or asked for: each row's keys gathered
+        if self._decode_fn is self.model:  # eager: each row attends over its own positions
+            rows = [(self.cache.physical[s], length) for s, length in zip(slots, lengths)]
+            index = torch.tensor([list(tokens), lengths], dtype=torch.long).to(self.device)
+            logits = self.model.decode(self.cache.k, self.cache.v, index, rows)
+        else:  # compiled or graphed (fixed shapes): each row's keys gathered, masked
             places = [self.cache.physical[s] for s in slots]
             index = self.decode_index(tokens, places, lengths)
             window = window_for(max(lengths) + 1, self.cache.max_len)
@@ -216,22 +171,6 @@ class SlotForward:
         for slot in slots:
             self.cache.lengths[slot] += 1
         return logits
-
-    def _decode_front(
-        self, slots: Sequence[int], tokens: Sequence[int], lengths: Sequence[int]
-    ) -> torch.Tensor:
-        """An eager step of several slots: moved to the cache's front, each row attends over a
-        view of its place (CompactLlama.decode_front); logits returned in `slots` order."""
-        self.cache.gather_front(slots)
-        order = sorted(range(len(slots)), key=lambda row: self.cache.physical[slots[row]])
-        index = torch.tensor(
-            [[tokens[row] for row in order], [lengths[row] for row in order]], dtype=torch.long
-        ).to(self.device)
-        window = min(max(lengths) + 1, self.cache.max_len)
-        logits = self.model.decode_front(self.cache.k, self.cache.v, index, window)
-        if order == sorted(order):
-            return logits
-        return logits[torch.tensor(order).argsort().to(self.device)]  # back to `slots` order
 
     def decode_index(
         self, tokens: Sequence[int], slots: Sequence[int], lengths: Sequence[int]

@@ -8,18 +8,15 @@ extra last slot is scratch: padding rows of a batch write there.
 `lengths[slot]` counts the positions already filled; a slot whose first N positions hold a
 reused prefix or an earlier prompt chunk simply starts at length N.
 
-A slot number is a name, not a place: `physical[slot]` says where its K/V are. `gather_front`
-moves a decode step's slots to the front of the cache (swapping contents with whichever slots were
-there), so the step's attention reads them as one view of the first N places instead of copying
-each slot's keys out of a scattered set. Streams, the prefix cache and beam forks keep their slot
-numbers through a move.
+`physical[slot]` is the place in k/v holding a slot's K/V; a decode step reads every row's keys
+as a view of its own place, wherever it is (forward/llama.py, `exact_attention`), so slots never
+move and the mapping is the identity.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -100,10 +97,7 @@ class SlotCache:
         self.scratch = slots  # the extra slot that padding rows write into
         self.lengths = [0] * slots  # positions filled per slot (host-side: no device sync)
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out the lowest slot first
-        # slot -> the place in k/v holding it, and back (the scratch slot never moves)
-        self.physical = list(range(slots + 1))
-        self._slot_at = list(range(slots + 1))
-        self.moves = 0  # slot contents swapped by gather_front, since start
+        self.physical = list(range(slots + 1))  # slot -> the place in k/v holding it
 
     @classmethod
     def for_budget(
@@ -152,34 +146,6 @@ class SlotCache:
         self.k[:, target_at, :, :length] = self.k[:, source_at, :, :length]
         self.v[:, target_at, :, :length] = self.v[:, source_at, :, :length]
         self.lengths[target] = length
-
-    def gather_front(self, slots: Sequence[int]) -> None:
-        """Place these slots' K/V at the first len(slots) places of the cache, in any order.
-
-        Each slot already there stays; each one further back swaps places (its filled positions,
-        and those of the slot it displaces) with a place in front not held by one of `slots`.
-        A step of streams that keep decoding moves nothing; a stream joining moves once.
-        """
-        front = len(slots)
-        wanted = set(slots)
-        behind = [slot for slot in slots if self.physical[slot] >= front]
-        if not behind:
-            return
-        spare = (p for p in range(front) if self._slot_at[p] not in wanted)
-        for slot in behind:
-            self._swap(slot, self._slot_at[next(spare)])
-
-    def _swap(self, a: int, b: int) -> None:
-        """Exchange the places of slots a and b (copying the positions each holds)."""
-        at_a, at_b = self.physical[a], self.physical[b]
-        length_a, length_b = self.lengths[a], self.lengths[b]
-        for cache in (self.k, self.v):
-            held_a = cache[:, at_a, :, :length_a].clone()
-            cache[:, at_a, :, :length_b] = cache[:, at_b, :, :length_b]
-            cache[:, at_b, :, :length_a] = held_a
-        self.physical[a], self.physical[b] = at_b, at_a
-        self._slot_at[at_a], self._slot_at[at_b] = b, a
-        self.moves += 1
 
     def truncate(self, slot: int, length: int) -> None:
         """Keep only the first `length` positions of a held slot (the rest is overwritten later)."""

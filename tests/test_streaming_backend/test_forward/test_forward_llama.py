@@ -206,9 +206,9 @@ def test_one_stream_decodes_as_hf_and_as_a_batch_row(kind, overrides, tiny):
         ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
     ],
 )
-def test_decode_of_scattered_slots_moves_them_and_matches_hf(kind, overrides, tiny):
-    """A step of slots further back in the cache, in any order, moves them to the front and
-    still matches Hugging Face; the slots they displaced continue as if nothing had moved."""
+def test_decode_of_scattered_slots_matches_hf(kind, overrides, tiny):
+    """A step of slots further back in the cache, in any order, matches Hugging Face, and so do
+    the slots before them, stepped next."""
     loaded = tiny if overrides is None else tiny_config_model(kind, **overrides)
     forward = SlotForward.create(loaded, CONFIG)
     rows = prompts([6, 14, 3, 11], seed=8)
@@ -216,14 +216,13 @@ def test_decode_of_scattered_slots_moves_them_and_matches_hf(kind, overrides, ti
     first = forward.prefill([PromptChunk(s, p) for s, p in zip(slots, rows)]).argmax(-1)
     picked = [3, 1]  # slots 3 and 1, in that order: slot 3 swaps with slot 0
     generated, step_logits = greedy_run(forward, [slots[r] for r in picked], 5, first[picked])
-    assert forward.cache.moves == 1
     for column, row in enumerate(picked):
         reference = hf_logits(loaded.model, rows[row] + generated[column])
         for step, logits in enumerate(step_logits):
             expected = reference[len(rows[row]) + step]
             torch.testing.assert_close(logits[column], expected, atol=FP32_ATOL, rtol=0)
     generated, step_logits = greedy_run(forward, [slots[0], slots[2]], 4, first[[0, 2]])
-    for column, row in enumerate([0, 2]):  # slot 0 now lives where slot 3 was
+    for column, row in enumerate([0, 2]):
         reference = hf_logits(loaded.model, rows[row] + generated[column])
         for step, logits in enumerate(step_logits):
             expected = reference[len(rows[row]) + step]

@@ -72,35 +72,6 @@ def test_slots_are_handed_out_lowest_first_and_reused():
         cache.free(2)
 
 
-def test_gather_front_moves_slots_to_the_front_with_their_contents():
-    """Slots further back swap places with front slots not asked for; every slot's filled
-    positions, its length and its number stay as they were; slots already in front stay."""
-    cache = SlotCache(SHAPE, 5, 64, torch.float32, CPU)
-    slots = [cache.allocate() for _ in range(5)]
-    for slot, length in zip(slots, [3, 7, 0, 12, 5]):
-        cache.lengths[slot] = length
-        cache.k[:, cache.physical[slot], :, :length] = slot + 1.0
-        cache.v[:, cache.physical[slot], :, :length] = -(slot + 1.0)
-    cache.gather_front([4, 1, 3])
-    assert sorted(cache.physical[s] for s in (4, 1, 3)) == [0, 1, 2]
-    assert cache.physical[1] == 1  # already in front: not moved
-    assert cache.moves == 2 and sorted(cache.physical) == list(range(6))
-    assert cache.physical[cache.scratch] == cache.scratch
-    for slot, length in zip(slots, [3, 7, 0, 12, 5]):
-        at = cache.physical[slot]
-        assert cache.lengths[slot] == length
-        assert torch.equal(
-            cache.k[:, at, :, :length], torch.full_like(cache.k[:, at, :, :length], slot + 1.0)
-        )
-        assert torch.equal(
-            cache.v[:, at, :, :length], torch.full_like(cache.v[:, at, :, :length], -(slot + 1.0))
-        )
-    cache.gather_front([3, 1, 4])  # the same set in another order moves nothing
-    assert cache.moves == 2
-    cache.copy_prefix(3, 2, 6)  # copies follow the slots, wherever they are
-    assert torch.equal(cache.k[:, cache.physical[2], :, :6], cache.k[:, cache.physical[3], :, :6])
-
-
 def test_check_room_refuses_positions_past_the_context():
     """A slot holds at most max_len positions."""
     cache = SlotCache(SHAPE, 1, 64, torch.float32, CPU)

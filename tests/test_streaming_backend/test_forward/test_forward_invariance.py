@@ -1,0 +1,141 @@
+"""One model whatever the load: a row's numbers do not depend on what shares its call.
+
+Every comparison here is exact (torch.equal), not within a tolerance: a row that differs in the
+last bit alone or in a crowd can give another token, greedy or sampled. These tests run twice in
+CI, natively and under the AVX2 caps (marker `cpu_kinds`), since the kernels that decide them are
+the CPU kind's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streaming_backend.forward import quant
+from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
+from streaming_backend.forward.slots import CacheBudget
+from streaming_backend.loading import load_model
+
+pytestmark = pytest.mark.cpu_kinds
+
+KINDS = ("none", "int8", "int4")
+DTYPES = ("float32", "bfloat16")
+# the default model's linear shapes (in -> out): q/k/v fused, o, gate/up fused, down, the head
+SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152))
+ROWS = (*range(1, 18), 31, 32, 33, 64, 100)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_linear_row_is_the_same_in_a_call_of_any_size(kind, dtype):
+    """quant.linear of the first m rows equals the first m rows of one call over all of them,
+    at the default model's shapes, for every weight format: the kernels this CPU runs compute
+    each row the same way whatever the call's size (the dense one thanks to its row padding)."""
+    generator = torch.Generator().manual_seed(3)
+    for inputs, outputs in SHAPES:
+        if kind == "int4" and outputs == 49152:
+            continue  # the head is never int4 (quant.HEAD_KIND)
+        w = (torch.randn(outputs, inputs, generator=generator) * 0.05).to(getattr(torch, dtype))
+        weight = quant.quantize_weight(w, kind)
+        x = torch.randn(max(ROWS), inputs, generator=generator).to(w.dtype)
+        with torch.inference_mode():
+            whole = quant.linear(x, weight)
+            for rows in ROWS:
+                part = quant.linear(x[:rows], weight)
+                assert torch.equal(part, whole[:rows]), (inputs, outputs, rows)
+                alone = quant.linear(x[rows - 1 : rows], weight)  # the row at offset 0
+                assert torch.equal(alone[0], whole[rows - 1]), (inputs, outputs, rows)
+
+
+def test_dense_pads_a_short_call_to_whole_panels():
+    """A call of 1-3 rows (and the tail of 5-11) runs padded to a multiple of four rows, shaped
+    as it came, bias included."""
+    w, bias = torch.randn(40, 24), torch.randn(40)
+    x = torch.randn(2, 3, 24)
+    y = quant.dense(x, w, bias)
+    assert y.shape == (2, 3, 40)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w, bias))
+    assert quant.dense(x[:0], w).shape == (0, 3, 40)
+
+
+class Probe:
+    """One prompt and the tokens fed after it, run through a forward in several company."""
+
+    def __init__(self, forward: SlotForward, seed: int = 0):
+        self.forward = forward
+        generator = torch.Generator().manual_seed(seed)
+        ids = lambda n: torch.randint(0, 1000, (n,), generator=generator).tolist()  # noqa: E731
+        self.prompt = ids(60)
+        self.others = [ids(n) for n in (90, 33, 120, 5)]
+        self.fed = ids(12)
+
+    def run(self, prefill: str, mates: int) -> torch.Tensor:
+        """Logits [1 + fed, V]: after the prompt, then after each fed token. prefill: "alone",
+        "crowd" (one call with other prompts, shorter and longer) or "chunkN" (N tokens a
+        call); mates: streams of other lengths decoding in the same steps."""
+        cache = self.forward.cache
+        cache.reset()
+        slot = cache.allocate()
+        rows = [self._prefill(slot, prefill)]
+        company = []
+        for number in range(mates):
+            mate = cache.allocate()
+            self.forward.prefill([PromptChunk(mate, self.others[number % 4][: 3 + 7 * number])])
+            company.append(mate)
+        for token in self.fed:
+            middle = len(company) // 2  # the probe's row sits among its mates
+            slots = [*company[:middle], slot, *company[middle:]]
+            rows.append(self.forward.decode(slots, [token] * len(slots))[middle])
+        return torch.stack(rows)
+
+    def _prefill(self, slot: int, how: str) -> torch.Tensor:
+        if how == "alone":
+            return self.forward.prefill([PromptChunk(slot, self.prompt)])[0]
+        if how == "crowd":
+            cache = self.forward.cache
+            others = [PromptChunk(cache.allocate(), o) for o in self.others]
+            logits = self.forward.prefill([others[0], PromptChunk(slot, self.prompt), *others[1:]])
+            for chunk in others:
+                cache.free(chunk.slot)
+            return logits[1]
+        size = int(how.removeprefix("chunk"))
+        for start in range(0, len(self.prompt), size):
+            logits = self.forward.prefill([PromptChunk(slot, self.prompt[start : start + size])])
+        return logits[0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_streams_logits_are_the_same_alone_or_in_a_crowd(tiny_model_dir, kind, dtype):
+    """A prompt prefilled alone, among other prompts or in chunks of 1, 7 or 32 tokens, then
+    decoded alone or beside 1 or 15 streams of other lengths: the same logits, bit for bit, at
+    every step."""
+    loaded = load_model(str(tiny_model_dir), dtype=dtype, device="cpu")
+    config = ForwardConfig(CacheBudget(bytes=64 << 20), max_len=256, max_slots=20, quantize=kind)
+    probe = Probe(SlotForward.create(loaded, config))
+    alone = probe.run("alone", 0)
+    for prefill, mates in (("crowd", 0), ("chunk1", 0), ("chunk7", 0), ("chunk32", 0)):
+        assert torch.equal(probe.run(prefill, mates), alone), prefill
+    for prefill, mates in (("alone", 1), ("alone", 15), ("crowd", 15), ("chunk7", 15)):
+        assert torch.equal(probe.run(prefill, mates), alone), (prefill, mates)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_decoded_token_is_what_a_prefill_of_it_gives(tiny_model_dir, dtype):
+    """Tokens fed one decode step at a time leave the same keys and values, and the same last
+    logits, as the same tokens prefilled in one chunk: an answer reused from the prefix cache
+    as the next turn's prompt is the model's own numbers, not the decode path's variant."""
+    loaded = load_model(str(tiny_model_dir), dtype=dtype, device="cpu")
+    config = ForwardConfig(CacheBudget(bytes=64 << 20), max_len=256, max_slots=4, quantize="int4")
+    forward = SlotForward.create(loaded, config)
+    probe = Probe(forward)
+    decoded, prefilled = forward.cache.allocate(), forward.cache.allocate()
+    forward.prefill([PromptChunk(decoded, probe.prompt)])
+    for token in probe.fed:
+        last = forward.decode([decoded], [token])[0]
+    whole = forward.prefill([PromptChunk(prefilled, probe.prompt + probe.fed)])[0]
+    assert torch.equal(whole, last)
+    length = len(probe.prompt) + len(probe.fed)
+    for cache in (forward.cache.k, forward.cache.v):
+        places = [forward.cache.physical[s] for s in (decoded, prefilled)]
+        assert torch.equal(cache[:, places[0], :, :length], cache[:, places[1], :, :length])
