@@ -33,6 +33,7 @@ from streaming_backend.events import FinishReason, LogprobDetail, TokenEvent, To
 from streaming_backend.grammar import GrammarCompiler, GrammarMatcher, compute_masks_ahead
 from streaming_backend.loading import LoadedModel
 from streaming_backend.logits import NextTokenChooser
+from streaming_backend.numerics import Numerics, describe
 from streaming_backend.settings import SamplingSettings
 from streaming_backend.steps import Steps
 from streaming_backend.steps.build import build_steps
@@ -157,10 +158,13 @@ class Engine:
         self.mask_ahead = model.device.type == "cuda"
 
     def _build(self, loaded: LoadedModel | Callable[[], LoadedModel]) -> None:
-        """On the engine thread: load the model (if given a loader) and build its steps."""
+        """On the engine thread: load the model (if given a loader), build its steps and say
+        what decides their numbers."""
         self.loaded = loaded() if callable(loaded) else loaded
         # the live streams and the forward they run on; owned by the engine thread
         self._steps: Steps[_Stream] = build_steps(self.loaded, self.config, self._prefill_failed)
+        # what decides every answer's numbers, and its system_fingerprint (reads the weights)
+        self.numerics: Numerics = describe(self.loaded, self._steps)
 
     # ---- public API (any thread) -------------------------------------------------------------
 

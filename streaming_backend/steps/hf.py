@@ -25,6 +25,8 @@ class HfSteps:
     """Streams on the Hugging Face forward."""
 
     name = "hf"
+    quantize = "none"  # the model's own weights, as loaded
+    decode_path = "eager"
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, on_failure: OnFailure):
         self.loaded = loaded

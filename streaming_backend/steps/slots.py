@@ -56,6 +56,18 @@ class SlotSteps:
             fixed=config.prefill_chunk_tokens, ceiling=config.max_prefill_tokens
         )
 
+    @property
+    def quantize(self) -> str:
+        """The linear weights' format the forward runs on (forward/quant.py)."""
+        return self.forward.model.quantize
+
+    @property
+    def decode_path(self) -> str:
+        """eager, or the faster step steps/build.py set up: CUDA graphs on a GPU, else compiled."""
+        if self.forward.compile_seconds is None:  # not asked for, or it failed: eager
+            return "eager"
+        return "cuda_graphs" if self.forward.device.type == "cuda" else "compiled"
+
     # ---- admission ------------------------------------------------------------------------------
 
     def capacity(self) -> int:

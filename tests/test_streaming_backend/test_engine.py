@@ -565,27 +565,33 @@ def test_nan_logits_fail_the_stream_with_a_clear_error(tiny_loaded):
 
 def test_the_model_loads_and_the_forward_builds_on_the_engine_thread(tiny_loaded, monkeypatch):
     """All of the engine's torch work runs on its one thread: a loader given instead of a model
-    runs there, and so does the forward's build (with its calibration), since torch's threads
-    form one team per calling thread and a second team slowed every decode step."""
+    runs there, and so does the forward's build (with its calibration) and the reading of its
+    numerics, since torch's threads form one team per calling thread and a second team slowed
+    every decode step."""
     import streaming_backend.engine as engine_module
 
     threads = {}
-    build = engine_module.build_steps
+    build, describe = engine_module.build_steps, engine_module.describe
 
     def recording_build(*args):
         threads["build"] = threading.current_thread()
         return build(*args)
+
+    def recording_describe(*args):
+        threads["describe"] = threading.current_thread()
+        return describe(*args)
 
     def loader():
         threads["load"] = threading.current_thread()
         return tiny_loaded
 
     monkeypatch.setattr(engine_module, "build_steps", recording_build)
+    monkeypatch.setattr(engine_module, "describe", recording_describe)
     with Engine(loader, EngineConfig(max_streams=2)) as eng:
         assert eng.loaded is tiny_loaded
         events = list(eng.submit(_prompt(tiny_loaded, "Hello"), GREEDY))
     assert events[-1].finish_reason is not None
-    assert threads["load"] is threads["build"] is eng._thread
+    assert threads["load"] is threads["build"] is threads["describe"] is eng._thread
     assert threads["load"] is not threading.main_thread()
 
 
@@ -608,3 +614,17 @@ def test_submit_before_start_is_refused_and_shutdown_ends_the_thread(tiny_loaded
         eng.submit(_prompt(tiny_loaded, "Hello"), GREEDY)
     eng.shutdown()
     assert not eng._thread.is_alive()
+
+
+@pytest.mark.parametrize(
+    ("forward", "quantize"), [("compact", "none"), ("compact", "int8"), ("hf", "int8")]
+)
+def test_the_engine_names_the_numerics_its_forward_runs(tiny_loaded, forward, quantize):
+    """engine.numerics names the forward the streams run on and the weight format it actually
+    uses (the Hugging Face forward quantizes nothing, whatever the setting)."""
+    config = EngineConfig(max_streams=2, forward=forward, quantize=quantize)
+    with Engine(tiny_loaded, config) as eng:
+        numerics = eng.numerics
+    assert numerics.forward == eng.forward == forward
+    assert numerics.quantize == (quantize if forward == "compact" else "none")
+    assert numerics.decode == "eager" and numerics.model == tiny_loaded.name
