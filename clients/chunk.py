@@ -49,6 +49,7 @@ class Chunk:
     received_ns: int  # time.monotonic_ns() when the response reached this process
     # return_logprobs: per token {"token_id", "logprob", "token", "top_logprobs"?} (wire.LOGPROBS)
     logprobs: tuple[dict, ...] | None = None
+    system_fingerprint: str | None = None  # return_system_fingerprint: the server's numerics
 
     @classmethod
     def delta(

@@ -43,6 +43,7 @@ from streaming_backend.wire import (
     NUM_OUTPUT_TOKENS,
     OUTPUT_IDS,
     SERVER_LOST,
+    SYSTEM_FINGERPRINT,
     TEXT_OUTPUT,
     TIMING,
     UNAVAILABLE,
@@ -153,6 +154,7 @@ def parse_result(result: grpcclient.InferResult, received_ns: int | None = None)
         request_id=response.id,
         received_ns=time.monotonic_ns() if received_ns is None else received_ns,
         logprobs=parse_logprobs(_first_string(result, LOGPROBS)),
+        system_fingerprint=_first_string(result, SYSTEM_FINGERPRINT),
     )
 
 

@@ -18,6 +18,7 @@ from streaming_backend.wire import (
     RETURN_NUM_INPUT_TOKENS,
     RETURN_NUM_OUTPUT_TOKENS,
     RETURN_OUTPUT_IDS,
+    RETURN_SYSTEM_FINGERPRINT,
     RETURN_TIMING,
     SAMPLING_PARAMETERS,
     STREAM,
@@ -43,6 +44,7 @@ class GenerateRequest:
     return_output_ids: bool = False
     return_logprobs: bool = False  # each token's logprob (and top_logprobs when asked)
     return_timing: bool = False
+    return_system_fingerprint: bool = False  # what decides the numbers, on every response
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.prompt, self.messages, self.input_ids)]
@@ -80,5 +82,6 @@ def request_inputs(request: GenerateRequest) -> dict[str, str | bool | tuple[int
         RETURN_OUTPUT_IDS: request.return_output_ids,
         RETURN_LOGPROBS: request.return_logprobs,
         RETURN_TIMING: request.return_timing,
+        RETURN_SYSTEM_FINGERPRINT: request.return_system_fingerprint,
     }
     return inputs

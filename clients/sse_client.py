@@ -33,6 +33,7 @@ from streaming_backend.wire import (
     NUM_INPUT_TOKENS,
     NUM_OUTPUT_TOKENS,
     OUTPUT_IDS,
+    SYSTEM_FINGERPRINT,
     TEXT_OUTPUT,
     TIMING,
     error_code,
@@ -102,6 +103,7 @@ def event_chunk(event: Mapping, received_ns: int, request_id: str = "") -> Chunk
         request_id=request_id,
         received_ns=received_ns,
         logprobs=parse_logprobs(event.get(LOGPROBS)),
+        system_fingerprint=event.get(SYSTEM_FINGERPRINT) or None,
     )
 
 

@@ -33,6 +33,7 @@ RETURN_LOGPROBS = "return_logprobs"
 RETURN_CUMULATIVE_LOGPROB = "return_cumulative_logprob"
 RETURN_OUTPUT_IDS = "return_output_ids"  # ours
 RETURN_TIMING = "return_timing"  # ours: server timestamps per response (TIMING)
+RETURN_SYSTEM_FINGERPRINT = "return_system_fingerprint"  # ours: SYSTEM_FINGERPRINT per response
 RETURN_FLAGS = (
     RETURN_FINISH_REASON,
     RETURN_NUM_INPUT_TOKENS,
@@ -41,11 +42,35 @@ RETURN_FLAGS = (
     RETURN_CUMULATIVE_LOGPROB,
     RETURN_OUTPUT_IDS,
     RETURN_TIMING,
+    RETURN_SYSTEM_FINGERPRINT,
 )
 BOOL_INPUTS = (STREAM, EXCLUDE_INPUT_IN_OUTPUT, *RETURN_FLAGS)
 STRING_INPUTS = (TEXT_INPUT, SAMPLING_PARAMETERS, MESSAGES, TOOLS)
 PROMPT_INPUTS = (TEXT_INPUT, MESSAGES, INPUT_IDS)  # exactly one of these per request
 INPUT_NAMES = (*STRING_INPUTS, INPUT_IDS, *BOOL_INPUTS)
+
+# ---- output tensors -----------------------------------------------------------------------------
+TEXT_OUTPUT = "text_output"  # STRING: the new text (a delta when streaming)
+FINISH_REASON = "finish_reason"  # STRING: a FinishReason value, on the last response
+NUM_INPUT_TOKENS = "num_input_tokens"  # UINT32
+NUM_OUTPUT_TOKENS = "num_output_tokens"  # UINT32: tokens in this response (not a running total)
+LOGPROBS = "logprobs"  # STRING: JSON [{"token_id", "logprob", "token", "top_logprobs"?}]
+CUMULATIVE_LOGPROB = "cumulative_logprob"  # FP32
+OUTPUT_IDS = "output_ids"  # INT64: token ids of this response
+TIMING = "timing"  # STRING: ServerTiming as JSON
+# STRING: what decides the numbers, in one value ("fp_" + 12 hex; streaming_backend/numerics.py)
+SYSTEM_FINGERPRINT = "system_fingerprint"
+OUTPUT_NAMES = (
+    TEXT_OUTPUT,
+    FINISH_REASON,
+    NUM_INPUT_TOKENS,
+    NUM_OUTPUT_TOKENS,
+    LOGPROBS,
+    CUMULATIVE_LOGPROB,
+    OUTPUT_IDS,
+    TIMING,
+    SYSTEM_FINGERPRINT,
+)
 
 # ---- control requests (ours): the supervisor's canary and drain ---------------------------------
 # CONTROL (STRING [1]) holds a JSON object {"key": <admin key>, "action": <CONTROL_ACTIONS>}; a
@@ -57,29 +82,11 @@ CONTROL_HEALTH = "health"  # answer with the model's health (the canary)
 CONTROL_DRAIN = "drain"  # refuse new requests (UNAVAILABLE, "draining"); open streams go on
 CONTROL_END = "end"  # end every open stream now with a final error response (drain deadline)
 CONTROL_ACTIONS = (CONTROL_HEALTH, CONTROL_DRAIN, CONTROL_END)
-HEALTH_KEYS = ("healthy", "reason", "draining", "active", "waiting")
+# numerics: the facts that decide the model's numbers (numerics.Numerics), SYSTEM_FINGERPRINT theirs
+NUMERICS = "numerics"
+HEALTH_KEYS = ("healthy", "reason", "draining", "active", "waiting", SYSTEM_FINGERPRINT, NUMERICS)
 ADMIN_KEY_VARIABLE = "TOKENSTREAM_ADMIN_KEY"  # the admin key, as the model process sees it
 ADMIN_HEADER = "tokenstream-admin-key"  # the header Triton's restricted repository API checks
-
-# ---- output tensors -----------------------------------------------------------------------------
-TEXT_OUTPUT = "text_output"  # STRING: the new text (a delta when streaming)
-FINISH_REASON = "finish_reason"  # STRING: a FinishReason value, on the last response
-NUM_INPUT_TOKENS = "num_input_tokens"  # UINT32
-NUM_OUTPUT_TOKENS = "num_output_tokens"  # UINT32: tokens in this response (not a running total)
-LOGPROBS = "logprobs"  # STRING: JSON [{"token_id", "logprob", "token", "top_logprobs"?}]
-CUMULATIVE_LOGPROB = "cumulative_logprob"  # FP32
-OUTPUT_IDS = "output_ids"  # INT64: token ids of this response
-TIMING = "timing"  # STRING: ServerTiming as JSON
-OUTPUT_NAMES = (
-    TEXT_OUTPUT,
-    FINISH_REASON,
-    NUM_INPUT_TOKENS,
-    NUM_OUTPUT_TOKENS,
-    LOGPROBS,
-    CUMULATIVE_LOGPROB,
-    OUTPUT_IDS,
-    TIMING,
-)
 
 # ---- Triton's decoupled streaming parameters ----------------------------------------------------
 ENABLE_EMPTY_FINAL = "triton_enable_empty_final_response"  # request parameter

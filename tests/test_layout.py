@@ -28,6 +28,7 @@ SHARED_WORDS = {
     wire.FINISH_REASON,
     wire.LOGPROBS,
     wire.TIMING,
+    wire.SYSTEM_FINGERPRINT,
 }
 
 

@@ -2,8 +2,9 @@
 
 A control request carries {"key": <admin key>, "action": <wire.CONTROL_ACTIONS>}. It is taken only
 with the admin key the launcher put in the model process's environment, and answered with the
-model's health (wire.HEALTH_KEYS) as JSON. The outbox answers it, so an answer proves that the
-outbox thread, the engine and the stub all still work.
+model's health (wire.HEALTH_KEYS: its state, the system fingerprint and the numerics it names) as
+JSON. The outbox answers it, so an answer proves that the outbox thread, the engine and the stub
+all still work.
 """
 
 from __future__ import annotations
@@ -65,5 +66,9 @@ class Control:
     def health(self, active: int) -> dict:
         """The model's health (wire.HEALTH_KEYS) as the supervisor's canary reads it."""
         healthy, reason = self.engine.health()
-        values = (healthy, reason, self.draining, active, self.engine.waiting_streams)
+        numerics = self.engine.numerics
+        values = (
+            healthy, reason, self.draining, active, self.engine.waiting_streams,
+            numerics.fingerprint, numerics.as_dict(),
+        )  # fmt: skip
         return dict(zip(HEALTH_KEYS, values, strict=True))

@@ -24,7 +24,9 @@ from streaming_backend.wire import (
     RETURN_NUM_INPUT_TOKENS,
     RETURN_NUM_OUTPUT_TOKENS,
     RETURN_OUTPUT_IDS,
+    RETURN_SYSTEM_FINGERPRINT,
     RETURN_TIMING,
+    SYSTEM_FINGERPRINT,
     TEXT_OUTPUT,
     TIMING,
     TOP_LOGPROBS,  # the sampling key names the entries' alternatives too
@@ -40,6 +42,7 @@ class ResponseBuilder:
     received_ns: int
     queued_ns: int = 0
     prompt_text: str = ""  # prepended to a non-streamed answer unless exclude_input_in_output
+    fingerprint: str = ""  # the engine's numerics.fingerprint (return_system_fingerprint)
     _texts: list[str] = field(default_factory=list)
     _ids: list[int] = field(default_factory=list)
     _logprobs: list[float] = field(default_factory=list)
@@ -86,6 +89,8 @@ class ResponseBuilder:
             out[CUMULATIVE_LOGPROB] = np.array([self._cumulative], dtype=np.float32)
         if want(RETURN_TIMING):
             out[TIMING] = np.array([self._timing(event).encode()], dtype=np.object_)
+        if want(RETURN_SYSTEM_FINGERPRINT):
+            out[SYSTEM_FINGERPRINT] = np.array([self.fingerprint.encode()], dtype=np.object_)
         return out
 
     def _timing(self, event: TokenEvent) -> str:

@@ -63,7 +63,7 @@ def test_prompt_request_builds_text_input_and_flags():
     assert tensors[wire.TEXT_INPUT][0].decode() == "héllo 你好 🙂"
     assert json.loads(tensors[wire.SAMPLING_PARAMETERS][0]) == {"max_tokens": 8}
     assert tensors[wire.STREAM][0] and tensors[wire.RETURN_TIMING][0]
-    assert not tensors[wire.RETURN_OUTPUT_IDS][0]
+    assert not tensors[wire.RETURN_OUTPUT_IDS][0] and not tensors[wire.RETURN_SYSTEM_FINGERPRINT][0]
     assert wire.MESSAGES not in tensors and wire.INPUT_IDS not in tensors
 
 
@@ -113,6 +113,7 @@ def test_parse_result_reads_every_output():
             wire.OUTPUT_IDS: np.array([11, 12], dtype=np.int64),
             wire.FINISH_REASON: np.array([b"length"], dtype=np.object_),
             wire.TIMING: np.array([json.dumps(timing).encode()], dtype=np.object_),
+            wire.SYSTEM_FINGERPRINT: np.array([b"fp_0123456789ab"], dtype=np.object_),
         },
         final=True,
     )
@@ -127,6 +128,7 @@ def test_parse_result_reads_every_output():
         final=True,
         request_id="r1",
         received_ns=42,
+        system_fingerprint="fp_0123456789ab",
     )
 
 
@@ -135,6 +137,7 @@ def test_parse_result_missing_outputs_are_none():
     chunk = gc.parse_result(_result({}))
     assert chunk.text == "" and not chunk.final
     assert chunk.num_output_tokens is None and chunk.output_ids is None and chunk.timing is None
+    assert chunk.system_fingerprint is None
     assert chunk.received_ns > 0
 
 
@@ -177,6 +180,7 @@ def test_stream_generate_sync(triton_server):
         sampling={"max_tokens": "8", "seed": 5, "ignore_eos": True},
         return_output_ids=True,
         return_timing=True,
+        return_system_fingerprint=True,
     )
     chunks = list(gc.stream_generate(triton_server.grpc_url, request))
     assert [c.final for c in chunks] == [False] * (len(chunks) - 1) + [True]
@@ -186,6 +190,8 @@ def test_stream_generate_sync(triton_server):
     t = chunks[0].timing
     assert t.received_ns <= t.queued_ns <= t.prefill_start_ns <= t.emitted_ns
     assert t.emitted_ns <= chunks[0].received_ns  # one clock on one machine
+    assert len({c.system_fingerprint for c in chunks}) == 1  # every response names the numerics
+    assert re.fullmatch(r"fp_[0-9a-f]{12}", chunks[0].system_fingerprint)
 
 
 @pytest.mark.server

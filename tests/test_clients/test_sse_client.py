@@ -43,6 +43,7 @@ def test_event_with_every_output_becomes_a_chunk():
         wire.OUTPUT_IDS: [11, 12],
         wire.FINISH_REASON: "length",
         wire.TIMING: TIMING.to_json(),
+        wire.SYSTEM_FINGERPRINT: "fp_0123456789ab",
     }
     c = event_chunk(event, received_ns=42, request_id="r")
     assert (c.text, c.num_output_tokens, c.num_input_tokens, c.output_ids) == (
@@ -53,12 +54,14 @@ def test_event_with_every_output_becomes_a_chunk():
     )
     assert c.finish_reason == "length" and c.final and c.received_ns == 42
     assert c.timing == TIMING and c.tokens == 2
+    assert c.system_fingerprint == "fp_0123456789ab"
 
 
 def test_event_without_outputs_is_an_empty_chunk():
     """Outputs the request did not ask for are None; without a count, text is one token."""
     c = event_chunk({wire.TEXT_OUTPUT: "a"}, 1)
     assert c.num_output_tokens is None and c.timing is None and not c.final
+    assert c.system_fingerprint is None
     assert c.tokens == 1 and event_chunk({}, 1).tokens == 0
     assert event_chunk({wire.OUTPUT_IDS: 9}, 1).output_ids == (9,)
 

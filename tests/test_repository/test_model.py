@@ -303,15 +303,17 @@ def test_sse_generate_stream(triton_server):
         "sampling_parameters": json.dumps(FIXED | {"temperature": 0}),
         "return_num_output_tokens": True,
         "return_finish_reason": True,
+        "return_system_fingerprint": True,
         "exclude_input_in_output": True,
     }
     events = _sse(triton_server, body)
     assert len(events) == 12
     assert events[-1]["finish_reason"] == "length"
-    grpc_text = "".join(
-        c.text for c in _chunks(triton_server, prompt="Hello", sampling=FIXED | {"temperature": 0})
-    )
-    assert "".join(e["text_output"] for e in events) == grpc_text
+    greedy = FIXED | {"temperature": 0}
+    grpc = _chunks(triton_server, prompt="Hello", sampling=greedy, return_system_fingerprint=True)
+    assert "".join(e["text_output"] for e in events) == "".join(c.text for c in grpc)
+    fingerprints = {e["system_fingerprint"] for e in events} | {c.system_fingerprint for c in grpc}
+    assert len(fingerprints) == 1 and fingerprints.pop().startswith("fp_")  # on every response
 
 
 def test_sse_request_parameters_are_sampling_settings(triton_server):

@@ -28,7 +28,7 @@ from streaming_backend.adapter.response import ResponseBuilder
 from streaming_backend.adapter.sender import Sender
 from streaming_backend.config import ModelSettings
 from streaming_backend.engine import Engine
-from streaming_backend.loading import instance_device, load_model
+from streaming_backend.loading import instance_device, load_model, progress
 from streaming_backend.prompts import encode_prompt
 from streaming_backend.wire import (
     ADMIN_KEY_VARIABLE,
@@ -56,6 +56,9 @@ class TritonPythonModel:
         loaded = self.engine.loaded
         log.info("loaded %s on %s as %s", loaded.name, loaded.device, loaded.dtype)
         self.tokenizer = loaded.tokenizer
+        self.fingerprint = self.engine.numerics.fingerprint  # every response's, when asked
+        facts = ", ".join(f"{k} {v}" for k, v in self.engine.numerics.as_dict().items())
+        progress(f"numerics {self.fingerprint}: {facts}")  # seen in Triton's log
         # None: no admin key in our environment, so every control request is refused
         self.control = Control(self.engine, os.environ.get(ADMIN_KEY_VARIABLE) or None)
         metrics = Metrics(pb_utils.MetricFamily, args["model_name"], args["model_version"])
@@ -94,7 +97,9 @@ class TritonPythonModel:
                 tools=parsed.tools,
             )
             prompt_text = _prompt_text(parsed, prompt_ids, self.tokenizer)
-            builder = ResponseBuilder(parsed, received_ns, prompt_text=prompt_text)
+            builder = ResponseBuilder(
+                parsed, received_ns, prompt_text=prompt_text, fingerprint=self.fingerprint
+            )
             live = self.outbox.register(request_id, sender, builder)
             builder.queued_ns = time.monotonic_ns()
             live.handle = self.engine.submit(

@@ -208,6 +208,8 @@ def test_health_then_drain_then_end(model):
     health = json.loads(response.outputs[wire.TEXT_OUTPUT][0])
     assert flags == FINAL and list(health) == list(wire.HEALTH_KEYS)
     assert health["healthy"] is True and health["draining"] is False
+    assert health[wire.SYSTEM_FINGERPRINT] == model.engine.numerics.fingerprint
+    assert health[wire.NUMERICS] == model.engine.numerics.as_dict()
 
     release = model.hold_prefill()
     open_stream = pb.ResponseSender()

@@ -79,6 +79,17 @@ def test_non_streamed_answer_is_one_response_with_the_prompt():
     assert timing.queued_ns == 100  # not set by the model: the engine's submit time
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_every_response_names_the_system_fingerprint_when_asked(stream):
+    """return_system_fingerprint: each response (streamed) or the one response carries the
+    engine's fingerprint."""
+    request = ModelRequest(stream=stream, returns=frozenset({wire.RETURN_SYSTEM_FINGERPRINT}))
+    builder = ResponseBuilder(request, received_ns=0, fingerprint="fp_0123456789ab")
+    outputs = [o for o in map(builder.outputs, _events()) if o is not None]
+    assert len(outputs) == (3 if stream else 1)
+    assert all(_text(o[wire.SYSTEM_FINGERPRINT]) == "fp_0123456789ab" for o in outputs)
+
+
 def test_non_streamed_answer_without_the_prompt():
     """exclude_input_in_output leaves the prompt out."""
     builder = ResponseBuilder(ModelRequest(exclude_input=True), received_ns=0, prompt_text="Hi:")
@@ -102,6 +113,7 @@ FLAG_OUTPUTS = {
     wire.RETURN_CUMULATIVE_LOGPROB: wire.CUMULATIVE_LOGPROB,
     wire.RETURN_OUTPUT_IDS: wire.OUTPUT_IDS,
     wire.RETURN_TIMING: wire.TIMING,
+    wire.RETURN_SYSTEM_FINGERPRINT: wire.SYSTEM_FINGERPRINT,
 }
 
 
