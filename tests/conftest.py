@@ -115,14 +115,15 @@ def tiny_loaded(tiny_model_dir):
 
 def server_config(model_dir, **overrides):
     """A ServerConfig on free loopback ports serving `model_dir` (None: the repository's own), in
-    float32 unless the repository is another. Overrides named as model parameters (max_streams=8,
+    float32 and unquantized unless the repository is another (what `auto` picks differs between
+    CPU kinds; tests marked cpu_kinds serve with it). Overrides named as model parameters (max_streams=8,
     test_token_delay_ms=20) become config.pbtxt parameters; the others are ServerConfig fields."""
     from streaming_backend.config import TABLES, parameter_strings
     from streaming_backend.launcher import ServerConfig, free_port
 
     known = {p.key for table in TABLES.values() for p in table}
     values = {"model": model_dir and str(model_dir)}
-    values |= {} if "repository" in overrides else {"dtype": "float32"}
+    values |= {} if "repository" in overrides else {"dtype": "float32", "quantize": "none"}
     values |= {k: overrides.pop(k) for k in list(overrides) if k in known}
     parameters = parameter_strings(**values) | dict(overrides.pop("model_parameters", {}))
     ports = {f"{name}_port": free_port() for name in ("http", "grpc", "metrics")}
@@ -221,7 +222,8 @@ def _default_server(default_model_dir):
 
 @pytest.fixture
 def default_server(_default_server):
-    """The default model (float32, so logprobs compare exactly) behind a real tritonserver."""
+    """The default model (float32, unquantized: logprobs compare with the model's own) behind a
+    real tritonserver."""
     wait_idle(_default_server)
     return _default_server
 

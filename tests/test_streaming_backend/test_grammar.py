@@ -28,7 +28,8 @@ COLOURS = {
 
 @pytest.fixture(params=("compact", "hf"))
 def engine(tiny_loaded, request):
-    config = EngineConfig(max_streams=8, queue_limit=8, forward=request.param)
+    # unquantized whatever `quantize auto` picks here: logprobs compare with the model's own
+    config = EngineConfig(max_streams=8, queue_limit=8, forward=request.param, quantize="none")
     with Engine(tiny_loaded, config) as eng:
         yield eng
 
