@@ -12,8 +12,9 @@ import json
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from typing import Any
 
-from streaming_backend.wire import ADMIN_HEADER, CONTROL, TEXT_OUTPUT
+from streaming_backend.wire import ADMIN_HEADER, CONTROL, NUMERICS, SYSTEM_FINGERPRINT, TEXT_OUTPUT
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a proxy
 
@@ -35,6 +36,8 @@ class ModelHealth:
     draining: bool
     active: int  # requests accepted and not yet sent their FINAL
     waiting: int  # of those, still waiting for an engine slot
+    system_fingerprint: str | None = None  # what decides its numbers, in one value
+    numerics: dict[str, Any] | None = None  # the facts it names (streaming_backend/numerics.py)
 
 
 def control(http_url: str, model: str, key: str, action: str, timeout: float) -> ModelHealth:
@@ -51,6 +54,8 @@ def control(http_url: str, model: str, key: str, action: str, timeout: float) ->
             draining=bool(state["draining"]),
             active=int(state["active"]),
             waiting=int(state["waiting"]),
+            system_fingerprint=state.get(SYSTEM_FINGERPRINT),
+            numerics=state.get(NUMERICS),
         )
     raise ControlError(f"{model} answered a control request with no response")
 

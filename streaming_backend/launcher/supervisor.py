@@ -28,7 +28,15 @@ from streaming_backend.launcher.control import ControlError, control, load_model
 from streaming_backend.launcher.repository import patch_parameters, read_parameters
 from streaming_backend.launcher.server import ServerConfig, ServerDied, TritonServer
 from streaming_backend.launcher.watch import CanaryConfig, Failure, Watch
-from streaming_backend.wire import CHAT_MODEL, CONTROL, CONTROL_DRAIN, CONTROL_END, CONTROL_HEALTH
+from streaming_backend.wire import (
+    CHAT_MODEL,
+    CONTROL,
+    CONTROL_DRAIN,
+    CONTROL_END,
+    CONTROL_HEALTH,
+    NUMERICS,
+    SYSTEM_FINGERPRINT,
+)
 
 POLL_S = 0.25  # process checks: a dead stub is seen within two polls
 DRAIN_POLL_S = 0.1
@@ -130,8 +138,11 @@ class Supervisor:
         return self.state in (READY, RELOADING) and server is not None and server.returncode is None
 
     def status(self) -> dict:
-        """State, reason, counters and endpoints, as /status shows them."""
+        """State, reason, counters and endpoints, as /status shows them; the chat model's
+        numerics and system fingerprint as its latest canary told them (None before one did)."""
         server = self.server
+        watch = self._watch
+        health = watch.answers.get(CHAT_MODEL) if watch is not None else None
         return {
             "state": self.state,
             "ready": self.ready(),
@@ -142,6 +153,8 @@ class Supervisor:
             "dtype": self.dtype.as_dict(),
             "quantize": self.quantize.as_dict(),
             "tritonserver_pid": server.pid if server else None,
+            SYSTEM_FINGERPRINT: health.system_fingerprint if health else None,
+            NUMERICS: health.numerics if health else None,
         }
 
     # ---- run --------------------------------------------------------------------------------

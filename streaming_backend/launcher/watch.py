@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from streaming_backend.launcher.control import control
+from streaming_backend.launcher.control import ModelHealth, control
 from streaming_backend.launcher.processes import zombie_children
 from streaming_backend.launcher.server import TritonServer
 from streaming_backend.wire import CONTROL_HEALTH
@@ -46,6 +46,7 @@ class Watch:
         self.canary: CanaryConfig = canary
         self._zombies_seen: set[int] = set()
         self._verdict: Failure | None = None  # set by the canary thread
+        self.answers: dict[str, ModelHealth] = {}  # each model's latest canary answer
         self._paused = threading.Event()  # set while a reload loads: slow answers are expected
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._canary_loop, name="canary", daemon=True)
@@ -64,8 +65,9 @@ class Watch:
         self._paused.set()
 
     def resume(self) -> None:
-        """Judge the canary again, starting afresh."""
+        """Judge the canary again, starting afresh (the models may have changed)."""
         self._verdict = None
+        self.answers = {}
         self._paused.clear()
 
     def check(self) -> Failure | None:
@@ -115,6 +117,7 @@ class Watch:
                 f"{waited:.1f} s)",
             )
         misses[model] = 0
+        self.answers = {**self.answers, model: health}  # a new dict: other threads read it
         if not health.healthy:
             return Failure("unhealthy", f"model {model} is unhealthy: {health.reason}")
         return None

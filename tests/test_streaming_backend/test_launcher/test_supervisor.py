@@ -17,6 +17,7 @@ import tritonclient.http as httpclient
 from conftest import stub_pids, supervised_server, wait_for
 from tritonclient.utils import InferenceServerException
 
+from clients.grpc_client import GenerateRequest, stream_generate
 from streaming_backend.launcher.control import ControlError, control
 from streaming_backend.launcher.health import metrics_text
 from streaming_backend.launcher.supervisor import (
@@ -29,8 +30,10 @@ from streaming_backend.wire import (
     CONTROL_DRAIN,
     CONTROL_END,
     CONTROL_HEALTH,
+    NUMERICS,
     SAMPLING_PARAMETERS,
     STREAM,
+    SYSTEM_FINGERPRINT,
     TEXT_INPUT,
     TEXT_OUTPUT,
 )
@@ -87,6 +90,16 @@ def test_status_shows_an_unknown_dtype_as_such() -> None:
     status = Supervisor(SupervisorConfig(server)).status()
     assert status["dtype"]["setting"] == "int3" and status["dtype"]["dtype"] == ""
     assert "unknown dtype 'int3'" in status["dtype"]["reason"]
+
+
+def test_status_has_no_numerics_before_a_canary_answered() -> None:
+    """The system fingerprint and the numerics come from the chat model's canary answers: null
+    until one came."""
+    from streaming_backend.launcher.server import ServerConfig
+    from streaming_backend.launcher.supervisor import Supervisor, SupervisorConfig
+
+    status = Supervisor(SupervisorConfig(ServerConfig())).status()
+    assert status[SYSTEM_FINGERPRINT] is None and status[NUMERICS] is None
 
 
 class ScriptedServer:
@@ -267,6 +280,20 @@ def test_health_endpoints_tell_ready_live_status_and_metrics(supervised) -> None
     status_body = get(f"{url}/status")[1]
     assert status_body["ready"] is True
     assert status_body["dtype"] == supervisor.dtype.as_dict()
+    wait_for(lambda: get(f"{url}/status")[1][SYSTEM_FINGERPRINT] is not None)  # a canary came
+    status_body = get(f"{url}/status")[1]
+    health = control(
+        supervisor.server.http_url, CHAT_MODEL, supervisor.admin_key, CONTROL_HEALTH, 10
+    )
+    assert status_body[SYSTEM_FINGERPRINT] == health.system_fingerprint
+    assert status_body[NUMERICS] == health.numerics
+    request = GenerateRequest(
+        prompt="Hi", sampling={"max_tokens": 2}, return_system_fingerprint=True
+    )
+    answer = list(stream_generate(supervisor.server.grpc_url, request))
+    assert {c.system_fingerprint for c in answer} == {health.system_fingerprint}
+    assert status_body[NUMERICS]["forward"] == "compact"
+    assert status_body[NUMERICS]["dtype"] == supervisor.dtype.dtype == "float32"
     status, text = get(f"{url}/metrics")
     assert status == 200 and 'tokenstream_supervisor_restarts_total{cause="stub_died"}' in text
     assert "tokenstream_supervisor_ready 1" in text
