@@ -180,6 +180,8 @@ class OpenAIApi:
                 firsts += await _all([_next(s) for s in streams[1:]])
             except ApiError as exc:
                 raise _grammar_param(exc, api) from None
+            for answer, chunk in zip(answers, firsts):  # before the role chunk, which names it
+                answer.system_fingerprint = chunk.system_fingerprint if chunk else None
             merged = await stack.enter_async_context(contextlib.aclosing(_merged(streams, firsts)))
             if api.stream:
                 return await self._stream(request, answers, merged)

@@ -167,7 +167,11 @@ def _api_request(
     if n > 1 and SEED in sampling and not _is_int(sampling[SEED]):
         raise invalid("seed must be an integer", SEED)
     request = GenerateRequest(
-        **prompt, sampling=sampling, return_timing=False, return_logprobs=top is not None
+        **prompt,
+        sampling=sampling,
+        return_timing=False,
+        return_logprobs=top is not None,
+        return_system_fingerprint=True,  # every answer and chunk names the server's numerics
     )
     return ApiRequest(kind, model, request, stream, include_usage, n, top, **extra)
 

@@ -45,6 +45,7 @@ class Answer:
     new_calls: list[ToolCall] = field(default_factory=list)  # completed, not yet streamed
     new_logprobs: list[dict] = field(default_factory=list)  # not yet streamed
     content: list[str] = field(default_factory=list)  # the text outside tool calls
+    system_fingerprint: str | None = None  # the model's, from its responses (seed's promise)
 
     def __post_init__(self) -> None:
         prefix = "chatcmpl" if self.kind == CHAT else "cmpl"
@@ -57,6 +58,7 @@ class Answer:
         return Answer(
             self.kind, self.model, self.include_usage, self.id, self.created,
             index=index, logprobs=self.logprobs, tools=parser,
+            system_fingerprint=self.system_fingerprint,
         )  # fmt: skip
 
     def add(self, chunk: Chunk) -> str:
@@ -64,6 +66,7 @@ class Answer:
         other than stop/length raises ApiError."""
         if chunk.num_input_tokens is not None:
             self.prompt_tokens = chunk.num_input_tokens
+        self.system_fingerprint = chunk.system_fingerprint or self.system_fingerprint
         self.completion_tokens += chunk.tokens
         self.texts.append(chunk.text)
         if self.logprobs and chunk.logprobs:
@@ -107,6 +110,7 @@ def _chunk(answer: Answer, choice: dict[str, Any]) -> dict[str, Any]:
         "object": obj,
         "created": answer.created,
         "model": answer.model,
+        "system_fingerprint": answer.system_fingerprint,
         "choices": [{"index": answer.index, **choice}],
     }
     return payload | ({"usage": None} if answer.include_usage else {})
@@ -233,6 +237,7 @@ def whole_response(answer: Answer | Sequence[Answer]) -> dict[str, Any]:
         "object": "chat.completion" if first.kind == CHAT else "text_completion",
         "created": first.created,
         "model": first.model,
+        "system_fingerprint": first.system_fingerprint,
         "choices": [_whole_choice(a) for a in answers],
         "usage": usage(answers),
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import aiohttp
 import openai
@@ -151,6 +152,44 @@ async def test_completions_models_and_the_sse_wire(triton_server):
     events = wire.split("\n\n")
     assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: ") for e in events[:-1])
     assert json.loads(events[0][6:])["choices"][0]["delta"]["role"] == "assistant"
+
+
+async def test_system_fingerprint_and_a_seed_that_repeats_in_a_crowd(paced_server):
+    """Chat completions, completions and every streamed chunk name one system fingerprint, and
+    a seeded sampled request gives the same answer alone and beside other running streams
+    (the promise of docs/openai.md)."""
+    seeded = dict(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=1.0, seed=11)
+    async with bridge_to(paced_server) as bridge, async_client(bridge) as client:
+        alone = await client.chat.completions.create(**seeded, extra_body=EXACT)
+        crowd = []  # other sampled streams, each already decoding when the seeded one comes
+        for i in range(3):
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"Tale {i}"}], seed=i,
+                temperature=0.8, max_tokens=LONG, stream=True, extra_body=EXACT,
+            )  # fmt: skip
+            crowd.append(stream)
+            await anext(aiter(stream))
+        among = await client.chat.completions.create(**seeded, extra_body=EXACT)
+        assert await asyncio.to_thread(active_streams, paced_server) >= len(crowd)  # still on
+        streamed = await client.chat.completions.create(
+            **seeded, stream=True, stream_options={"include_usage": True}, extra_body=EXACT
+        )
+        chunks = [c async for c in streamed]
+        for stream in crowd:
+            await stream.close()
+        text = await client.completions.create(model=MODEL, prompt="Hello", max_tokens=3)
+        pieces = await client.completions.create(
+            model=MODEL, prompt="Hello", max_tokens=3, stream=True
+        )
+        pieces = [p async for p in pieces]
+        await wait_idle_engine(paced_server)
+    answer = alone.choices[0].message.content
+    assert among.choices[0].message.content == answer
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
+    fingerprints = {alone.system_fingerprint, among.system_fingerprint, text.system_fingerprint}
+    fingerprints |= {c.system_fingerprint for c in chunks + pieces}
+    (fingerprint,) = fingerprints
+    assert re.fullmatch(r"fp_[0-9a-f]{12}", fingerprint)
 
 
 async def test_bad_requests_get_openai_errors(triton_server):

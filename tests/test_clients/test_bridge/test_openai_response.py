@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -75,6 +76,21 @@ def test_whole_responses():
     assert text_chunk(text, "x")["choices"][0]["text"] == "x"
     assert whole_response(text)["choices"][0]["text"] == "xyz"
     assert whole_response(text)["object"] == "text_completion"
+
+
+@pytest.mark.parametrize("kind", [CHAT, COMPLETION])
+def test_every_chunk_and_the_whole_answer_name_the_system_fingerprint(kind):
+    """The model's system fingerprint is in every streamed chunk (role, text, finish, usage),
+    in the whole response and in each further choice; null while the model named none."""
+    answer = Answer(kind, "chat", include_usage=True)
+    assert whole_response(answer)["system_fingerprint"] is None
+    answer.add(replace(chunk("a", 1, 4), system_fingerprint="fp_0123456789ab"))
+    answer.add(chunk("b", 1, None, "stop"))  # a response without it keeps the one known
+    other = answer.choice(1)
+    payloads = [text_chunk(answer, "a"), finish_chunk(answer), usage_chunk(answer)]
+    payloads += [whole_response([answer, other]), text_chunk(other, "c")]
+    payloads += [role_chunk(answer)] if kind == CHAT else []
+    assert {p["system_fingerprint"] for p in payloads} == {"fp_0123456789ab"}
 
 
 def test_engine_cancel_is_an_error_not_a_finish():
