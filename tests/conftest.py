@@ -116,8 +116,9 @@ def tiny_loaded(tiny_model_dir):
 def server_config(model_dir, **overrides):
     """A ServerConfig on free loopback ports serving `model_dir` (None: the repository's own), in
     float32 and unquantized unless the repository is another (what `auto` picks differs between
-    CPU kinds; tests marked cpu_kinds serve with it). Overrides named as model parameters (max_streams=8,
-    test_token_delay_ms=20) become config.pbtxt parameters; the others are ServerConfig fields."""
+    CPU kinds; tests marked cpu_kinds serve with it). Overrides named as model parameters
+    (max_streams=8, test_token_delay_ms=20) become config.pbtxt parameters; the others are
+    ServerConfig fields."""
     from streaming_backend.config import TABLES, parameter_strings
     from streaming_backend.launcher import ServerConfig, free_port
 
