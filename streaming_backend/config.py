@@ -93,8 +93,8 @@ QUANTIZE = Parameter(
     "the compact forward's linear weights: auto (int4 on a CPU with native bfloat16 when the "
     "model is in bfloat16, and on an x86 CPU with AVX2 without it when the model is in float32 "
     "or bfloat16; else none), none, int8 or int4 "
-    "(weight-only, CPU kernels; calls of many rows run on the loaded weights where those "
-    "measured faster at load)",
+    "(weight-only, CPU kernels; every call runs them, so a row's numbers do not depend on "
+    "its batch)",
     choice(AUTO, *QUANTIZE_KINDS),
     option=True,
 )
@@ -227,9 +227,8 @@ class EngineConfig:
     # auto: the compact forward for the Llama family (llama, mistral, qwen2), else Hugging Face's;
     # compact: that forward or an error; hf: always Hugging Face's (the baseline, any model).
     forward: str = _CHAT["forward"]
-    # Reuse KV across requests (compact forward). on: of earlier prompts and answers; prompts: of
-    # prompts only, whose KV prefill computed, so greedy outputs equal a run without the cache
-    # (an answer's KV comes from decode steps, whose bf16 rounding differs a little); off.
+    # Reuse KV across requests (compact forward). on: of earlier prompts and answers (an answer's
+    # KV from decode steps is what a prefill of it gives); prompts: of prompts only; off.
     prefix_cache: str = _CHAT["prefix_cache"]
     # Prompt tokens prefilled per engine step while other streams decode (compact forward): a new
     # prompt delays running streams by about one chunk per step. None (auto): as many as cost

@@ -30,8 +30,8 @@ tokens/s of unquantized bfloat16 and 16 streams the same. On the same EPYC told 
 above AVX2 (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`,
 under which ATen's int4 kernel runs its AVX2 build) int4 with float32 activations (through
 bfloat16 at each quantized matmul) decoded 3.5x float32's tokens/s for one stream and 1.5x at 16.
-The quality gate held in both. Either way, calls of many rows (prefill) run on the loaded weights
-where those measured faster at load (forward/llama.py, `calibrate_blocks`).
+The quality gate held in both. Every call, prefill too, runs the quantized weights, so one model
+answers whatever the load (docs/performance.md, "One model whatever the load").
 """
 
 from __future__ import annotations
