@@ -371,8 +371,26 @@ def mlp(x: torch.Tensor, block: Block, dims: Dims) -> torch.Tensor:
 def attention(h, block: Block, kv, cos, sin, mask, where, dims: Dims) -> torch.Tensor:
     """Self-attention of one layer: write this step's K/V into the cache, then attend over it."""
     n, t, _ = h.shape
-    k_layer, v_layer = kv
     write_slots, positions, read_slots, window = where
+    q = _project_and_write(h, block, kv, (cos, sin), (write_slots, positions), dims)
+    keys = kv[0][read_slots, :, :window]  # [N, Hkv, W, D]
+    values = kv[1][read_slots, :, :window]
+    # grouped-query attention without repeating K/V: the query heads that share a key/value
+    # head are stacked along the query axis -> [N, Hkv, groups * T, D]
+    groups = dims.heads // dims.kv_heads
+    q = q.reshape(n, dims.kv_heads, groups * t, dims.head_dim)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    q_size = dims.heads * dims.head_dim
+    out = out.reshape(n, dims.heads, t, dims.head_dim).transpose(1, 2).reshape(n, t, q_size)
+    return linear(out, block.o, block.o_bias)
+
+
+def _project_and_write(h, block: Block, kv, rope, where, dims: Dims) -> torch.Tensor:
+    """q/k/v of N rows of T tokens (h [N, T, hidden]), RoPE on q and k, and k, v written into
+    this layer's cache at (write_slots, positions) (padding tokens: the scratch slot); returns
+    q [N, H, T, D]."""
+    n, t, _ = h.shape
+    (k_layer, v_layer), (cos, sin), (write_slots, positions) = kv, rope, where
     q_size, kv_size = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
     qkv = linear(h, block.qkv, block.qkv_bias)  # [N, T, (H + 2 Hkv) D]
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -380,19 +398,9 @@ def attention(h, block: Block, kv, cos, sin, mask, where, dims: Dims) -> torch.T
     k = k.view(n, t, dims.kv_heads, dims.head_dim).transpose(1, 2)  # [N, Hkv, T, D]
     q = q * cos + _rotate_half(q) * sin
     k = (k * cos + _rotate_half(k) * sin).transpose(1, 2)  # [N, T, Hkv, D]
-    v = v.view(n, t, dims.kv_heads, dims.head_dim)  # [N, T, Hkv, D]
-    # write first (padding tokens go to the scratch slot), then read the slots' windows
     k_layer[write_slots, :, positions] = k  # the indexed view is [N, T, Hkv, D]
-    v_layer[write_slots, :, positions] = v
-    keys = k_layer[read_slots, :, :window]  # [N, Hkv, W, D]
-    values = v_layer[read_slots, :, :window]
-    # grouped-query attention without repeating K/V: the query heads that share a key/value
-    # head are stacked along the query axis -> [N, Hkv, groups * T, D]
-    groups = dims.heads // dims.kv_heads
-    q = q.reshape(n, dims.kv_heads, groups * t, dims.head_dim)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-    out = out.reshape(n, dims.heads, t, dims.head_dim).transpose(1, 2).reshape(n, t, q_size)
-    return linear(out, block.o, block.o_bias)
+    v_layer[write_slots, :, positions] = v.view(n, t, dims.kv_heads, dims.head_dim)
+    return q
 
 
 def tokens_attention(h, block: Block, kv, cos, sin, where, dims: Dims) -> torch.Tensor:
@@ -406,15 +414,8 @@ def tokens_attention(h, block: Block, kv, cos, sin, where, dims: Dims) -> torch.
     write_slots, positions, spans, window = where
     n, t, _ = h.shape
     k_layer, v_layer = kv
-    q_size, kv_size = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
-    qkv = linear(h, block.qkv, block.qkv_bias)  # [N, T, (H + 2 Hkv) D]
-    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    q = q.view(n, t, dims.heads, dims.head_dim).transpose(1, 2)  # [N, H, T, D]
-    k = k.view(n, t, dims.kv_heads, dims.head_dim).transpose(1, 2)  # [N, Hkv, T, D]
-    q = q * cos + _rotate_half(q) * sin
-    k = (k * cos + _rotate_half(k) * sin).transpose(1, 2)  # [N, T, Hkv, D]
-    k_layer[write_slots, :, positions] = k  # padding tokens go to the scratch slot
-    v_layer[write_slots, :, positions] = v.view(n, t, dims.kv_heads, dims.head_dim)
+    q_size = dims.heads * dims.head_dim
+    q = _project_and_write(h, block, kv, (cos, sin), (write_slots, positions), dims)
     # [N, T, Hkv, groups, D]: a token's query heads grouped by the key/value head they share
     q = q.transpose(1, 2).reshape(n, t, dims.kv_heads, dims.heads // dims.kv_heads, -1)
     out = h.new_zeros(n, t, q_size)
