@@ -292,7 +292,8 @@ class CompactLlama(nn.Module):
         dims = self.shape.dims
         x = F.embedding(tokens, self.embed)  # [N, hidden]
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [N, 1, D]
-        places = torch.tensor([place for place, _ in rows], device=tokens.device)
+        # the rows' places, for one indexed write of several rows' K/V (a lone row: a slice)
+        places = torch.tensor([p for p, _ in rows], device=tokens.device) if len(rows) > 1 else None
         for number, block in enumerate(self.blocks):
             kv = (k_cache[number], v_cache[number])
             where = (places, positions, rows, self.shape.windows[number])
@@ -425,23 +426,25 @@ def tokens_attention(h, block: Block, kv, cos, sin, where, dims: Dims) -> torch.
     return linear(out, block.o, block.o_bias)
 
 
-def exact_attention(tokens, kv, window: int) -> torch.Tensor:
-    """Attention of some tokens of one slot, each over exactly its own positions -> [n, H * D].
+def exact_attention(tokens, slots, window: int) -> torch.Tensor:
+    """Attention of some tokens, each over exactly its own positions -> [n, H * D].
 
-    tokens: (query [Hkv, groups, D], position) each; kv: the slot's K, V [Hkv, max_len, D] of
-    this layer. One call per token, its shapes fixed by its position alone: torch's attention
-    kernel orders its sums by the call's shapes, so a call padded to a longer batch mate's
-    length with a mask, or one of several query tokens, rounds differently, and a token's
-    numbers would depend on what shares its step.
+    tokens: (query [Hkv, groups, D], position) each; slots: the K, V [Hkv, max_len, D] of this
+    layer that each token attends over (one pair for all, or one per token). One call per token,
+    its shapes fixed by its position alone: torch's attention kernel orders its sums by the
+    call's shapes, so a call padded to a longer batch mate's length with a mask, or one of
+    several query tokens, rounds differently, and a token's numbers would depend on what shares
+    its step.
     """
-    k_slot, v_slot = kv
     outs = []
-    for query, position in tokens:
+    for index, (query, position) in enumerate(tokens):
+        k_slot, v_slot = slots[index] if isinstance(slots, list) else slots
         first = max(0, position + 1 - window)  # the sliding window
         keys = k_slot[None, :, first : position + 1]  # [1, Hkv, L, D]: views, every one valid
         values = v_slot[None, :, first : position + 1]
         outs.append(F.scaled_dot_product_attention(query[None].contiguous(), keys, values))
-    return torch.cat(outs).reshape(len(tokens), -1)  # [n, Hkv * groups * D]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.reshape(len(tokens), -1)  # [n, Hkv * groups * D]
 
 
 def rows_attention(h, block: Block, kv, cos, sin, where, dims: Dims) -> torch.Tensor:
@@ -459,16 +462,17 @@ def rows_attention(h, block: Block, kv, cos, sin, where, dims: Dims) -> torch.Te
     qkv = linear(h, block.qkv, block.qkv_bias)  # [N, (H + 2 Hkv) D]
     qk = qkv[:, : q_size + kv_size].reshape(n, dims.heads + dims.kv_heads, dims.head_dim)
     qk = qk * cos + _rotate_half(qk) * sin  # q's heads, then k's
-    k_layer[places, :, positions] = qk[:, dims.heads :]  # [N, Hkv, D]
-    v_layer[places, :, positions] = qkv[:, q_size + kv_size :].reshape(n, dims.kv_heads, -1)
+    k_new, v_new = qk[:, dims.heads :], qkv[:, q_size + kv_size :].reshape(n, dims.kv_heads, -1)
+    if n == 1:  # a lone stream: a plain slice write (an indexed one costs more)
+        place, position = rows[0]
+        k_layer[place, :, position], v_layer[place, :, position] = k_new[0], v_new[0]
+    else:
+        k_layer[places, :, positions], v_layer[places, :, positions] = k_new, v_new  # [N, Hkv, D]
     # the query heads sharing a key/value head stacked along the query axis, as in `attention`
     q = qk[:, : dims.heads].reshape(n, dims.kv_heads, dims.heads // dims.kv_heads, -1)
-    out = torch.cat(
-        [
-            exact_attention([(q[row], position)], (k_layer[place], v_layer[place]), window)
-            for row, (place, position) in enumerate(rows)
-        ]
-    )
+    tokens = [(q[row], position) for row, (_, position) in enumerate(rows)]
+    slots = [(k_layer[place], v_layer[place]) for place, _ in rows]
+    out = exact_attention(tokens, slots, window)
     return linear(out, block.o, block.o_bias)
 
 
