@@ -422,23 +422,23 @@ def tokens_attention(h, block: Block, kv, cos, sin, where, dims: Dims) -> torch.
     out = h.new_zeros(n, t, q_size)
     for row, (place, start, count) in enumerate(spans):
         tokens = [(q[row, i], start + i) for i in range(count)]
-        out[row, :count] = exact_attention(tokens, (k_layer[place], v_layer[place]), window)
+        slots = [(k_layer[place], v_layer[place])] * count
+        out[row, :count] = exact_attention(tokens, slots, window)
     return linear(out, block.o, block.o_bias)
 
 
 def exact_attention(tokens, slots, window: int) -> torch.Tensor:
     """Attention of some tokens, each over exactly its own positions -> [n, H * D].
 
-    tokens: (query [Hkv, groups, D], position) each; slots: the K, V [Hkv, max_len, D] of this
-    layer that each token attends over (one pair for all, or one per token). One call per token,
+    tokens: (query [Hkv, groups, D], position) each; slots: per token, the K, V
+    [Hkv, max_len, D] of this layer that it attends over. One call per token,
     its shapes fixed by its position alone: torch's attention kernel orders its sums by the
     call's shapes, so a call padded to a longer batch mate's length with a mask, or one of
     several query tokens, rounds differently, and a token's numbers would depend on what shares
     its step.
     """
     outs = []
-    for index, (query, position) in enumerate(tokens):
-        k_slot, v_slot = slots[index] if isinstance(slots, list) else slots
+    for (query, position), (k_slot, v_slot) in zip(tokens, slots):
         first = max(0, position + 1 - window)  # the sliding window
         keys = k_slot[None, :, first : position + 1]  # [1, Hkv, L, D]: views, every one valid
         values = v_slot[None, :, first : position + 1]
