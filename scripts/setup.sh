@@ -134,6 +134,19 @@ PYEOF
     apt_install "$package"
 }
 
+# The compact forward's attention kernel (streaming_backend/forward/csrc/), built now so that a
+# server does not compile on its first request; without a C compiler the forward attends with
+# torch, one call per token, much slower.
+build_kernel() {
+    if ! command -v "${CC:-gcc}" >/dev/null 2>&1 && ! command -v cc >/dev/null 2>&1; then
+        say "installing Debian's gcc (the attention kernel)"
+        apt_install gcc libc6-dev
+    fi
+    if ! "$PY" -m streaming_backend.forward.native; then
+        echo "setup: warning: the attention kernel did not build; attention runs on torch" >&2
+    fi
+}
+
 install_chromium() {
     if [ -x /usr/bin/chromium ]; then
         say "chromium already installed"
@@ -148,6 +161,7 @@ install_torch
 install_project
 install_default_model
 ensure_libpython
+build_kernel
 if [ "$with_browser" -eq 1 ]; then
     install_chromium
 fi

@@ -6,9 +6,9 @@
 
 The fingerprint is "fp_" and 12 hex digits of a sha256 over the facts' canonical JSON, so it
 changes exactly when one of them does: the model (its name, and a digest of its config, tokenizer
-and weights), the dtype, the linear weights' format, the forward and how it decodes, the device
-and the kernels torch runs there, torch's CPU threads and the libraries' versions. Same request,
-same seed, same fingerprint: the same tokens (docs/openai.md says on which forward).
+and weights), the dtype, the linear weights' format, the forward, how it decodes and attends, the
+device and the kernels torch runs there, torch's CPU threads and the libraries' versions. Same
+request, same seed, same fingerprint: the same tokens (docs/openai.md says on which forward).
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ class Numerics:
     head: str  # the output head's format (quant.HEAD_KIND)
     forward: str  # compact or hf (steps/build.py)
     decode: str  # how a decode step runs: eager, compiled (torch.compile) or cuda_graphs
+    attention: str  # the compact forward's exact attention: c-avx2, c-generic (its C kernel
+    # as built, forward/native.py) or torch (one call per token); hf on the Hugging Face forward
     device: str  # cpu or cuda
     kernels: str  # CPU: the kernel family torch dispatches (AVX512, AVX2, ...); GPU: its model
     threads: int  # torch's CPU threads (float32 logits differ between 1 and 2); 0 on a GPU
@@ -79,6 +81,7 @@ def describe(loaded: LoadedModel, steps: Steps) -> Numerics:
         head=HEAD_KIND[steps.quantize],
         forward=steps.name,
         decode=steps.decode_path,
+        attention=steps.attention,
         device=loaded.device.type,
         kernels=device_kernels(loaded.device),
         threads=0 if on_gpu else torch.get_num_threads(),

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from streaming_backend.forward import native
+from streaming_backend.forward.native import AttentionKernel, Placed
 from streaming_backend.forward.quant import HEAD_KIND, Weight, check_kind, linear, quantize_weight
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
@@ -194,6 +196,10 @@ class CompactLlama(nn.Module):
         self.final_norm = inner.norm.weight.detach()
         self.blocks = [_block(layer).quantized(quantize) for layer in inner.layers]
         self.cos, self.sin = _rope_tables(inner.rotary_emb, self.shape, self.embed.dtype)
+        # exact attention: the C kernel on the CPU for the dtypes it takes, else torch per token
+        on_cpu = self.embed.device.type == "cpu" and self.embed.dtype in native.DTYPES
+        self.kernel: AttentionKernel | None = native.attention_kernel() if on_cpu else None
+        self.attention = f"c-{self.kernel.variant}" if self.kernel else "torch"
 
     def forward(
         self,
@@ -242,11 +248,12 @@ class CompactLlama(nn.Module):
         sin = self.sin[rows.positions][:, None]
         dims, windows = self.shape.dims, self.shape.windows
         if spans is not None:
+            placed = _placed_tokens(spans, x.shape[1])
             for index, block in enumerate(self.blocks):
                 kv = (k_cache[index], v_cache[index])
-                where = (rows.write_slots, rows.positions, spans, windows[index])
+                where = (rows.write_slots, rows.positions, placed, windows[index])
                 h = rms_norm(x, block.norm1, dims.eps)
-                x = x + tokens_attention(h, block, kv, cos, sin, where, dims)
+                x = x + tokens_attention(h, block, kv, cos, sin, where, dims, self.kernel)
                 x = mlp(x, block, dims)
             return x
         layer = layer or decoder_layer
@@ -294,11 +301,12 @@ class CompactLlama(nn.Module):
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [N, 1, D]
         # the rows' places, for one indexed write of several rows' K/V (a lone row: a slice)
         places = torch.tensor([p for p, _ in rows], device=tokens.device) if len(rows) > 1 else None
+        placed = Placed.of(list(rows))
         for number, block in enumerate(self.blocks):
             kv = (k_cache[number], v_cache[number])
-            where = (places, positions, rows, self.shape.windows[number])
+            where = (places, positions, placed, self.shape.windows[number])
             h = rms_norm(x, block.norm1, dims.eps)
-            x = x + rows_attention(h, block, kv, cos, sin, where, dims)
+            x = x + rows_attention(h, block, kv, cos, sin, where, dims, self.kernel)
             x = mlp(x, block, dims)
         x = rms_norm(x, self.final_norm, self.shape.eps)
         return self.logits(x)
@@ -404,58 +412,71 @@ def _project_and_write(h, block: Block, kv, rope, where, dims: Dims) -> torch.Te
     return q
 
 
-def tokens_attention(h, block: Block, kv, cos, sin, where, dims: Dims) -> torch.Tensor:
+def tokens_attention(h, block: Block, kv, cos, sin, where, dims: Dims, kernel) -> torch.Tensor:
     """`attention` with every token on its own (h [N, T, hidden]): each attends over exactly
-    its own positions, with the call a decode step makes for it (`exact_attention`).
+    its own positions, as a decode step attends for it (`exact_attention`).
 
-    where: (write_slots [N, T] and positions [N, T] on the device, a Span per row on the host,
-    this layer's sliding window). Writes every token's K/V first, so a token sees the chunk's
-    earlier ones; padding tokens (past a row's count) get zeros.
+    where: (write_slots [N, T] and positions [N, T] on the device, the real tokens'
+    `_placed_tokens`, this layer's sliding window). Writes every token's K/V first, so a token
+    sees the chunk's earlier ones; padding tokens (past a row's count) get zeros.
     """
-    write_slots, positions, spans, window = where
+    write_slots, positions, (placed, index), window = where
     n, t, _ = h.shape
-    k_layer, v_layer = kv
-    q_size = dims.heads * dims.head_dim
     q = _project_and_write(h, block, kv, (cos, sin), (write_slots, positions), dims)
     # [N, T, Hkv, groups, D]: a token's query heads grouped by the key/value head they share
     q = q.transpose(1, 2).reshape(n, t, dims.kv_heads, dims.heads // dims.kv_heads, -1)
-    out = h.new_zeros(n, t, q_size)
-    for row, (place, start, count) in enumerate(spans):
-        tokens = [(q[row, i], start + i) for i in range(count)]
-        slots = [(k_layer[place], v_layer[place])] * count
-        out[row, :count] = exact_attention(tokens, slots, window)
+    if index is None:  # no padding: every token of every row
+        out = exact_attention(q.reshape(n * t, *q.shape[2:]), kv, placed, window, kernel)
+        out = out.view(n, t, -1)
+    else:
+        out = h.new_zeros(n, t, dims.heads * dims.head_dim)
+        out[index[0], index[1]] = exact_attention(q[index[0], index[1]], kv, placed, window, kernel)
     return linear(out, block.o, block.o_bias)
 
 
-def exact_attention(tokens, slots, window: int) -> torch.Tensor:
-    """Attention of some tokens, each over exactly its own positions -> [n, H * D].
+def _placed_tokens(spans: Sequence[Span], t: int) -> tuple[Placed, torch.Tensor | None]:
+    """Where the real tokens of a prefill call's rows (T tokens each) attend, row by row, and
+    their (row, column) index [2, n] in the call; None when no row is padded."""
+    rows = [(place, start + i) for place, start, count in spans for i in range(count)]
+    if all(count == t for _, _, count in spans):
+        return Placed.of(rows), None
+    index = [(row, i) for row, span in enumerate(spans) for i in range(span.count)]
+    return Placed.of(rows), torch.tensor(index, dtype=torch.long).T
 
-    tokens: (query [Hkv, groups, D], position) each; slots: per token, the K, V
-    [Hkv, max_len, D] of this layer that it attends over. One call per token,
-    its shapes fixed by its position alone: torch's attention kernel orders its sums by the
-    call's shapes, so a call padded to a longer batch mate's length with a mask, or one of
-    several query tokens, rounds differently, and a token's numbers would depend on what shares
-    its step.
+
+def exact_attention(q, kv, placed: Placed, window: int, kernel) -> torch.Tensor:
+    """Attention of n tokens, each over exactly its own positions -> [n, H * D].
+
+    q: [n, Hkv, groups, D], each token's query heads grouped by the key/value head they share;
+    kv: this layer's K, V [places, Hkv, max_len, D]; placed: each token's place and position.
+    A token's numbers depend on its own query and positions alone, never on what shares the
+    call: the C kernel (forward/native.py) computes each token on its own in a fixed order;
+    without it, one torch call per token whose shapes its position alone fixes (torch's
+    attention orders its sums by the call's shapes, so a call padded to a batch mate's length
+    with a mask, or one of several query tokens, would round differently).
     """
+    k_layer, v_layer = kv
+    q = q.contiguous()
+    if kernel is not None:
+        return kernel(q, k_layer, v_layer, placed, window, q.shape[-1] ** -0.5)
     outs = []
-    for (query, position), (k_slot, v_slot) in zip(tokens, slots):
+    for token, (place, position) in enumerate(placed.rows):
         first = max(0, position + 1 - window)  # the sliding window
-        keys = k_slot[None, :, first : position + 1]  # [1, Hkv, L, D]: views, every one valid
-        values = v_slot[None, :, first : position + 1]
-        outs.append(F.scaled_dot_product_attention(query[None].contiguous(), keys, values))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return out.reshape(len(tokens), -1)  # [n, Hkv * groups * D]
+        keys = k_layer[place][None, :, first : position + 1]  # [1, Hkv, L, D]: views, all valid
+        values = v_layer[place][None, :, first : position + 1]
+        outs.append(F.scaled_dot_product_attention(q[token][None], keys, values))
+    return torch.cat(outs).reshape(len(placed.rows), -1)  # [n, Hkv * groups * D]
 
 
-def rows_attention(h, block: Block, kv, cos, sin, where, dims: Dims) -> torch.Tensor:
+def rows_attention(h, block: Block, kv, cos, sin, where, dims: Dims, kernel) -> torch.Tensor:
     """`attention` for N rows of one token each (h [N, hidden]), each row on its own.
 
     kv: this layer's K, V [places, kv_heads, max_len, head_dim]; where: (places [N] and
-    positions [N] on the device, (place, position) per row on the host, this layer's sliding
-    window). Writes each row's K/V at its place and position, then attends each row over
-    exactly its own positions (`exact_attention`) and returns [N, hidden].
+    positions [N] on the device, the rows' Placed, this layer's sliding window). Writes each
+    row's K/V at its place and position, then attends each row over exactly its own positions
+    (`exact_attention`) and returns [N, hidden].
     """
-    places, positions, rows, window = where
+    places, positions, placed, window = where
     n = h.shape[0]
     k_layer, v_layer = kv
     q_size, kv_size = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
@@ -464,16 +485,13 @@ def rows_attention(h, block: Block, kv, cos, sin, where, dims: Dims) -> torch.Te
     qk = qk * cos + _rotate_half(qk) * sin  # q's heads, then k's
     k_new, v_new = qk[:, dims.heads :], qkv[:, q_size + kv_size :].reshape(n, dims.kv_heads, -1)
     if n == 1:  # a lone stream: a plain slice write (an indexed one costs more)
-        place, position = rows[0]
+        place, position = placed.rows[0]
         k_layer[place, :, position], v_layer[place, :, position] = k_new[0], v_new[0]
     else:
         k_layer[places, :, positions], v_layer[places, :, positions] = k_new, v_new  # [N, Hkv, D]
     # the query heads sharing a key/value head stacked along the query axis, as in `attention`
     q = qk[:, : dims.heads].reshape(n, dims.kv_heads, dims.heads // dims.kv_heads, -1)
-    tokens = [(q[row], position) for row, (_, position) in enumerate(rows)]
-    slots = [(k_layer[place], v_layer[place]) for place, _ in rows]
-    out = exact_attention(tokens, slots, window)
-    return linear(out, block.o, block.o_bias)
+    return linear(exact_attention(q, kv, placed, window, kernel), block.o, block.o_bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -27,6 +27,7 @@ class HfSteps:
     name = "hf"
     quantize = "none"  # the model's own weights, as loaded
     decode_path = "eager"
+    attention = "hf"  # the Hugging Face modelling code's own
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, on_failure: OnFailure):
         self.loaded = loaded

@@ -62,6 +62,11 @@ class SlotSteps:
         return self.forward.model.quantize
 
     @property
+    def attention(self) -> str:
+        """What computes the exact attention: the C kernel as built, or torch (forward/llama.py)."""
+        return self.forward.model.attention
+
+    @property
     def decode_path(self) -> str:
         """eager, or the faster step steps/build.py set up: CUDA graphs on a GPU, else compiled."""
         if self.forward.compile_seconds is None:  # not asked for, or it failed: eager

@@ -24,6 +24,7 @@ FACTS = Numerics(
     head="int8",
     forward="compact",
     decode="eager",
+    attention="c-avx2",
     device="cpu",
     kernels="AVX512",
     threads=2,
@@ -53,9 +54,11 @@ def test_every_fact_changes_the_fingerprint(name):
     assert changed.fingerprint != FACTS.fingerprint
 
 
-def steps(name: str, quantize: str = "none", decode_path: str = "eager"):
+def steps(name: str, quantize: str = "none", decode_path: str = "eager", attention: str = "torch"):
     """What describe reads of a forward's steps."""
-    return SimpleNamespace(name=name, quantize=quantize, decode_path=decode_path)
+    return SimpleNamespace(
+        name=name, quantize=quantize, decode_path=decode_path, attention=attention
+    )
 
 
 def test_describe_names_the_compact_forward_with_its_weights_and_kernels(tiny_loaded):

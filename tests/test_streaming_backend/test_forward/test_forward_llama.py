@@ -15,6 +15,11 @@ from streaming_backend.loading import LoadedModel, load_model
 # bf16 logits of the default model are 17-36 in size, where bf16 steps by 0.125-0.25; measured
 # differences from Hugging Face reached 0.72 (3 prompts x 9 steps, 2025-11-30)
 BF16_ATOL = 1.0
+# How much further from the float32 model ours in bf16 may be than Hugging Face's in bf16 (root
+# mean square over all logits of 3 prompts x 9 steps): measured 0.21 against 0.18 (1.18x), and
+# 0.16 with torch's attention; bf16 rounding of 30 layers, not one path's bias, decides which
+# is nearer on a given prompt (2026-12-02)
+BF16_RMS_RATIO = 1.5
 FP32_ATOL = 1e-4  # logits of the tiny model are O(1); fp32 reduction order differs a little
 CONFIG = ForwardConfig(CacheBudget(bytes=64 << 20), max_len=128, max_slots=4, compile=False)
 
@@ -296,27 +301,52 @@ def hf_greedy_steps(model, ids: list[int], steps: int) -> list[torch.Tensor]:
     return logits
 
 
+@torch.inference_mode()
+def hf_forced_steps(model, ids: list[int], tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Hugging Face's incremental decode fed `tokens`: next-token logits [V] (fp32) per step."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    out = model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
+    logits = [out.logits[0, -1].float()]
+    for token in tokens:
+        out = model(input_ids=token.view(1, 1), cache=cache, use_cache=True)
+        logits.append(out.logits[0, -1].float())
+    return logits
+
+
+def rms(differences: list[torch.Tensor]) -> float:
+    """Root mean square over every value of some tensors."""
+    return torch.stack(differences).pow(2).mean().sqrt().item()
+
+
 @pytest.mark.slow
 def test_default_model_in_bf16_matches_hf(default_model_dir):
-    """On the default model in bf16, prefill and decode logits stay within bf16 noise of HF."""
+    """On the default model in bf16, prefill and decode logits stay as near the float32 model
+    as Hugging Face's own bf16 forward does, and every greedy token is the float32 model's or
+    one it rates within bf16 noise of it."""
     from conftest import chat_prompts
 
     from streaming_backend.prompts import encode_prompt
 
+    exact = load_model(str(default_model_dir), dtype="float32", device="cpu")
     loaded = load_model(str(default_model_dir), dtype="bfloat16", device="cpu")
     prompts_ids = [encode_prompt(loaded.tokenizer, messages=m) for m in chat_prompts()[:3]]
-    references = [hf_greedy_steps(loaded.model, ids, 8) for ids in prompts_ids]
+    references = [hf_greedy_steps(exact.model, ids, 8) for ids in prompts_ids]  # float32
+    tokens = [[logits.argmax() for logits in ref[:-1]] for ref in references]
+    hf_bf16 = [hf_forced_steps(loaded.model, ids, t) for ids, t in zip(prompts_ids, tokens)]
     forward = SlotForward.create(loaded, ForwardConfig(CONFIG.budget, 512, 4, compile=False))
     slots = [forward.cache.allocate() for _ in prompts_ids]
     logits = forward.prefill([PromptChunk(s, ids) for s, ids in zip(slots, prompts_ids)])
     ours = [logits]
-    for step in range(8):
-        # feed Hugging Face's greedy tokens so both sides see the same sequence
-        token = torch.stack([ref[step].argmax() for ref in references])
-        ours.append(forward.decode(slots, token.tolist()))
+    for step in range(8):  # the float32 model's greedy tokens, so every side sees one sequence
+        ours.append(forward.decode(slots, [t[step].item() for t in tokens]))
+    ours_off, hf_off = [], []
     for step, logits in enumerate(ours):
         for row, ref in enumerate(references):
-            assert (logits[row] - ref[step]).abs().max() < BF16_ATOL, (step, row)
-            # the greedy token is Hugging Face's, or one Hugging Face rates within bf16 noise of it
+            ours_off.append(logits[row] - ref[step])
+            hf_off.append(hf_bf16[row][step] - ref[step])
+            assert ours_off[-1].abs().max() < 2 * BF16_ATOL, (step, row)
             chosen = logits[row].argmax()
             assert ref[step][chosen] >= ref[step].max() - BF16_ATOL, (step, row)
+    assert rms(ours_off) <= BF16_RMS_RATIO * rms(hf_off), (rms(ours_off), rms(hf_off))

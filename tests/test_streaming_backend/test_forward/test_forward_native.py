@@ -1,0 +1,178 @@
+"""The C kernel of exact attention (streaming_backend/forward/native.py, csrc/exact_attention.c)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from streaming_backend.forward import native
+from streaming_backend.forward.llama import exact_attention
+from streaming_backend.forward.native import Placed
+from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
+from streaming_backend.forward.slots import CacheBudget
+from streaming_backend.loading import load_model
+
+PLACES, KV_HEADS, GROUPS, MAX_LEN, HEAD_DIM = 6, 3, 3, 300, 64
+NO_WINDOW = 1 << 62
+# (atol, rtol) against torch's attention in float64: float32 rounding over up to 300 positions
+# (measured up to 1.4e-6 on outputs of size ~1); bfloat16: half a bf16 step of the value, plus
+# float32's, since the kernel sums in float32 and rounds once, at its output
+TOLERANCE = {torch.float32: (5e-6, 0.0), torch.bfloat16: (1e-5, 2**-8)}
+
+
+@pytest.fixture(scope="module")
+def kernel() -> native.AttentionKernel:
+    """The kernel as this machine builds it (the suite's machines all have gcc)."""
+    built = native.attention_kernel()
+    assert built is not None, "the attention kernel did not build (see the log)"
+    return built
+
+
+def cache(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random layer cache K, V [places, kv_heads, max_len, head_dim]."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (PLACES, KV_HEADS, MAX_LEN, HEAD_DIM)
+    k = torch.randn(shape, generator=generator) * 2
+    v = torch.randn(shape, generator=generator)
+    return k.to(dtype), v.to(dtype)
+
+
+def queries(n: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+    """Random queries [n, kv_heads, groups, head_dim]."""
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, KV_HEADS, GROUPS, HEAD_DIM, generator=generator) * 2).to(dtype)
+
+
+def reference(q, k, v, rows, window) -> torch.Tensor:
+    """torch's attention in float64, one token at a time -> [n, heads * head_dim]."""
+    outs = []
+    for token, (place, position) in enumerate(rows):
+        first = max(0, position + 1 - window)
+        keys = k[place, :, first : position + 1].double()[None]
+        values = v[place, :, first : position + 1].double()[None]
+        outs.append(F.scaled_dot_product_attention(q[token].double()[None], keys, values))
+    return torch.cat(outs).reshape(len(rows), -1)
+
+
+ROWS = [(0, 0), (1, 7), (2, 8), (3, 15), (4, 16), (5, 17), (0, 255), (1, 256), (2, 299)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [NO_WINDOW, 1, 9, 100])
+def test_the_kernel_is_attention_over_each_tokens_own_positions(kernel, dtype, window):
+    """Each token attends over positions [max(0, p + 1 - window), p] of its place: torch's
+    attention in float64 within float32 rounding (bfloat16: one output rounding), at lengths on
+    and off the kernel's vector width, the first position and the last."""
+    k, v = cache(dtype)
+    q = queries(len(ROWS), dtype)
+    out = kernel(q, k, v, Placed.of(ROWS), window, HEAD_DIM**-0.5)
+    assert out.dtype == dtype and out.shape == (len(ROWS), KV_HEADS * GROUPS * HEAD_DIM)
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), reference(q, k, v, ROWS, window), atol=atol, rtol=rtol)
+
+
+@pytest.mark.cpu_kinds
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tokens_result_does_not_depend_on_what_shares_the_call(kernel, dtype):
+    """A token alone, first or last among others, or repeated gives the same bits: one thread
+    computes it in an order fixed by its own position."""
+    k, v = cache(dtype)
+    q = queries(len(ROWS), dtype)
+    together = kernel(q, k, v, Placed.of(ROWS), NO_WINDOW, HEAD_DIM**-0.5)
+    for token, row in enumerate(ROWS):
+        alone = kernel(q[token : token + 1].contiguous(), k, v, Placed.of([row]), NO_WINDOW, 0.125)
+        assert torch.equal(alone[0], together[token]), row
+    backwards = kernel(q.flip(0).contiguous(), k, v, Placed.of(ROWS[::-1]), NO_WINDOW, 0.125)
+    assert torch.equal(backwards.flip(0), together)
+
+
+@pytest.mark.cpu_kinds
+def test_one_thread_and_two_give_the_same_bits(kernel):
+    """How the tokens are shared out among threads changes no value."""
+    k, v = cache(torch.float32)
+    q = queries(len(ROWS), torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel(q, k, v, Placed.of(ROWS), NO_WINDOW, 0.125)
+        torch.set_num_threads(2)
+        two = kernel(q, k, v, Placed.of(ROWS), NO_WINDOW, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_a_position_outside_the_cache_is_refused_not_read(kernel):
+    """A position at or past max_len (or a negative one) fails loudly before anything is read."""
+    k, v = cache(torch.float32)
+    q = queries(1, torch.float32)
+    for position in (MAX_LEN, -1):
+        with pytest.raises(RuntimeError, match="bad arguments"):
+            kernel(q, k, v, Placed.of([(0, position)]), NO_WINDOW, 0.125)
+
+
+def test_no_compiler_means_torch_attention_with_a_warning(monkeypatch, caplog):
+    """Without a C compiler the kernel is None and the reason is logged."""
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv(native.COMPILER_VARIABLE, raising=False)
+    assert native.compiler() is None
+    native.attention_kernel.cache_clear()
+    try:
+        assert native.attention_kernel() is None
+        assert "no C compiler" in caplog.text
+    finally:
+        monkeypatch.undo()
+        native.attention_kernel.cache_clear()
+
+
+def test_a_build_goes_to_a_new_name_per_source_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    """The library is built under the cache folder with a digest in its name, loads, and a
+    second build finds it instead of compiling again; no temporary file stays behind."""
+    monkeypatch.setenv("TOKENSTREAM_CACHE", str(tmp_path))
+    cc = native.compiler()
+    path = native.build(cc, native.variant())
+    assert path.parent == tmp_path / "native" and path.suffix == ".so"
+    assert native.variant() in path.name
+    ctypes.CDLL(str(path)).ts_exact_attention  # noqa: B018 - the symbol is there
+    stamp = os.stat(path).st_mtime_ns
+    assert native.build(cc, native.variant()) == path and os.stat(path).st_mtime_ns == stamp
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_torch_path_computes_the_same_attention(kernel, dtype):
+    """exact_attention without the kernel (one torch call per token) agrees with it within
+    rounding, sliding window included."""
+    k, v = cache(dtype)
+    q = queries(len(ROWS), dtype)
+    for window in (NO_WINDOW, 9):
+        with_kernel = exact_attention(q, (k, v), Placed.of(ROWS), window, kernel)
+        with_torch = exact_attention(q, (k, v), Placed.of(ROWS), window, None)
+        atol, rtol = TOLERANCE[dtype]  # each side within it of the exact value: twice apart
+        if dtype == torch.bfloat16:  # torch rounds the weights to bf16 before they meet V
+            atol = 2**-7  # one bf16 step of values in [1, 2) (measured: up to 0.0029)
+        torch.testing.assert_close(with_kernel, with_torch, atol=2 * atol, rtol=2 * rtol)
+
+
+def test_the_tiny_model_gives_the_same_logits_with_and_without_the_kernel(tiny_model_dir):
+    """The compact forward on the kernel and on torch's attention: prefill (padded rows too) and
+    decode logits agree within float32 rounding."""
+    logits = {}
+    for use_kernel in (True, False):
+        loaded = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+        config = ForwardConfig(CacheBudget(bytes=64 << 20), max_len=128, max_slots=4)
+        forward = SlotForward.create(loaded, config)
+        assert (forward.model.kernel is not None) and forward.model.attention.startswith("c-")
+        if not use_kernel:
+            forward.model.kernel, forward.model.attention = None, "torch"
+        slots = [forward.cache.allocate() for _ in range(3)]
+        prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]
+        steps = [forward.prefill([PromptChunk(s, p) for s, p in zip(slots, prompts)])]
+        for _ in range(4):
+            steps.append(forward.decode(slots, steps[-1].argmax(-1).tolist()))
+        logits[use_kernel] = torch.stack(steps)
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=0)
