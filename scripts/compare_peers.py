@@ -18,11 +18,18 @@ closed-loop streams (--many requests), measured by `tokenstream bench --transpor
 Prints one table (tokens/s, TTFT p50, ITL mean) with ratios and writes the bench documents to
 --out. Each server runs as shipped: ours with its defaults (prefix cache on), the peers with
 theirs.
+
+Beside other work (`--busy 1`): each server's two levels are measured again while N processes
+(Python busy loops, one per core taken, bounded in time and ended after the level) keep N cores
+busy, and a second table gives each server's slowdown against its own idle figures:
+
+    PYTHONPATH=. .venv/bin/python scripts/compare_peers.py --busy 1 --only tokenstream
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -36,6 +43,7 @@ from pathlib import Path
 from streaming_backend.launcher import free_port
 
 REPO = Path(__file__).resolve().parents[1]
+OURS = "tokenstream serve"  # our server's row name
 READY_TIMEOUT_S = 300
 
 
@@ -73,7 +81,7 @@ def servers(args: argparse.Namespace) -> list[Server]:
         ours += [option, str(free_port())]
     ours += args.ours_args.split()
     found = [
-        Server("tokenstream serve", ours, port, "chat", ["--output-tokens", n]),
+        Server(OURS, ours, port, "chat", ["--output-tokens", n]),
     ]
     if args.transformers_env:
         for dtype in ("float32", "bfloat16"):
@@ -123,8 +131,9 @@ def bench(server: Server, streams: int, requests: int, out: Path) -> dict:
     return json.loads((out / "bench.json").read_text())["runs"][0]["summary"]
 
 
-def measure(server: Server, args: argparse.Namespace) -> dict:
-    """Start the server, bench one stream then many, stop it (its whole process group)."""
+def measure(server: Server, args: argparse.Namespace) -> dict[str, dict]:
+    """Start the server; bench one stream then many beside each --busy count of busy cores
+    (row name -> its two levels); stop it (its whole process group)."""
     log = (args.out / f"{slug(server.name)}.log").open("w")
     process = subprocess.Popen(
         server.command, env=server.env, stdout=log, stderr=subprocess.STDOUT,
@@ -133,9 +142,14 @@ def measure(server: Server, args: argparse.Namespace) -> dict:
     try:
         wait_ready(server, process)
         print(f"== {server.name}: ready", flush=True)
-        single = bench(server, 1, args.single, args.out / slug(server.name) / "1")
-        many = bench(server, args.streams, args.many, args.out / slug(server.name) / "many")
-        return {"single": single, "many": many}
+        results = {}
+        for busy in args.busy:
+            name = label(server.name, busy)
+            with busy_cores(busy):
+                single = bench(server, 1, args.single, args.out / slug(name) / "1")
+                many = bench(server, args.streams, args.many, args.out / slug(name) / "many")
+            results[name] = {"single": single, "many": many}
+        return results
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         try:
@@ -144,6 +158,28 @@ def measure(server: Server, args: argparse.Namespace) -> dict:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         log.close()
+
+
+BUSY_LIMIT_S = 1800  # a busy process ends by itself after this long, whatever happens here
+BUSY_LOOP = "import time\nend = time.monotonic() + {limit}\nwhile time.monotonic() < end:\n    pass"
+
+
+@contextlib.contextmanager
+def busy_cores(count: int):
+    """`count` processes that each keep one core busy until the block ends."""
+    code = BUSY_LOOP.format(limit=BUSY_LIMIT_S)
+    processes = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+def label(name: str, busy: int) -> str:
+    """A result's row name: the server, and the cores kept busy beside it if any."""
+    return name if busy == 0 else f"{name}, {busy} {'core' if busy == 1 else 'cores'} busy"
 
 
 def slug(name: str) -> str:
@@ -170,9 +206,9 @@ def table(results: dict[str, dict], streams: int) -> str:
     head += ["ITL mean", "tokens/answer", "errors"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     lines += ["| " + " | ".join(row(name, r)) + " |" for name, r in results.items()]
-    ours = results.get("tokenstream serve")
     for name, r in results.items():
-        if ours is None or r is ours:
+        ours = results.get(OURS + name[name.index(", ") :] if ", " in name else OURS)
+        if ours is None or r is ours or name.startswith(OURS):
             continue
         one = ours["single"]["output_token_throughput"] / r["single"]["output_token_throughput"]
         many = ours["many"]["output_token_throughput"] / r["many"]["output_token_throughput"]
@@ -181,6 +217,23 @@ def table(results: dict[str, dict], streams: int) -> str:
             f"\nours / {name}: 1 stream {one:.2f}x tok/s; {streams} streams {many:.2f}x tok/s, "
             f"TTFT p50 {ttft:.2f}x"
         )
+    return "\n".join(lines)
+
+
+def slowdowns(results: dict[str, dict], busy: list[int], streams: int) -> str:
+    """Each server's tokens/s alone over its tokens/s beside each count of busy cores."""
+    head = ["server", "cores busy", "1 stream: slowdown", f"{streams} streams: slowdown"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for name, alone in results.items():
+        for count in busy:
+            loaded = results.get(label(name, count))
+            if count == 0 or loaded is None:
+                continue
+            ratio = [
+                alone[level]["output_token_throughput"] / loaded[level]["output_token_throughput"]
+                for level in ("single", "many")
+            ]
+            lines.append(f"| {name} | {count} | {ratio[0]:.2f}x | {ratio[1]:.2f}x |")
     return "\n".join(lines)
 
 
@@ -197,13 +250,24 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=16, help="streams at once (16)")
     parser.add_argument("--many", type=int, default=48, help="requests with --streams (48)")
     parser.add_argument("--out", type=Path, default=Path("bench-results/peers"))
+    parser.add_argument(
+        "--busy",
+        type=lambda t: sorted({0, *(int(n) for n in t.split(","))}),
+        default=[0],
+        help="counts of cores kept busy, each measured in turn after idle, e.g. 1 (default: idle)",
+    )
     args = parser.parse_args()
+    cores = os.cpu_count() or 1
+    if any(not 0 <= n < cores for n in args.busy):
+        parser.error(f"--busy counts run from 0 to {cores - 1} (this machine has {cores} cores)")
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
     for server in servers(args):
-        results[server.name] = measure(server, args)
+        results.update(measure(server, args))
     (args.out / "peers.json").write_text(json.dumps(results, indent=1))
     print(table(results, args.streams))
+    if args.busy != [0]:
+        print("\n" + slowdowns(results, args.busy, args.streams))
 
 
 if __name__ == "__main__":

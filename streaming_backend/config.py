@@ -163,6 +163,14 @@ CHAT_PARAMETERS = ParameterTable(
             option=True,
         ),
         Parameter(
+            "adaptive_threads",
+            "on",
+            "on a CPU, run decode steps on fewer torch threads while fewer measure faster "
+            "(another process holds a core); off: always torch's thread count",
+            SWITCH,
+            option=True,
+        ),
+        Parameter(
             "test_first_token_delay_ms",
             "0",
             "test only: delay of the first token after prefill starts",
@@ -240,6 +248,9 @@ class EngineConfig:
     kv_cache_memory: str = _CHAT["kv_cache_memory"]
     compile: bool = _CHAT["compile"]  # torch.compile the compact decode step
     quantize: str = _CHAT["quantize"]  # the compact forward's weights: none, int8, int4
+    # On a CPU: decode steps on fewer torch threads while fewer measure faster, as when another
+    # process holds a core (streaming_backend/step_threads.py); off: torch's count throughout.
+    adaptive_threads: bool = _CHAT["adaptive_threads"]
     # Test-only, for benchmark calibration: the first token exists exactly this long after its
     # prefill starts, each next token this long after the previous step (when compute is faster).
     test_first_token_delay_s: float = _CHAT["test_first_token_delay_s"]

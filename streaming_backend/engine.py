@@ -35,6 +35,7 @@ from streaming_backend.loading import LoadedModel
 from streaming_backend.logits import NextTokenChooser
 from streaming_backend.numerics import Numerics, describe
 from streaming_backend.settings import SamplingSettings
+from streaming_backend.step_threads import StepReport, StepThreads
 from streaming_backend.steps import Steps
 from streaming_backend.steps.build import build_steps
 from streaming_backend.stopping import StopStringMatcher, check_stop
@@ -165,6 +166,9 @@ class Engine:
         self._steps: Steps[_Stream] = build_steps(self.loaded, self.config, self._prefill_failed)
         # what decides every answer's numbers, and its system_fingerprint (reads the weights)
         self.numerics: Numerics = describe(self.loaded, self._steps)
+        # the decode steps' torch threads on a CPU: fewer while fewer measure faster
+        adaptive = self.config.adaptive_threads and self.loaded.device.type == "cpu"
+        self._threads = StepThreads(torch.get_num_threads()) if adaptive else None
 
     # ---- public API (any thread) -------------------------------------------------------------
 
@@ -193,6 +197,11 @@ class Engine:
     def waiting_streams(self) -> int:
         """Streams waiting for a slot."""
         return len(self._waiting)
+
+    def step_report(self) -> StepReport | None:
+        """The decode steps' thread count and pace (None off a CPU or with adaptive_threads off).
+        Read from other threads: a snapshot, never a lock on the engine."""
+        return self._threads.report() if self._threads is not None else None
 
     def health(self) -> tuple[bool, str]:
         """(healthy, reason): unhealthy once the device is poisoned or the thread has died."""
@@ -369,10 +378,23 @@ class Engine:
 
     def _decode_step(self) -> None:
         """One forward pass for every decoding stream, one new token each."""
-        step = self._steps.decode()
+        step = self._steps.decode() if self._threads is None else self._timed_decode()
         if self.config.test_token_delay_s:
             _pace_until(self._last_emit_ns, self.config.test_token_delay_s)
         self._emit(step.streams, step.logits, step.chooser)
+
+    def _timed_decode(self):
+        """The decode step on the thread count StepThreads picks, timed for it; every other
+        torch call of the engine runs on its current count."""
+        threads = self._threads
+        _set_threads(threads.before())
+        try:
+            start = time.perf_counter()
+            step = self._steps.decode()
+            threads.after(len(step.streams), time.perf_counter() - start)
+            return step
+        finally:
+            _set_threads(threads.current)
 
     # ---- sampling and events -------------------------------------------------------------------
 
@@ -522,6 +544,12 @@ class Engine:
         error = EngineStopped("the server is shutting down")
         for stream in waiting + self._steps.clear():
             self._finish(stream, FinishReason.CANCELLED, "", error)
+
+
+def _set_threads(count: int) -> None:
+    """torch's CPU threads for the calling thread's next operations, if not already so."""
+    if torch.get_num_threads() != count:
+        torch.set_num_threads(count)
 
 
 def _pace_until(start_ns: int, delay_s: float) -> None:

@@ -84,7 +84,11 @@ CONTROL_END = "end"  # end every open stream now with a final error response (dr
 CONTROL_ACTIONS = (CONTROL_HEALTH, CONTROL_DRAIN, CONTROL_END)
 # numerics: the facts that decide the model's numbers (numerics.Numerics), SYSTEM_FINGERPRINT theirs
 NUMERICS = "numerics"
-HEALTH_KEYS = ("healthy", "reason", "draining", "active", "waiting", SYSTEM_FINGERPRINT, NUMERICS)
+# steps: the decode steps' torch threads and pace on a CPU (step_threads.StepReport), else null
+STEPS = "steps"
+HEALTH_KEYS = (
+    "healthy", "reason", "draining", "active", "waiting", SYSTEM_FINGERPRINT, NUMERICS, STEPS,
+)  # fmt: skip
 ADMIN_KEY_VARIABLE = "TOKENSTREAM_ADMIN_KEY"  # the admin key, as the model process sees it
 ADMIN_HEADER = "tokenstream-admin-key"  # the header Triton's restricted repository API checks
 

@@ -66,9 +66,9 @@ class Control:
     def health(self, active: int) -> dict:
         """The model's health (wire.HEALTH_KEYS) as the supervisor's canary reads it."""
         healthy, reason = self.engine.health()
-        numerics = self.engine.numerics
+        numerics, steps = self.engine.numerics, self.engine.step_report()
         values = (
             healthy, reason, self.draining, active, self.engine.waiting_streams,
-            numerics.fingerprint, numerics.as_dict(),
+            numerics.fingerprint, numerics.as_dict(), steps.as_dict() if steps else None,
         )  # fmt: skip
         return dict(zip(HEALTH_KEYS, values, strict=True))

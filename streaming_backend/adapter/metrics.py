@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable
 
 from streaming_backend.events import FinishReason, TokenEvent
+from streaming_backend.step_threads import StepReport
 
 log = logging.getLogger("tokenstream.model")
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0]
@@ -88,6 +89,16 @@ class Metrics:
             "Requests accepted and waiting for a slot in the running batch",
             family.GAUGE,
         )
+        self.step_threads = make(
+            "tokenstream_step_threads",
+            "torch CPU threads the decode steps run on now (adaptive_threads)",
+            family.GAUGE,
+        )
+        self.step_slowdown = make(
+            "tokenstream_step_slowdown",
+            "Recent decode step time over the fastest of the same rows since load (1: full speed)",
+            family.GAUGE,
+        )
         self.rejected = make(
             "tokenstream_rejected_requests_total",
             "Requests refused (invalid or overloaded)",
@@ -101,7 +112,8 @@ class Metrics:
         )
         self._families.append(requests)
         self.outcomes = {o: requests.Metric(labels=labels | {"outcome": o}) for o in OUTCOMES}
-        self._reported = {"active": 0, "waiting": 0}  # the gauges' values as last set
+        # the gauges' values as last set
+        self._reported = {"active": 0, "waiting": 0, "step_threads": 0, "step_slowdown": 0.0}
 
     def count(self, outcome: str) -> None:
         """One more request ended with `outcome` (one of OUTCOMES)."""
@@ -120,7 +132,16 @@ class Metrics:
         """The waiting-requests gauge, set only when the number changed."""
         self._set_gauge("waiting", waiting)
 
-    def _set_gauge(self, name: str, value: int) -> None:
+    def set_steps(self, report: StepReport | None) -> None:
+        """The decode steps' thread count and slowdown (to 0.01), set when they changed; nothing
+        without a report (a GPU, adaptive_threads off)."""
+        if report is None:
+            return
+        self._set_gauge("step_threads", report.threads)
+        if report.slowdown is not None:
+            self._set_gauge("step_slowdown", round(report.slowdown, 2))
+
+    def _set_gauge(self, name: str, value: float) -> None:
         if value != self._reported[name]:
             quietly(getattr(self, name).set, value)
             self._reported[name] = value

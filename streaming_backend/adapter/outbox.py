@@ -138,6 +138,7 @@ class Outbox:
                 if time.monotonic() >= next_check:
                     next_check = time.monotonic() + interval
                     self._poll_cancelled()
+                    self.metrics.set_steps(self.engine.step_report())
             except Exception:  # noqa: BLE001 - logged; the loop goes on
                 log.exception("the outbox thread caught an error and goes on")
 

@@ -14,7 +14,14 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from streaming_backend.wire import ADMIN_HEADER, CONTROL, NUMERICS, SYSTEM_FINGERPRINT, TEXT_OUTPUT
+from streaming_backend.wire import (
+    ADMIN_HEADER,
+    CONTROL,
+    NUMERICS,
+    STEPS,
+    SYSTEM_FINGERPRINT,
+    TEXT_OUTPUT,
+)
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a proxy
 
@@ -38,6 +45,7 @@ class ModelHealth:
     waiting: int  # of those, still waiting for an engine slot
     system_fingerprint: str | None = None  # what decides its numbers, in one value
     numerics: dict[str, Any] | None = None  # the facts it names (streaming_backend/numerics.py)
+    steps: dict[str, Any] | None = None  # decode threads and pace (step_threads.StepReport)
 
 
 def control(http_url: str, model: str, key: str, action: str, timeout: float) -> ModelHealth:
@@ -56,6 +64,7 @@ def control(http_url: str, model: str, key: str, action: str, timeout: float) ->
             waiting=int(state["waiting"]),
             system_fingerprint=state.get(SYSTEM_FINGERPRINT),
             numerics=state.get(NUMERICS),
+            steps=state.get(STEPS),
         )
     raise ControlError(f"{model} answered a control request with no response")
 

@@ -35,6 +35,7 @@ from streaming_backend.wire import (
     CONTROL_END,
     CONTROL_HEALTH,
     NUMERICS,
+    STEPS,
     SYSTEM_FINGERPRINT,
 )
 
@@ -155,6 +156,7 @@ class Supervisor:
             "tritonserver_pid": server.pid if server else None,
             SYSTEM_FINGERPRINT: health.system_fingerprint if health else None,
             NUMERICS: health.numerics if health else None,
+            STEPS: health.steps if health else None,
         }
 
     # ---- run --------------------------------------------------------------------------------

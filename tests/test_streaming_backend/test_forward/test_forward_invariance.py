@@ -120,6 +120,32 @@ def test_a_streams_logits_are_the_same_alone_or_in_a_crowd(tiny_model_dir, kind,
         assert torch.equal(probe.run(prefill, mates), alone), (prefill, mates)
 
 
+@pytest.fixture(scope="module")
+def default_loaded(default_model_dir):
+    """The default model in each dtype, loaded once for this module's thread tests."""
+    return {d: load_model(str(default_model_dir), dtype=d, device="cpu") for d in DTYPES}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_thread_and_two_give_the_same_logits(default_loaded, kind, dtype):
+    """The default model, prefilled among other prompts and decoded beside 15 streams, on one
+    torch thread and on two: the same logits, bit for bit. The engine may change the thread
+    count between steps when other work takes a core (streaming_backend/step_threads.py), so
+    a row's numbers must not depend on it."""
+    config = ForwardConfig(CacheBudget(bytes=256 << 20), max_len=256, max_slots=20, quantize=kind)
+    probe = Probe(SlotForward.create(default_loaded[dtype], config))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = probe.run("crowd", 15)
+        torch.set_num_threads(2)
+        two = probe.run("crowd", 15)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_decoded_token_is_what_a_prefill_of_it_gives(tiny_model_dir, dtype):
     """Tokens fed one decode step at a time leave the same keys and values, and the same last

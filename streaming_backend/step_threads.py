@@ -1,0 +1,117 @@
+"""How many torch CPU threads the engine's decode steps run on: the most, unless fewer measure
+faster now.
+
+    threads = StepThreads(most=torch.get_num_threads())
+    count = threads.before()              # the count this step runs on (torch.set_num_threads)
+    ...                                   # the step
+    threads.after(rows, seconds)          # its rows and what it took
+
+A step is hundreds of parallel regions, and each waits at its end for every thread of torch's
+team. When another process takes a core, the scheduler parks one of those threads for a slice
+of the other's time, region after region, and a step runs many times slower (docs/performance.md,
+"Beside other work"); fewer threads then run faster. So now and then one step runs on a
+neighbouring count (one fewer, or one more up to `most`), and if it took clearly less time than
+the current count takes for the same number of rows, that count becomes current. A probe that
+loses waits twice as long before the next one, so on a quiet machine (or a busy one) the probes
+cost almost nothing once the count has settled. The count never changes a row's numbers: the
+compact forward's kernels give the same bits on any count (tests/test_streaming_backend/
+test_engine_invariance.py).
+
+The slowdown is the recent steps' time against the fastest step of the same rows since load, so
+an operator sees a starved server (`/status`, tokenstream_step_slowdown) before users complain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SWITCH_MARGIN = 0.8  # a probe wins when it takes less than this share of the current count's time
+FIRST_PROBE_STEPS = 16  # decode steps between probes after a switch (or at load)
+LAST_PROBE_STEPS = 2048  # the longest wait between probes, after repeated losses
+SMOOTHING = 0.2  # weight of the newest step in a row count's running mean
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What /status shows of the decode steps' threads and pace."""
+
+    threads: int  # the count decode steps run on now
+    most: int  # the count at load (torch's threads), never exceeded
+    switches: int  # times the count changed since load
+    recent_step_s: float | None  # running mean of the latest row count's steps, current count
+    best_step_s: float | None  # the fastest step of that row count since load, any count
+    slowdown: float | None  # recent / best: 1.0 at full speed; None before a step of that count
+
+    def as_dict(self) -> dict:
+        """The report by name (JSON)."""
+        return dict(self.__dict__)
+
+
+@dataclass
+class StepThreads:
+    """The thread count of the engine's decode steps (see the module docstring)."""
+
+    most: int
+    current: int = 0  # 0: start at `most`
+    switches: int = 0
+    _wait: int = FIRST_PROBE_STEPS  # steps between probes now
+    _until_probe: int = FIRST_PROBE_STEPS
+    _probe: int | None = None  # the count the step in progress probes, if it is a probe
+    _down_next: bool = True  # which neighbour the next probe tries
+    _mean: dict[int, float] = field(default_factory=dict)  # rows -> seconds at `current`
+    _best: dict[int, float] = field(default_factory=dict)  # rows -> fastest seconds, any count
+    _last_rows: int = 0
+
+    def __post_init__(self) -> None:
+        if self.most < 1:
+            raise ValueError(f"most must be at least 1, not {self.most}")
+        self.current = self.current or self.most
+
+    def before(self) -> int:
+        """The count the next step runs on: now and then a neighbour (a probe), once the
+        current count has a time for as many rows as the last step had, to compare with."""
+        self._probe = None
+        if self.most == 1 or self._last_rows not in self._mean:
+            return self.current
+        self._until_probe -= 1
+        if self._until_probe > 0:
+            return self.current
+        self._probe = self._neighbour()
+        return self._probe
+
+    def after(self, rows: int, seconds: float) -> None:
+        """Record the time of the step `before` was asked for; switch if its probe won."""
+        self._last_rows = rows
+        self._best[rows] = min(seconds, self._best.get(rows, seconds))
+        probe, self._probe = self._probe, None
+        if probe is None:
+            mean = self._mean.get(rows)
+            self._mean[rows] = seconds if mean is None else mean + SMOOTHING * (seconds - mean)
+            return
+        if rows not in self._mean:  # the rows changed: nothing to compare with, probe again
+            self._until_probe = 1
+            return
+        if seconds < SWITCH_MARGIN * self._mean[rows]:
+            self.current, self.switches = probe, self.switches + 1
+            self._mean = {rows: seconds}  # the other row counts' times were the old count's
+            self._wait = FIRST_PROBE_STEPS
+        else:
+            self._wait = min(2 * self._wait, LAST_PROBE_STEPS)
+        self._until_probe = self._wait
+
+    def report(self) -> StepReport:
+        """The count, and the latest row count's recent and best step times."""
+        recent, best = self._mean.get(self._last_rows), self._best.get(self._last_rows)
+        slowdown = recent / best if recent is not None and best else None
+        return StepReport(self.current, self.most, self.switches, recent, best, slowdown)
+
+    def _neighbour(self) -> int:
+        """One fewer or one more (within 1 .. most), taking turns where both exist."""
+        down, up = self.current - 1, self.current + 1
+        if down < 1:
+            return up
+        if up > self.most:
+            return down
+        choice = down if self._down_next else up
+        self._down_next = not self._down_next
+        return choice

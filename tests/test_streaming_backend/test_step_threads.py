@@ -1,0 +1,106 @@
+"""The decode steps' thread count, chosen by measurement (streaming_backend/step_threads.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from streaming_backend.step_threads import (
+    FIRST_PROBE_STEPS,
+    LAST_PROBE_STEPS,
+    StepReport,
+    StepThreads,
+)
+
+# seconds per step on 1 and 2 threads: an idle 2-core machine, and one with a core taken
+IDLE = {1: 0.016, 2: 0.010}
+CORE_TAKEN = {1: 0.020, 2: 0.400}
+
+
+def run(threads: StepThreads, seconds: dict[int, float], steps: int, rows: int = 1) -> list[int]:
+    """`steps` decode steps whose time depends on the count they run on; the counts used."""
+    used = []
+    for _ in range(steps):
+        count = threads.before()
+        used.append(count)
+        threads.after(rows, seconds[count])
+    return used
+
+
+def test_on_an_idle_machine_the_count_stays_and_probes_thin_out():
+    """Probes of one thread lose; each loss doubles the wait before the next, up to a limit,
+    so after a while one step in LAST_PROBE_STEPS runs on the other count."""
+    threads = StepThreads(most=2)
+    used = run(threads, IDLE, 20_000)
+    assert threads.current == 2 and threads.switches == 0
+    probes = [i for i, count in enumerate(used) if count == 1]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[0] == 2 * FIRST_PROBE_STEPS and gaps[-1] == LAST_PROBE_STEPS
+    assert gaps == sorted(gaps)
+    assert len(probes) < 25  # of 20,000 steps
+
+
+def test_a_taken_core_moves_the_steps_to_one_thread_and_back_when_it_is_free():
+    """With a core taken, the first probe (one thread) wins and the count drops; probes of two
+    threads then lose until the core is free again, when one wins and the count goes back."""
+    threads = StepThreads(most=2)
+    run(threads, IDLE, 100)
+    used = run(threads, CORE_TAKEN, FIRST_PROBE_STEPS * 3)
+    assert threads.current == 1 and threads.switches == 1
+    assert used.count(2) <= FIRST_PROBE_STEPS + 1  # the steps before the first probe
+    used = run(threads, CORE_TAKEN, 500)
+    assert threads.current == 1 and 0 < used.count(2) < 10  # probes, thinning out
+    run(threads, IDLE, 2 * LAST_PROBE_STEPS)
+    assert threads.current == 2 and threads.switches == 2
+
+
+def test_one_thread_means_no_probes():
+    """With one thread there is nothing to try."""
+    threads = StepThreads(most=1)
+    assert run(threads, {1: 0.01}, 100) == [1] * 100
+
+
+def test_counts_climb_one_at_a_time_within_one_and_the_most():
+    """On more cores the probes try one fewer and one more in turn, never past `most` or
+    below one: four cores, where three run fastest, settle on three."""
+    times = {1: 0.04, 2: 0.03, 3: 0.01, 4: 0.05}
+    threads = StepThreads(most=4)
+    used = run(threads, times, 3000)
+    assert threads.current == 3 and set(used) <= {1, 2, 3, 4}
+
+
+def test_a_probe_with_other_rows_than_its_comparison_decides_nothing():
+    """A probe step whose rows differ from the last step's has no time to compare with: the
+    count stays, and the probe comes again as soon as the current count has timed such a step."""
+    threads = StepThreads(most=2)
+    for _ in range(2 * FIRST_PROBE_STEPS):  # steps of 4 rows until the first probe
+        if threads.before() == 1:
+            break
+        threads.after(4, IDLE[2])
+    else:
+        pytest.fail("no probe")
+    threads.after(5, 0.001)  # a step of 5 rows, much faster than 4 rows' time: not comparable
+    assert threads.current == 2
+    assert threads.before() == 2  # 5 rows have no time on two threads yet: one step measures it
+    threads.after(5, 0.012)
+    assert threads.before() == 1  # the probe again
+    threads.after(5, 0.5)
+    assert threads.current == 2
+
+
+def test_the_report_gives_the_recent_step_time_against_the_best():
+    """slowdown = the running mean of the latest row count's steps over its fastest step."""
+    threads = StepThreads(most=2, _wait=10**9, _until_probe=10**9)  # no probes here
+    assert threads.report() == StepReport(2, 2, 0, None, None, None)
+    run(threads, IDLE, 10)
+    assert threads.report().slowdown == pytest.approx(1.0)
+    run(threads, {2: 0.05}, 40)  # five times slower now
+    report = threads.report()
+    assert report.best_step_s == pytest.approx(0.01)
+    assert report.slowdown == pytest.approx(5.0, rel=1e-3)
+    assert report.as_dict()["threads"] == 2
+
+
+def test_most_must_be_positive():
+    """A thread count below one is refused."""
+    with pytest.raises(ValueError, match="at least 1"):
+        StepThreads(most=0)
