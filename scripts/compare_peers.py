@@ -166,11 +166,11 @@ BUSY_LOOP = "import time\nend = time.monotonic() + {limit}\nwhile time.monotonic
 
 @contextlib.contextmanager
 def busy_cores(count: int):
-    """`count` processes that each keep one core busy until the block ends."""
+    """`count` processes that each keep one core busy until the block ends (yields them)."""
     code = BUSY_LOOP.format(limit=BUSY_LIMIT_S)
     processes = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(count)]
     try:
-        yield
+        yield processes
     finally:
         for process in processes:
             process.kill()

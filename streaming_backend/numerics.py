@@ -50,7 +50,7 @@ class Numerics:
     # as built, forward/native.py) or torch (one call per token); hf on the Hugging Face forward
     device: str  # cpu or cuda
     kernels: str  # CPU: the kernel family torch dispatches (AVX512, AVX2, ...); GPU: its model
-    threads: int  # torch's CPU threads (float32 logits differ between 1 and 2); 0 on a GPU
+    threads: int  # torch's CPU threads at load (torch's attention: differed on 1 and 2); GPU: 0
     torch: str  # torch's version (its kernels)
     transformers: str  # its version where its modelling code computes (forward hf), else ""
 

@@ -130,6 +130,77 @@ static float dot(const float *q, const void *k, int64_t k_at, int64_t d, int dty
     return sum;
 }
 
+#ifdef TS_AVX2
+/* q . k_r for the 8 key rows r at k_at, k_at + d, ... (d % 8 == 0): each row's products summed
+ * in one lane chain, then the 8 rows' lanes added in one transpose -> the 8 scores. */
+static inline __m256 dot8(const float *q, const void *k, int64_t k_at, int64_t d, int dtype) {
+    __m256 a[8];
+    for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qv, load8(k, k_at + r * d + i, dtype), a[r]);
+    }
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+#endif
+
+/* scores[j] = q . k_j for the count key rows from k_at; returns their maximum. Which way a
+ * score is summed depends on j and count alone. */
+static float scores_of(float *scores, const float *q, const void *k, int64_t k_at, int64_t count,
+                       int64_t d, int dtype) {
+    int64_t j = 0;
+    float max = -INFINITY;
+#ifdef TS_AVX2
+    if (d % 8 == 0) {
+        __m256 m = _mm256_set1_ps(-INFINITY);
+        for (; j + 8 <= count; j += 8) {
+            const __m256 s = dot8(q, k, k_at + j * d, d, dtype);
+            _mm256_storeu_ps(scores + j, s);
+            m = _mm256_max_ps(m, s);
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, m);
+        for (int r = 0; r < 8; r++) max = lanes[r] > max ? lanes[r] : max;
+    }
+#endif
+    for (; j < count; j++) {
+        scores[j] = dot(q, k, k_at + j * d, d, dtype);
+        max = scores[j] > max ? scores[j] : max;
+    }
+    return max;
+}
+
+/* out[i] = sum over j < count of p[j] * v_j[i], j ascending, one fused multiply-add at a time
+ * whatever the width that computes element i (so every element is summed the same way). */
+static void weighted_sum(float *out, const float *p, const void *v, int64_t v_at, int64_t count,
+                         int64_t d, int dtype) {
+    int64_t i = 0;
+#ifdef TS_AVX2
+    for (; i + 64 <= d; i += 64) {
+        __m256 a[8];
+        for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < count; j++) {
+            const __m256 w = _mm256_set1_ps(p[j]);
+            for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(w, load8(v, v_at + j * d + i + 8 * r, dtype), a[r]);
+        }
+        for (int r = 0; r < 8; r++) _mm256_storeu_ps(out + i + 8 * r, a[r]);
+    }
+    for (; i + 8 <= d; i += 8) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t j = 0; j < count; j++)
+            a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), load8(v, v_at + j * d + i, dtype), a);
+        _mm256_storeu_ps(out + i, a);
+    }
+#endif
+    for (; i < d; i++) {
+        float a = 0.0f;
+        for (int64_t j = 0; j < count; j++) a = fmaf(p[j], load1(v, v_at + j * d + i, dtype), a);
+        out[i] = a;
+    }
+}
+
 /* p[i] = exp(p[i] - max) for i < count; returns their sum, in an order fixed by count alone. */
 static float softmax_numerators(float *p, int64_t count, float max) {
     int64_t i = 0;
@@ -148,17 +219,6 @@ static float softmax_numerators(float *p, int64_t count, float max) {
         sum += p[i];
     }
     return sum;
-}
-
-/* acc[0:d] += w * v[v_at : v_at + d] */
-static inline void axpy(float *acc, float w, const void *v, int64_t v_at, int64_t d, int dtype) {
-    int64_t i = 0;
-#ifdef TS_AVX2
-    __m256 wv = _mm256_set1_ps(w);
-    for (; i + 8 <= d; i += 8)
-        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(wv, load8(v, v_at + i, dtype), _mm256_loadu_ps(acc + i)));
-#endif
-    for (; i < d; i++) acc[i] = fmaf(w, load1(v, v_at + i, dtype), acc[i]);
 }
 
 typedef struct {
@@ -180,22 +240,14 @@ static void attend_one(const Call *c, int64_t token, int64_t head, float *work) 
     const int64_t cache_at = ((c->places[token] * c->kv_heads + head) * c->max_len + first) * d;
     const int64_t q_at = (token * c->kv_heads + head) * groups * d;
     float *scores = work, *query = work + groups * c->max_len, *acc = query + groups * d;
-    float max[groups], inverse[groups];
+    float inverse[groups];
     for (int64_t i = 0; i < groups * d; i++) query[i] = load1(c->q, q_at + i, c->dtype) * c->scale;
-    for (int64_t g = 0; g < groups; g++) max[g] = -INFINITY;
-    for (int64_t j = 0; j < count; j++) {
-        for (int64_t g = 0; g < groups; g++) {
-            float s = dot(query + g * d, c->k, cache_at + j * d, d, c->dtype);
-            scores[g * c->max_len + j] = s;
-            max[g] = s > max[g] ? s : max[g];
-        }
+    for (int64_t g = 0; g < groups; g++) {  /* the key and value rows stay in cache across g */
+        float *p = scores + g * c->max_len;
+        const float max = scores_of(p, query + g * d, c->k, cache_at, count, d, c->dtype);
+        inverse[g] = 1.0f / softmax_numerators(p, count, max);
+        weighted_sum(acc + g * d, p, c->v, cache_at, count, d, c->dtype);
     }
-    for (int64_t g = 0; g < groups; g++)
-        inverse[g] = 1.0f / softmax_numerators(scores + g * c->max_len, count, max[g]);
-    memset(acc, 0, (size_t)(groups * d) * sizeof *acc);
-    for (int64_t j = 0; j < count; j++)
-        for (int64_t g = 0; g < groups; g++)
-            axpy(acc + g * d, scores[g * c->max_len + j], c->v, cache_at + j * d, d, c->dtype);
     for (int64_t i = 0; i < groups * d; i++) {
         const float value = acc[i] * inverse[i / d];
         if (c->dtype == TS_F32)
