@@ -13,7 +13,9 @@ of the other's time, region after region, and a step runs many times slower (doc
 neighbouring count (one fewer, or one more up to `most`), and if it took clearly less time than
 the current count takes for the same number of rows, that count becomes current. A probe that
 loses waits twice as long before the next one, so on a quiet machine (or a busy one) the probes
-cost almost nothing once the count has settled. The count never changes a row's numbers: the
+cost almost nothing once the count has settled; and when the current count's steps get clearly
+slower or faster than they were at the last probe (another process started or ended), the next
+step probes at once. The count never changes a row's numbers: the
 compact forward's kernels give the same bits on any count (tests/test_streaming_backend/
 test_engine_invariance.py).
 
@@ -23,12 +25,16 @@ an operator sees a starved server (`/status`, tokenstream_step_slowdown) before 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 SWITCH_MARGIN = 0.8  # a probe wins when it takes less than this share of the current count's time
 FIRST_PROBE_STEPS = 16  # decode steps between probes after a switch (or at load)
 LAST_PROBE_STEPS = 2048  # the longest wait between probes, after repeated losses
 SMOOTHING = 0.2  # weight of the newest step in a row count's running mean
+CHANGE = 1.3  # a running mean this many times slower or faster than at the last probe: probe now
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class StepThreads:
     _probe: int | None = None  # the count the step in progress probes, if it is a probe
     _down_next: bool = True  # which neighbour the next probe tries
     _mean: dict[int, float] = field(default_factory=dict)  # rows -> seconds at `current`
+    _settled: dict[int, float] = field(default_factory=dict)  # rows -> _mean at the last probe
     _best: dict[int, float] = field(default_factory=dict)  # rows -> fastest seconds, any count
     _last_rows: int = 0
 
@@ -86,17 +93,29 @@ class StepThreads:
         probe, self._probe = self._probe, None
         if probe is None:
             mean = self._mean.get(rows)
-            self._mean[rows] = seconds if mean is None else mean + SMOOTHING * (seconds - mean)
+            self._mean[rows] = mean = (
+                seconds if mean is None else mean + SMOOTHING * (seconds - mean)
+            )
+            settled = self._settled.setdefault(rows, mean)
+            if mean > CHANGE * settled or CHANGE * mean < settled:  # the machine changed
+                self._wait, self._until_probe = FIRST_PROBE_STEPS, 1
             return
         if rows not in self._mean:  # the rows changed: nothing to compare with, probe again
             self._until_probe = 1
             return
         if seconds < SWITCH_MARGIN * self._mean[rows]:
+            log.info(
+                "decode steps now on %d torch threads: a step of %d rows took %.1f ms on %d, "
+                "%.1f ms on %d",
+                probe, rows, 1e3 * seconds, probe, 1e3 * self._mean[rows], self.current,
+            )  # fmt: skip
             self.current, self.switches = probe, self.switches + 1
             self._mean = {rows: seconds}  # the other row counts' times were the old count's
+            self._settled = {}
             self._wait = FIRST_PROBE_STEPS
         else:
             self._wait = min(2 * self._wait, LAST_PROBE_STEPS)
+        self._settled[rows] = self._mean[rows]
         self._until_probe = self._wait
 
     def report(self) -> StepReport:

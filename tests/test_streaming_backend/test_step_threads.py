@@ -53,6 +53,20 @@ def test_a_taken_core_moves_the_steps_to_one_thread_and_back_when_it_is_free():
     assert threads.current == 2 and threads.switches == 2
 
 
+def test_a_core_taken_after_the_probes_thinned_out_is_noticed_at_once():
+    """After long quiet the probes are LAST_PROBE_STEPS apart, but once the current count's
+    steps get clearly slower, the next step probes and the count drops within a few steps; when
+    the core is free again the one-thread steps get faster and the count climbs back as soon."""
+    threads = StepThreads(most=2)
+    run(threads, IDLE, 20_000)
+    used = run(threads, CORE_TAKEN, 10)
+    assert threads.current == 1 and used.count(2) <= 3
+    run(threads, CORE_TAKEN, 20_000)
+    freed = {1: 0.012, 2: 0.010}  # one thread gets faster too when the other core is free
+    run(threads, freed, 10)
+    assert threads.current == 2
+
+
 def test_one_thread_means_no_probes():
     """With one thread there is nothing to try."""
     threads = StepThreads(most=1)
@@ -89,11 +103,11 @@ def test_a_probe_with_other_rows_than_its_comparison_decides_nothing():
 
 def test_the_report_gives_the_recent_step_time_against_the_best():
     """slowdown = the running mean of the latest row count's steps over its fastest step."""
-    threads = StepThreads(most=2, _wait=10**9, _until_probe=10**9)  # no probes here
+    threads = StepThreads(most=2)
     assert threads.report() == StepReport(2, 2, 0, None, None, None)
     run(threads, IDLE, 10)
     assert threads.report().slowdown == pytest.approx(1.0)
-    run(threads, {2: 0.05}, 40)  # five times slower now
+    run(threads, {1: 0.08, 2: 0.05}, 40)  # five times slower now, and one thread is no help
     report = threads.report()
     assert report.best_step_s == pytest.approx(0.01)
     assert report.slowdown == pytest.approx(5.0, rel=1e-3)
