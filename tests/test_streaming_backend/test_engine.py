@@ -629,3 +629,22 @@ def test_the_engine_names_the_numerics_its_forward_runs(tiny_loaded, forward, qu
     assert numerics.forward == eng.forward == forward
     assert numerics.quantize == (quantize if forward == "compact" else "none")
     assert numerics.decode == "eager" and numerics.model == tiny_loaded.name
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_the_decode_steps_report_their_threads_when_adaptive(tiny_loaded, adaptive):
+    """With adaptive_threads (the default) the engine times its decode steps and reports their
+    thread count and pace; without, there is no report and torch's count stays as it was."""
+    from streaming_backend.settings import SamplingSettings
+
+    threads = torch.get_num_threads()
+    config = EngineConfig(adaptive_threads=adaptive)
+    with Engine(tiny_loaded, config) as engine:
+        settings = SamplingSettings(temperature=0, max_tokens=8, ignore_eos=True)
+        assert sum(len(e.token_ids) for e in engine.submit([1, 2, 3], settings)) == 8
+        report = engine.step_report()
+    if not adaptive:
+        assert report is None
+        return
+    assert report.most == threads and 1 <= report.threads <= threads
+    assert report.best_step_s > 0 and report.slowdown >= 1.0 - 1e-9  # a mean over its best

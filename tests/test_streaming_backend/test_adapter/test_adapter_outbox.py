@@ -10,6 +10,7 @@ import fake_pb_utils as pb
 import faults
 import numpy as np
 import pytest
+import torch
 from conftest import wait_for
 
 from streaming_backend import wire
@@ -210,6 +211,8 @@ def test_health_then_drain_then_end(model):
     assert health["healthy"] is True and health["draining"] is False
     assert health[wire.SYSTEM_FINGERPRINT] == model.engine.numerics.fingerprint
     assert health[wire.NUMERICS] == model.engine.numerics.as_dict()
+    steps = health[wire.STEPS]  # the decode steps' threads (adaptive_threads on, on the CPU)
+    assert steps["most"] == steps["threads"] == torch.get_num_threads()
 
     release = model.hold_prefill()
     open_stream = pb.ResponseSender()
@@ -238,3 +241,16 @@ def test_gauges_are_set_only_when_their_value_changes():
         metrics.set_waiting(waiting)
     assert metrics.active.observed == [2, 1, 0] and metrics.waiting.observed == [3]
     assert metrics.active.labels == {"model": "chat", "version": "1"}
+
+
+def test_the_step_gauges_follow_the_report_to_a_hundredth():
+    """The thread count and the slowdown (rounded to 0.01) are set when they change; no report
+    (a GPU, adaptive_threads off) sets nothing."""
+    from streaming_backend.step_threads import StepReport
+
+    metrics = Metrics(pb.MetricFamily, "chat", "1")
+    metrics.set_steps(None)
+    for threads, slowdown in ((2, None), (2, 1.001), (2, 1.004), (1, 1.5), (1, 1.5)):
+        metrics.set_steps(StepReport(threads, 2, 0, None, None, slowdown))
+    assert metrics.step_threads.observed == [2, 1]
+    assert metrics.step_slowdown.observed == [1.0, 1.5]

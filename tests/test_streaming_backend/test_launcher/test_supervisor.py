@@ -32,6 +32,7 @@ from streaming_backend.wire import (
     CONTROL_HEALTH,
     NUMERICS,
     SAMPLING_PARAMETERS,
+    STEPS,
     STREAM,
     SYSTEM_FINGERPRINT,
     TEXT_INPUT,
@@ -100,6 +101,7 @@ def test_status_has_no_numerics_before_a_canary_answered() -> None:
 
     status = Supervisor(SupervisorConfig(ServerConfig())).status()
     assert status[SYSTEM_FINGERPRINT] is None and status[NUMERICS] is None
+    assert status[STEPS] is None
 
 
 class ScriptedServer:
@@ -287,6 +289,9 @@ def test_health_endpoints_tell_ready_live_status_and_metrics(supervised) -> None
     )
     assert status_body[SYSTEM_FINGERPRINT] == health.system_fingerprint
     assert status_body[NUMERICS] == health.numerics
+    # the decode steps' threads, from the canary (a CPU, adaptive_threads on by default)
+    assert status_body[STEPS]["most"] == health.steps["most"] == health.numerics["threads"]
+    assert 1 <= status_body[STEPS]["threads"] <= status_body[STEPS]["most"]
     request = GenerateRequest(
         prompt="Hi", sampling={"max_tokens": 2}, return_system_fingerprint=True
     )
