@@ -141,6 +141,10 @@ class Engine:
         self._fault: str | None = None  # why the engine is unhealthy; None while healthy
         self._last_emit_ns = 0  # when the latest step's tokens existed
         self._ids = itertools.count()
+        # torch's CPU threads as the caller has them: the engine thread starts on this count
+        # (torch.set_num_threads is also global: an earlier engine's last count would otherwise
+        # be a new thread's) and StepThreads never goes above it
+        self._torch_threads = torch.get_num_threads()
         self._thread = threading.Thread(
             target=self._run, args=(loaded,), name="streaming-engine", daemon=True
         )
@@ -161,6 +165,7 @@ class Engine:
     def _build(self, loaded: LoadedModel | Callable[[], LoadedModel]) -> None:
         """On the engine thread: load the model (if given a loader), build its steps and say
         what decides their numbers."""
+        _set_threads(self._torch_threads)
         self.loaded = loaded() if callable(loaded) else loaded
         # the live streams and the forward they run on; owned by the engine thread
         self._steps: Steps[_Stream] = build_steps(self.loaded, self.config, self._prefill_failed)
@@ -168,7 +173,7 @@ class Engine:
         self.numerics: Numerics = describe(self.loaded, self._steps)
         # the decode steps' torch threads on a CPU: fewer while fewer measure faster
         adaptive = self.config.adaptive_threads and self.loaded.device.type == "cpu"
-        self._threads = StepThreads(torch.get_num_threads()) if adaptive else None
+        self._threads = StepThreads(self._torch_threads) if adaptive else None
 
     # ---- public API (any thread) -------------------------------------------------------------
 
@@ -309,6 +314,7 @@ class Engine:
                     self._note_failure(exc)
                     self._fail(self._steps.clear(), exc)
         self._shutdown_streams()
+        _set_threads(self._torch_threads)  # leave torch's global count as the engine found it
 
     def _note_failure(self, exc: Exception) -> None:
         """Count a failed step; a poisoned device or repeated failures make the engine unhealthy."""
