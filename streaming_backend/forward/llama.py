@@ -300,8 +300,8 @@ class CompactLlama(nn.Module):
         x = F.embedding(tokens, self.embed)  # [N, hidden]
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [N, 1, D]
         # the rows' places, for one indexed write of several rows' K/V (a lone row: a slice)
-        places = torch.tensor([p for p, _ in rows], device=tokens.device) if len(rows) > 1 else None
         placed = Placed.of(list(rows))
+        places = placed.places.to(tokens.device) if len(rows) > 1 else None
         for number, block in enumerate(self.blocks):
             kv = (k_cache[number], v_cache[number])
             where = (places, positions, placed, self.shape.windows[number])

@@ -100,16 +100,6 @@ class AttentionKernel:
             raise RuntimeError(f"exact attention kernel: {STATUS.get(status, status)}")
         return out.reshape(n, -1)
 
-    def takes(self, q: torch.Tensor, k_layer: torch.Tensor) -> bool:
-        """Whether these tensors are ones the kernel reads (CPU, float32 or bfloat16, dense)."""
-        return (
-            q.device.type == "cpu"
-            and q.dtype in DTYPES
-            and k_layer.dtype == q.dtype
-            and q.is_contiguous()
-            and k_layer.is_contiguous()
-        )
-
 
 def variant() -> str:
     """'avx2' on an x86-64 CPU with AVX2 and FMA (from /proc/cpuinfo: the hardware, not what
