@@ -19,6 +19,13 @@ Prints one table (tokens/s, TTFT p50, ITL mean) with ratios and writes the bench
 --out. Each server runs as shipped: ours with its defaults (prefix cache on), the peers with
 theirs.
 
+Another model (`--model DIR`, a Hugging Face folder, e.g. one scripts/make_model.py wrote): ours
+and transformers serve load DIR, llama.cpp loads `--llama-gguf FILE`, the same model converted
+with llama.cpp's own `convert_hf_to_gguf.py` and quantized (docs/performance.md says how):
+
+    PYTHONPATH=. .venv/bin/python scripts/compare_peers.py --model ../models/llama-1b \\
+        --llama-env ../peers/llama --llama-gguf ../models/llama-1b-q4_0.gguf --streams 8 --many 24
+
 Beside other work (`--busy 1`): each server's two levels are measured again while N processes
 (Python busy loops, one per core taken, bounded in time and ended after the level) keep N cores
 busy, and a second table gives each server's slowdown against its own idle figures:
@@ -61,24 +68,29 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
 
-def default_model() -> tuple[Path, Path, int]:
-    """The shipped GGUF, its safetensors conversion (what our server loads) and its EOS id."""
+def models(args: argparse.Namespace) -> tuple[Path | None, Path, int]:
+    """The GGUF llama.cpp loads, the folder ours and transformers serve load, and its EOS id:
+    --llama-gguf and --model, else the shipped GGUF and its safetensors conversion."""
     from streaming_backend.loading import convert_gguf, default_model_path
 
-    gguf = Path(default_model_path())
-    folder = Path(convert_gguf(gguf))
+    if args.model:
+        gguf, folder = args.llama_gguf, args.model
+    else:
+        shipped = Path(default_model_path())
+        gguf, folder = args.llama_gguf or shipped, Path(convert_gguf(shipped))
     eos = json.loads((folder / "config.json").read_text())["eos_token_id"]
     return gguf, folder, eos[0] if isinstance(eos, list) else eos
 
 
 def servers(args: argparse.Namespace) -> list[Server]:
-    gguf, folder, eos = default_model()
+    gguf, folder, eos = models(args)
     n = str(args.output_tokens)
     ban_eos = ["--max-tokens", n, "--extra-params", json.dumps({"logit_bias": {str(eos): -100.0}})]
     port = free_port()
     ours = [sys.executable, "-m", "clients.cli", "serve", "--bridge-port", str(port)]
     for option in ("--http-port", "--grpc-port", "--metrics-port", "--supervisor-port"):
         ours += [option, str(free_port())]
+    ours += ["--model", str(folder)] if args.model else []
     ours += args.ours_args.split()
     found = [
         Server(OURS, ours, port, "chat", ["--output-tokens", n]),
@@ -99,7 +111,7 @@ def servers(args: argparse.Namespace) -> list[Server]:
         command += ["--n_threads", str(os.cpu_count()), "--host", "127.0.0.1", "--port", str(port)]
         # its default lets a new request cut off the one running: queue them instead
         command += ["--interrupt_requests", "False"]
-        name = f"llama.cpp (llama-cpp-python server, Q4_1, {os.cpu_count()} threads)"
+        name = f"llama.cpp (llama-cpp-python server, {gguf.name}, {os.cpu_count()} threads)"
         found.append(Server(name, command, port, "chat", ban_eos))
     return [s for s in found if not args.only or any(o in s.name for o in args.only)]
 
@@ -241,6 +253,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--transformers-env", help="venv with transformers[serving]")
     parser.add_argument("--llama-env", help="venv with llama-cpp-python[server]")
+    parser.add_argument("--model", type=Path, help="a Hugging Face model folder to serve instead")
+    parser.add_argument("--llama-gguf", type=Path, help="the GGUF llama.cpp serves (with --model)")
     parser.add_argument(
         "--ours-args", default="", help="more `tokenstream serve` options, e.g. '--quantize int4'"
     )
@@ -258,6 +272,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     cores = os.cpu_count() or 1
+    if args.model and args.llama_env and not args.llama_gguf:
+        parser.error("--model with --llama-env needs --llama-gguf: the same model as GGUF")
     if any(not 0 <= n < cores for n in args.busy):
         parser.error(f"--busy counts run from 0 to {cores - 1} (this machine has {cores} cores)")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -48,6 +48,8 @@ class Numerics:
     decode: str  # how a decode step runs: eager, compiled (torch.compile) or cuda_graphs
     attention: str  # the compact forward's exact attention: c-avx2, c-generic (its C kernel
     # as built, forward/native.py) or torch (one call per token); hf on the Hugging Face forward
+    matmul: str  # what runs the linear weights: c-avx2, c-generic (our C kernels, which quantize
+    # the activations too), aten (torch's weight-only kernels), dense; "+" joins several; or hf
     device: str  # cpu or cuda
     kernels: str  # CPU: the kernel family torch dispatches (AVX512, AVX2, ...); GPU: its model
     threads: int  # torch's CPU threads at load (torch's attention: differed on 1 and 2); GPU: 0
@@ -82,6 +84,7 @@ def describe(loaded: LoadedModel, steps: Steps) -> Numerics:
         forward=steps.name,
         decode=steps.decode_path,
         attention=steps.attention,
+        matmul=steps.matmul,
         device=loaded.device.type,
         kernels=device_kernels(loaded.device),
         threads=0 if on_gpu else torch.get_num_threads(),

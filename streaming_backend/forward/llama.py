@@ -24,7 +24,16 @@ from torch import nn
 
 from streaming_backend.forward import native
 from streaming_backend.forward.native import AttentionKernel, Placed
-from streaming_backend.forward.quant import HEAD_KIND, Weight, check_kind, linear, quantize_weight
+from streaming_backend.forward.quant import (
+    HEAD_KIND,
+    NATIVE_WEIGHTS,
+    Weight,
+    check_kind,
+    kernel_name,
+    linear,
+    native_linear,
+    quantize_weight,
+)
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 # RoPE variants whose inverse frequencies are fixed at load (no position-dependent rescaling).
@@ -65,10 +74,10 @@ class Block(NamedTuple):
     down: Weight  # [hidden, intermediate]
     down_bias: torch.Tensor | None
 
-    def quantized(self, kind: str) -> Block:
+    def quantized(self, kind: str, matmul: str = "auto") -> Block:
         """This block with its four linear weights quantized as `kind` (forward/quant.py)."""
         return self._replace(
-            **{name: quantize_weight(getattr(self, name), kind) for name in LINEAR_WEIGHTS}
+            **{name: quantize_weight(getattr(self, name), kind, matmul) for name in LINEAR_WEIGHTS}
         )
 
 
@@ -178,28 +187,37 @@ def _param(t: torch.Tensor | None) -> torch.Tensor | None:
 class CompactLlama(nn.Module):
     """The forward pass of a loaded Llama-family model, reading and writing a slot KV cache.
 
-    `quantize` ("none", "int8", "int4"): the linear weights as torch's CPU weight-only kernels
-    take them, the head in int8 (forward/quant.py); the embedding and norms stay as loaded.
+    `quantize` ("none", "int8", "int4"): the linear weights quantized for our C kernels (or,
+    without a C compiler, torch's CPU weight-only kernels), the head in int8 (forward/quant.py);
+    the embedding and norms stay as loaded.
     Every call, a lone stream's step, a batch of them or a prefill chunk, runs on these same
     weights through the same kernels, whose rows do not depend on each other: a row's logits
     are the same whatever shares its call (docs/performance.md, "One model whatever the load").
     """
 
-    def __init__(self, model: Any, quantize: str = "none"):
+    def __init__(self, model: Any, quantize: str = "none", matmul: str = "auto"):
         super().__init__()
         self.shape = model_shape(model)
         self.quantize = check_kind(quantize)
         inner = model.model
         self.embed = inner.embed_tokens.weight.detach()  # [V, hidden]
         # [V, hidden]; tied models share the tensor (unless quantized)
-        self.head: Weight = quantize_weight(model.lm_head.weight.detach(), HEAD_KIND[quantize])
+        head = model.lm_head.weight.detach()
+        self.head: Weight = quantize_weight(head, HEAD_KIND[quantize], matmul)
         self.final_norm = inner.norm.weight.detach()
-        self.blocks = [_block(layer).quantized(quantize) for layer in inner.layers]
+        self.blocks = [_block(layer).quantized(quantize, matmul) for layer in inner.layers]
         self.cos, self.sin = _rope_tables(inner.rotary_emb, self.shape, self.embed.dtype)
         # exact attention: the C kernel on the CPU for the dtypes it takes, else torch per token
         on_cpu = self.embed.device.type == "cpu" and self.embed.dtype in native.DTYPES
         self.kernel: AttentionKernel | None = native.attention_kernel() if on_cpu else None
         self.attention = f"c-{self.kernel.variant}" if self.kernel else "torch"
+        # what runs the linear weights: c-avx2 / c-generic, aten, dense ("+" joins several)
+        weights = [self.head, *(getattr(b, name) for b in self.blocks for name in LINEAR_WEIGHTS)]
+        self.matmul = "+".join(sorted({kernel_name(w) for w in weights}))
+        # every layer in a few C calls (native_layer), decode and prefill alike: our matmuls
+        # for every weight and the attention kernel
+        ours = all(isinstance(w, NATIVE_WEIGHTS) for w in weights)
+        self.native = ours and self.kernel is not None and self.shape.head_dim % 2 == 0
 
     def forward(
         self,
@@ -222,16 +240,15 @@ class CompactLlama(nn.Module):
         x = self.hidden(k_cache, v_cache, rows, window, layer, spans)  # [N, T, hidden]
         n = rows.tokens.shape[0]
         x = x[torch.arange(n, device=x.device), rows.last]  # [N, hidden]
-        x = rms_norm(x, self.final_norm, self.shape.eps)
-        return self.logits(x)  # [N, V]
+        return self.normed_logits(x)  # [N, V]
 
     def score(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: Rows, spans: Sequence[Span]
     ) -> torch.Tensor:
         """`forward`, but the logits [N, T, V] (fp32) of every token (`rows.last` unused):
         teacher-forced quality checks."""
-        x = self.hidden(k_cache, v_cache, rows, 0, spans=spans)
-        return self.logits(rms_norm(x, self.final_norm, self.shape.eps))
+        x = self.hidden(k_cache, v_cache, rows, 0, spans=spans)  # [N, T, hidden]
+        return self.normed_logits(x.reshape(-1, x.shape[-1])).view(*x.shape[:2], -1)
 
     def hidden(
         self,
@@ -243,6 +260,8 @@ class CompactLlama(nn.Module):
         spans: Sequence[Span] | None = None,
     ) -> torch.Tensor:
         """The last decoder layer's output [N, T, hidden] for every token (see `forward`)."""
+        if spans is not None and self.native:
+            return self._native_hidden(k_cache, v_cache, rows.tokens, spans)
         x = F.embedding(rows.tokens, self.embed)  # [N, T, hidden]
         cos = self.cos[rows.positions][:, None]  # [N, 1, T, head_dim]
         sin = self.sin[rows.positions][:, None]
@@ -298,6 +317,9 @@ class CompactLlama(nn.Module):
         tokens, positions = index
         dims = self.shape.dims
         x = F.embedding(tokens, self.embed)  # [N, hidden]
+        if self.native:
+            x = self._native_layers(x, k_cache, v_cache, Placed.of(list(rows)))
+            return self.normed_logits(x)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [N, 1, D]
         # the rows' places, for one indexed write of several rows' K/V (a lone row: a slice)
         placed = Placed.of(list(rows))
@@ -314,6 +336,36 @@ class CompactLlama(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The head: normalised hidden states [..., hidden] -> fp32 logits [..., V]."""
         return linear(x, self.head).float()
+
+    def normed_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm and the head: hidden states [N, hidden] -> fp32 logits [N, V] (native:
+        one call, the norm as the head's prologue)."""
+        if self.native:
+            norm = {"prologue": "rms_norm", "norm": self.final_norm, "eps": self.shape.eps}
+            return native_linear(x.contiguous(), self.head, **norm).float()
+        return self.logits(rms_norm(x, self.final_norm, self.shape.eps))
+
+    def _native_layers(self, x, k_cache, v_cache, placed: Placed) -> torch.Tensor:
+        """Every decoder layer on n tokens (x [n, hidden], contiguous; placed: where each
+        attends) through native_layer -> the last layer's output [n, hidden]."""
+        rope, windows, dims = (self.cos, self.sin), self.shape.windows, self.shape.dims
+        for number, block in enumerate(self.blocks):
+            kv = (k_cache[number], v_cache[number])
+            x = native_layer(x, block, kv, (placed, windows[number]), dims, self.kernel, rope)
+        return x
+
+    def _native_hidden(self, k_cache, v_cache, tokens, spans) -> torch.Tensor:
+        """`hidden` of a prefill call on the native layers: its real tokens, row by row, as one
+        list (padding is skipped, its places left zero) -> [N, T, hidden]."""
+        n, t = tokens.shape
+        placed, index = _placed_tokens(spans, t)
+        if index is None:
+            x = F.embedding(tokens.reshape(-1), self.embed)
+            return self._native_layers(x, k_cache, v_cache, placed).view(n, t, -1)
+        x = F.embedding(tokens[index[0], index[1]], self.embed)
+        out = x.new_zeros(n, t, x.shape[-1])
+        out[index[0], index[1]] = self._native_layers(x, k_cache, v_cache, placed)
+        return out
 
     def _grouped(self, mask: torch.Tensor) -> torch.Tensor:
         """[N, T, W] -> [N, 1, groups * T, W]: one mask row per (query head of a group, token)."""
@@ -492,6 +544,23 @@ def rows_attention(h, block: Block, kv, cos, sin, where, dims: Dims, kernel) -> 
     # the query heads sharing a key/value head stacked along the query axis, as in `attention`
     q = qk[:, : dims.heads].reshape(n, dims.kv_heads, dims.heads // dims.kv_heads, -1)
     return linear(exact_attention(q, kv, placed, window, kernel), block.o, block.o_bias)
+
+
+def native_layer(x, block: Block, kv, where, dims: Dims, kernel, rope) -> torch.Tensor:
+    """One decoder layer on n tokens (x [n, hidden], contiguous) in five C calls: the q/k/v
+    projection of the normalised x; RoPE, the K/V writes and each token's exact attention; x
+    plus the output projection; the gate/up projection of the normalised x; x plus the down
+    projection of silu(gate) * up. Each token's numbers depend on it and its positions alone
+    (forward/csrc/). where: (the tokens' Placed, this layer's sliding window); rope: cos, sin.
+    Returns the layer's output, written into x."""
+    placed, window = where
+    norm = {"prologue": "rms_norm", "eps": dims.eps}
+    qkv = native_linear(x, block.qkv, norm=block.norm1, bias=block.qkv_bias, **norm)
+    groups = dims.heads // dims.kv_heads
+    out = kernel.with_rope(qkv, rope, kv[0], kv[1], placed, window, groups)  # [n, H * D]
+    x = native_linear(out, block.o, bias=block.o_bias, add_to=x)
+    h = native_linear(x, block.gate_up, norm=block.norm2, bias=block.gate_up_bias, **norm)
+    return native_linear(h, block.down, prologue="silu_mul", bias=block.down_bias, add_to=x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

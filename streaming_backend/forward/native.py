@@ -1,10 +1,12 @@
-"""The C kernel of exact attention (csrc/exact_attention.c): built once with the machine's C
-compiler, kept in the cache folder, called through ctypes.
+"""The compact forward's C kernels (csrc/): built once with the machine's C compiler into one
+library, kept in the cache folder, called through ctypes.
 
     kernel = native.attention_kernel()          # None where it cannot be built (reason logged)
     kernel(q, k_layer, v_layer, out, placed, window, scale)
+    matmul = native.matmul_kernel()             # the quantized matmuls (csrc/quant_matmul.c)
+    y = matmul.q4(x, packed, steps, lows)
 
-The library's name carries a digest of its source, flags and compiler, so an edited source or a
+The library's name carries a digest of its sources, flags and compiler, so an edited source or a
 new compiler builds a new one; a build goes to a temporary name and is renamed into place, so
 processes building at once (a server's stubs, parallel tests) never load half a file.
 `scripts/setup.sh` builds it ahead (`python -m streaming_backend.forward.native`), so a server
@@ -23,19 +25,33 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from streaming_backend.hardware import ATEN_BELOW_AVX512
 from streaming_backend.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "exact_attention.c"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = (CSRC / "exact_attention.c", CSRC / "quant_matmul.c")  # one library
+HEADERS = (CSRC / "common.h",)
 COMPILER_VARIABLE = "CC"  # the C compiler, as make reads it; else gcc, else cc
-BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
-X86_AVX2_FLAGS = ("-mavx2", "-mfma")  # every CPU kind here has them; one build for both kinds
+# -ffp-contract=off: no multiply and add fused unless the source says so, so every copy of an
+# inlined function rounds alike (a row's numbers must not depend on the tile it falls in)
+BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
+X86_AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")  # every CPU kind here has them
+# AVX-512 with VNNI: the quantized matmuls' integer dot products, two blocks an instruction (the
+# same sums as the AVX2 build, so the same bits); the attention is the AVX2 build's code
+X86_AVX512_FLAGS = (*X86_AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
+X86_AVX512_FLAGS += ("-mavx512vnni",)
+NEEDS = {  # /proc/cpuinfo flags per variant
+    "avx2": {"avx2", "fma", "f16c"},
+    "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"},
+}
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's dtype codes
 STATUS = {1: "bad arguments", 2: "out of memory"}  # its error codes
 
@@ -59,12 +75,18 @@ class AttentionKernel:
     """The loaded library's `ts_exact_attention`, and what it was built as."""
 
     def __init__(self, library: ctypes.CDLL, variant: str):
-        self.variant = variant  # "avx2" or "generic": part of the numerics (numerics.py)
+        self.variant = variant  # "avx512", "avx2" or "generic": part of the numerics (numerics.py)
         fn = library.ts_exact_attention
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 6]
         fn.argtypes += [ctypes.c_float, ctypes.c_int]
         self._fn = fn
+        rope = library.ts_rope_attention
+        rope.restype = ctypes.c_int
+        rope.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 3, ctypes.c_int64]
+        rope.argtypes += [*[ctypes.c_void_p] * 5, *[ctypes.c_int64] * 6]
+        rope.argtypes += [ctypes.c_float, ctypes.c_int]
+        self._rope = rope
 
     def __call__(
         self,
@@ -100,17 +122,130 @@ class AttentionKernel:
             raise RuntimeError(f"exact attention kernel: {STATUS.get(status, status)}")
         return out.reshape(n, -1)
 
+    def with_rope(
+        self,
+        qkv: torch.Tensor,  # [n, (heads + 2 kv_heads) * head_dim], contiguous
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [positions, head_dim]
+        k_layer: torch.Tensor,  # [places, kv_heads, max_len, head_dim], contiguous
+        v_layer: torch.Tensor,
+        placed: Placed,
+        window: int,
+        groups: int,
+    ) -> torch.Tensor:
+        """From a layer's q/k/v projection: RoPE on the queries and keys, every token's key and
+        value written at its place and position, then each token's attention over exactly its
+        own positions (as `__call__`) -> [n, heads * head_dim] in qkv's dtype."""
+        cos, sin = rope
+        places, kv_heads, max_len, head_dim = k_layer.shape
+        n, heads = qkv.shape[0], kv_heads * groups
+        tensors = (qkv, cos, sin, k_layer, v_layer)
+        if any(t.dtype != qkv.dtype or not t.is_contiguous() for t in tensors) or (
+            qkv.shape[1] != (heads + 2 * kv_heads) * head_dim or cos.shape[1] != head_dim
+        ):
+            raise ValueError("rope attention: tensors of one dtype, contiguous, shapes matching")
+        out = qkv.new_empty(n, heads * head_dim)
+        status = self._rope(
+            DTYPES[qkv.dtype], qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
+            k_layer.data_ptr(), v_layer.data_ptr(), out.data_ptr(),
+            placed.places.data_ptr(), placed.positions.data_ptr(),
+            n, kv_heads, groups, head_dim, max_len, min(window, 1 << 62), head_dim**-0.5,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status:
+            raise RuntimeError(f"rope attention kernel: {STATUS.get(status, status)}")
+        return out
 
-def variant() -> str:
-    """'avx2' on an x86-64 CPU with AVX2 and FMA (from /proc/cpuinfo: the hardware, not what
-    torch is told to use), else 'generic'."""
+
+class MatmulKernel:
+    """The loaded library's quantized matmuls (csrc/quant_matmul.c): activations quantized in
+    blocks of BLOCK inputs, integer dot products, float32 sums in an order fixed by k; a
+    prologue on x (RMS norm, or silu(gate) * up) and bias and residual after, so a decoder layer
+    is a few calls."""
+
+    BLOCK = 32  # inputs per block (QK in the source): k must be a multiple
+    PROLOGUES = {None: 0, "rms_norm": 1, "silu_mul": 2}
+
+    def __init__(self, library: ctypes.CDLL, variant: str):
+        self.variant = variant
+        head = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 3]
+        tail = [ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+        self._q4 = library.ts_q4_matmul
+        self._q4.argtypes = [*head, *[ctypes.c_void_p] * 3, *tail, ctypes.c_int]
+        self._q8 = library.ts_q8_matmul
+        self._q8.argtypes = [*head, *[ctypes.c_void_p] * 2, *tail, ctypes.c_int]
+        for fn in (self._q4, self._q8):
+            fn.restype = ctypes.c_int
+
+    def q4(self, x: torch.Tensor, packed, steps, lows, **around) -> torch.Tensor:
+        """x . W^T [m, n] for the int4 W (packed [n, k / 2] uint8, steps and lows [n, k / 32]
+        float16: quant.NativeInt4Weight); `around` as `_run` takes it."""
+        ptrs = (packed.data_ptr(), steps.data_ptr(), lows.data_ptr())
+        return self._run(self._q4, x, packed.shape[0], packed.shape[1] * 2, ptrs, **around)
+
+    def q8(self, x: torch.Tensor, weight, scales, **around) -> torch.Tensor:
+        """x . W^T [m, n] for W = weight [n, k] int8 * scales [n] float32
+        (quant.NativeInt8Weight); `around` as `_run` takes it."""
+        ptrs = (weight.data_ptr(), scales.data_ptr())
+        return self._run(self._q8, x, weight.shape[0], weight.shape[1], ptrs, **around)
+
+    def _run(
+        self,
+        fn,
+        x: torch.Tensor,  # [m, k] (silu_mul: [m, 2k]) float32 or bfloat16, contiguous
+        n: int,
+        k: int,
+        ptrs: tuple[int, ...],
+        prologue: str | None = None,  # "rms_norm" (with norm [k], eps) or "silu_mul"
+        norm: torch.Tensor | None = None,
+        eps: float = 0.0,
+        bias: torch.Tensor | None = None,  # [n]
+        add_to: torch.Tensor | None = None,  # [m, n]: y = add_to + product, written into it
+    ) -> torch.Tensor:
+        width = 2 * k if prologue == "silu_mul" else k
+        if x.dim() != 2 or x.shape[1] != width or x.dtype not in DTYPES or not x.is_contiguous():
+            raise ValueError(f"quantized matmul: x {tuple(x.shape)} {x.dtype} for k = {k}")
+        m = x.shape[0]
+        expected = {"norm": (norm, (k,)), "bias": (bias, (n,)), "add_to": (add_to, (m, n))}
+        for name, (tensor, shape) in expected.items():
+            if tensor is not None and (
+                tensor.shape != shape or tensor.dtype != x.dtype or not tensor.is_contiguous()
+            ):
+                raise ValueError(f"quantized matmul: {name} must be {x.dtype} {shape}")
+        if prologue == "rms_norm" and norm is None:
+            raise ValueError("quantized matmul: rms_norm needs norm")
+        y = add_to if add_to is not None else x.new_empty(m, n)
+        status = fn(
+            x.data_ptr(), y.data_ptr(), DTYPES[x.dtype], m, k, n, *ptrs,
+            self.PROLOGUES[prologue], _ptr(norm), eps, _ptr(bias), _ptr(add_to), _threads(),
+        )  # fmt: skip
+        if status:
+            raise RuntimeError(f"quantized matmul kernel: {STATUS.get(status, status)}")
+        return y
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def _threads() -> int:
+    """The kernels' threads: torch's count (the engine's StepThreads sets it per step)."""
+    return torch.get_num_threads()
+
+
+def variant(environ: Mapping[str, str] = os.environ) -> str:
+    """The build this CPU takes (NEEDS, from /proc/cpuinfo): 'avx512' (with VNNI), 'avx2', else
+    'generic'. ATEN_CPU_CAPABILITY=avx2 (or lower) keeps an AVX-512 CPU on the AVX2 build, as
+    it keeps torch's kernels: CI's run under the AVX2 caps tests that build here."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return "generic"
     try:
-        flags = Path("/proc/cpuinfo").read_text().split()
+        flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return "generic"
-    return "avx2" if "avx2" in flags and "fma" in flags else "generic"
+    capped = environ.get("ATEN_CPU_CAPABILITY", "").lower() in ATEN_BELOW_AVX512
+    if NEEDS["avx512"] <= flags and not capped:
+        return "avx512"
+    return "avx2" if NEEDS["avx2"] <= flags else "generic"
 
 
 def compiler() -> str | None:
@@ -122,17 +257,19 @@ def compiler() -> str | None:
 
 
 def library_path(cc: str, kind: str) -> Path:
-    """Where the library built from this source with `cc` for `kind` lives."""
+    """Where the library built from these sources with `cc` for `kind` lives."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(flags(kind)).encode(), version.encode()):
+    for source in (*SOURCES, *HEADERS):
+        digest.update(source.read_bytes())
+    for part in (" ".join(flags(kind)).encode(), version.encode()):
         digest.update(part)
-    return cache_dir() / "native" / f"exact_attention-{kind}-{digest.hexdigest()[:12]}.so"
+    return cache_dir() / "native" / f"tokenstream_kernels-{kind}-{digest.hexdigest()[:12]}.so"
 
 
 def flags(kind: str) -> tuple[str, ...]:
     """The compiler flags of a build for `kind`."""
-    return BASE_FLAGS + (X86_AVX2_FLAGS if kind == "avx2" else ())
+    return BASE_FLAGS + {"avx2": X86_AVX2_FLAGS, "avx512": X86_AVX512_FLAGS}.get(kind, ())
 
 
 def build(cc: str, kind: str) -> Path:
@@ -144,7 +281,7 @@ def build(cc: str, kind: str) -> Path:
     fd, partial = tempfile.mkstemp(prefix=target.name + ".", dir=target.parent)
     os.close(fd)
     try:
-        command = [cc, *flags(kind), "-o", partial, str(SOURCE), "-lm"]
+        command = [cc, *flags(kind), "-o", partial, *map(str, SOURCES), "-lm"]
         subprocess.run(command, check=True, capture_output=True, text=True)
         os.replace(partial, target)  # atomic: a concurrent build renames the same bytes
     finally:
@@ -154,31 +291,51 @@ def build(cc: str, kind: str) -> Path:
 
 
 @functools.cache
-def attention_kernel() -> AttentionKernel | None:
-    """The kernel, built if needed; None (with a warning saying why) where it cannot be, and the
-    compact forward then attends with torch, one call per token."""
+def library() -> tuple[ctypes.CDLL, str] | None:
+    """The kernels' library and its variant, built if needed; None (with a warning saying why)
+    where it cannot be: the compact forward then attends with torch, one call per token, and
+    runs its quantized weights on torch's kernels."""
     cc = compiler()
     if cc is None:
-        log.warning("no C compiler (gcc, cc or $CC): exact attention runs on torch, slower")
+        log.warning("no C compiler (gcc, cc or $CC): the forward's kernels run on torch, slower")
         return None
     kind = variant()
     try:
-        path = build(cc, kind)
-        return AttentionKernel(ctypes.CDLL(str(path)), kind)
+        return ctypes.CDLL(str(build(cc, kind))), kind
     except subprocess.CalledProcessError as exc:
-        log.warning("building %s failed, attention runs on torch: %s", SOURCE.name, exc.stderr)
+        log.warning("building the C kernels failed, the forward runs on torch: %s", exc.stderr)
     except OSError as exc:
-        log.warning("loading the exact attention kernel failed, attention runs on torch: %s", exc)
+        log.warning("loading the C kernels failed, the forward runs on torch: %s", exc)
     return None
 
 
+@functools.cache
+def attention_kernel() -> AttentionKernel | None:
+    """The exact attention kernel; None where the library cannot be built."""
+    loaded = library()
+    return AttentionKernel(*loaded) if loaded else None
+
+
+@functools.cache
+def matmul_kernel() -> MatmulKernel | None:
+    """The quantized matmul kernels; None where the library cannot be built."""
+    loaded = library()
+    return MatmulKernel(*loaded) if loaded else None
+
+
+def forget() -> None:
+    """Forget the loaded kernels, so the next call looks for a compiler again (tests)."""
+    for cached in (library, attention_kernel, matmul_kernel):
+        cached.cache_clear()
+
+
 def main() -> int:
-    """Build the kernel now (scripts/setup.sh); exit 1 if it cannot be built."""
+    """Build the kernels now (scripts/setup.sh); exit 1 if they cannot be built."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    kernel = attention_kernel()
-    if kernel is None:
+    loaded = library()
+    if loaded is None:
         return 1
-    print(f"exact attention kernel: {kernel.variant}, {library_path(compiler(), kernel.variant)}")
+    print(f"C kernels: {loaded[1]}, {library_path(compiler(), loaded[1])}")
     return 0
 
 

@@ -1,19 +1,23 @@
-"""Quantized linear weights for the compact forward, run by torch's own CPU kernels.
+"""Quantized linear weights for the compact forward, run by our C kernels or torch's.
 
     weight = quantize_weight(linear.weight, "int8")   # or "int4", or "none" (unchanged)
     y = linear(x, weight, bias)                        # F.linear for a plain tensor
 
-- int8: weight-only, one scale per output row (`torch.ops.aten._weight_int8pack_mm`): a quarter
-  of float32's bytes, half of bfloat16's.
-- int4: weight-only, asymmetric, one scale and zero per group of INT4_GROUP inputs per output row
-  (`torch.ops.aten._convert_weight_to_int4pack_for_cpu`, `_weight_int4pack_mm_for_cpu`); the
-  head stays int8 (HEAD_KIND).
+- int8: weight-only, symmetric, one scale per output row: a quarter of float32's bytes, half
+  of bfloat16's.
+- int4: weight-only, asymmetric, one step and low per group of INT4_GROUP inputs per output
+  row; the head stays int8 (HEAD_KIND).
 
-Both kernels' fast paths take 16-bit activations: a float32 model's go through bfloat16 at each
-quantized matmul and come back as float32 (COMPUTE_DTYPE); the rest of the model stays float32.
+Where the C kernels build (forward/native.py, csrc/quant_matmul.c) the weights are laid out for
+them (NativeInt4Weight, NativeInt8Weight): they quantize each activation row in blocks of 32
+inputs with a step per block and multiply with integer dot products, streaming the weights at
+close to memory speed for one row. Elsewhere (no C compiler, a weight whose inputs do not fill
+whole blocks) torch's weight-only kernels run them (Int4Weight, Int8Weight): their fast paths
+take 16-bit activations, so a float32 model's go through bfloat16 at each quantized matmul and
+come back as float32 (COMPUTE_DTYPE). `kernel_name` says which a weight runs on.
 
 Both are CPU kernels: quantizing a weight on another device raises ValueError. A weight whose
-shape a kernel cannot take (int4: inputs not a multiple of the group) stays unquantized.
+shape no kernel can take (int4: inputs not a multiple of the group) stays unquantized.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from streaming_backend.config import QUANTIZE_KINDS
+from streaming_backend.forward import native
 
 # inputs per int4 scale/zero pair: 64 failed the quality gate on the default model (greedy
 # agreement 67 %, perplexity +32 %), 32 passed (docs/performance.md)
@@ -61,7 +66,35 @@ class Int4Weight(NamedTuple):
     group: int
 
 
-Weight = torch.Tensor | Int8Weight | Int4Weight
+class NativeInt8Weight(NamedTuple):
+    """An int8 weight [out, in] with one float32 scale per output row, for the C kernel."""
+
+    weight: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out] float32
+
+
+class NativeInt4Weight(NamedTuple):
+    """A 4-bit weight in the C kernel's layout: w = l * step + low per group of INT4_GROUP inputs,
+    l in [0, 15]."""
+
+    # [out, in / 2]: byte j of a group holds input j (low nibble) and input j + 16 (high nibble)
+    packed: torch.Tensor
+    steps: torch.Tensor  # [out, in / group] float16
+    lows: torch.Tensor  # [out, in / group] float16
+
+
+Weight = torch.Tensor | Int8Weight | Int4Weight | NativeInt8Weight | NativeInt4Weight
+NATIVE_WEIGHTS = (NativeInt8Weight, NativeInt4Weight)
+
+
+MATMULS = ("auto", "aten")  # what runs quantized weights: ours where they build, or torch's
+
+
+def check_matmul(matmul: str) -> str:
+    """`matmul` if it is one of MATMULS, else ValueError naming them."""
+    if matmul not in MATMULS:
+        raise ValueError(f"unknown matmul {matmul!r}; choose {', '.join(MATMULS)}")
+    return matmul
 
 
 def check_kind(kind: str) -> str:
@@ -71,17 +104,29 @@ def check_kind(kind: str) -> str:
     return kind
 
 
-def quantize_weight(weight: torch.Tensor, kind: str) -> Weight:
-    """A linear weight [out, in] as `kind` ("none": the tensor itself)."""
+def quantize_weight(weight: torch.Tensor, kind: str, matmul: str = "auto") -> Weight:
+    """A linear weight [out, in] as `kind` ("none": the tensor itself), for our C kernels where
+    they build and take its shape, else (or with matmul "aten") for torch's."""
     if check_kind(kind) == "none":
         return weight
     if weight.device.type != "cpu":
         raise ValueError(f"{kind} weights use torch's CPU kernels; the model is on {weight.device}")
+    # the C kernel quantizes activations in whole blocks of its inputs (native.MatmulKernel)
+    fits = weight.shape[1] % native.MatmulKernel.BLOCK == 0
+    on_native = check_matmul(matmul) == "auto" and fits and native.matmul_kernel() is not None
     if kind == "int8":
-        return quantize_int8(weight)
+        return quantize_int8_native(weight) if on_native else quantize_int8(weight)
     if weight.shape[1] % INT4_GROUP:
-        return weight  # the kernel groups whole inputs
-    return quantize_int4(weight, INT4_GROUP)
+        return weight  # the kernels group whole inputs
+    return quantize_int4_native(weight) if on_native else quantize_int4(weight, INT4_GROUP)
+
+
+def kernel_name(weight: Weight) -> str:
+    """What runs a weight's matmuls: c-avx2 / c-generic (our C kernels as built), aten (torch's
+    weight-only kernels) or dense (a plain tensor)."""
+    if isinstance(weight, NATIVE_WEIGHTS):
+        return f"c-{native.matmul_kernel().variant}"
+    return "dense" if isinstance(weight, torch.Tensor) else "aten"
 
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:
@@ -108,12 +153,45 @@ def quantize_int4(weight: torch.Tensor, group: int) -> Int4Weight:
     return Int4Weight(packed, scales_zeros.to(compute_dtype(weight.dtype)), group)
 
 
+def quantize_int8_native(weight: torch.Tensor) -> NativeInt8Weight:
+    """Symmetric per-row int8 for the C kernel: w ~ q * scale, q in [-127, 127], scale float32."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # [out]
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return NativeInt8Weight(q.contiguous(), scales.contiguous())
+
+
+def quantize_int4_native(weight: torch.Tensor) -> NativeInt4Weight:
+    """Asymmetric int4 per group of INT4_GROUP inputs for the C kernel: w ~ l * step + low, l in
+    [0, 15], step and low as float16 (each l the nearest level for them as stored)."""
+    out, inputs = weight.shape
+    w = weight.detach().float().view(out, inputs // INT4_GROUP, INT4_GROUP)
+    low = w.amin(dim=-1).to(torch.float16)  # [out, groups]
+    step = ((w.amax(dim=-1) - low.float()) / 15).to(torch.float16)
+    levels = torch.round((w - low.float()[..., None]) / step.float().clamp(min=1e-30)[..., None])
+    levels = levels.clamp(0, 15).to(torch.uint8)  # [out, groups, group]
+    half = INT4_GROUP // 2
+    packed = levels[..., :half] | (levels[..., half:] << 4)  # [out, groups, group / 2]
+    return NativeInt4Weight(packed.reshape(out, inputs // 2).contiguous(), step, low)
+
+
+def _native_levels(weight: NativeInt4Weight) -> torch.Tensor:
+    """The int4 levels l [out, groups, group] of a NativeInt4Weight."""
+    out = weight.packed.shape[0]
+    packed = weight.packed.view(out, -1, INT4_GROUP // 2)
+    return torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+
+
 def dequantize(weight: Weight) -> torch.Tensor:
     """The float weight [out, in] a quantized one stands for (float32; tests and checks)."""
     if isinstance(weight, torch.Tensor):
         return weight.float()
-    if isinstance(weight, Int8Weight):
+    if isinstance(weight, Int8Weight | NativeInt8Weight):
         return weight.weight.float() * weight.scales.float()[:, None]
+    if isinstance(weight, NativeInt4Weight):
+        levels = _native_levels(weight).float()  # [out, groups, group]
+        w = levels * weight.steps.float()[..., None] + weight.lows.float()[..., None]
+        return w.reshape(w.shape[0], -1)
     # the identity matrix through the kernel: row i of the result is input i of every output
     inputs = weight.packed.shape[1] * 2
     eye = torch.eye(inputs, dtype=weight.scales_zeros.dtype)
@@ -128,6 +206,11 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     # the kernels take contiguous 2-D inputs; a lone stream's [1, in] goes as it is (each
     # reshape is one more operator call in a step of a few milliseconds)
     flat = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+    if isinstance(weight, NATIVE_WEIGHTS):
+        y = _native_linear(flat, weight)
+        if x.dim() != 2:
+            y = y.view(*x.shape[:-1], y.shape[-1])
+        return y if bias is None else y + bias
     int8 = isinstance(weight, Int8Weight)
     compute = (weight.scales if int8 else weight.scales_zeros).dtype  # compute_dtype
     if flat.dtype != compute:
@@ -143,6 +226,29 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     if x.dim() != 2:
         y = y.view(*x.shape[:-1], y.shape[-1])
     return y if bias is None else y + bias
+
+
+def native_linear(
+    x: torch.Tensor, weight: NativeInt8Weight | NativeInt4Weight, **around
+) -> torch.Tensor:
+    """x [m, in] (float32 or bfloat16, contiguous) . W^T through the C kernel, with what
+    native.MatmulKernel takes around it (an RMS norm or silu(gate) * up before, bias and a
+    residual after) -> [m, out] in x's dtype."""
+    kernel = native.matmul_kernel()
+    if isinstance(weight, NativeInt4Weight):
+        return kernel.q4(x, weight.packed, weight.steps, weight.lows, **around)
+    return kernel.q8(x, weight.weight, weight.scales, **around)
+
+
+def _native_linear(flat: torch.Tensor, weight: NativeInt8Weight | NativeInt4Weight) -> torch.Tensor:
+    """flat [m, in] . W^T through the C kernel, in flat's dtype (float16 through float32)."""
+    if torch.compiler.is_compiling():  # ctypes is opaque to dynamo: run this call eagerly
+        return _native_linear_eager(flat, weight)
+    y = native_linear(flat if flat.dtype in native.DTYPES else flat.float(), weight)
+    return y if y.dtype == flat.dtype else y.to(flat.dtype)
+
+
+_native_linear_eager = torch.compiler.disable(_native_linear)
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

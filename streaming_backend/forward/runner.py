@@ -21,7 +21,7 @@ import torch
 
 from streaming_backend.forward.buckets import window_for
 from streaming_backend.forward.llama import CompactLlama, Rows, Span
-from streaming_backend.forward.quant import check_kind
+from streaming_backend.forward.quant import check_kind, check_matmul
 from streaming_backend.forward.slots import CacheBudget, SlotCache
 from streaming_backend.loading import LoadedModel
 
@@ -40,12 +40,16 @@ class ForwardConfig:
     # On CUDA: capture the decode step as CUDA graphs per batch-size bucket. Off here; the engine
     # (steps/build.py) turns it on with `compile` on a GPU. No GPU has run this path yet.
     cuda_graphs: bool = False
-    # The linear weights as torch's CPU weight-only kernels take them: "none", "int8" or "int4"
-    # (forward/quant.py; scripts/quant_quality.py checks greedy agreement and perplexity).
+    # The linear weights' format: "none", "int8" or "int4" (forward/quant.py;
+    # scripts/quant_quality.py checks greedy agreement and perplexity).
     quantize: str = "none"
+    # What runs quantized weights: "auto" (our C kernels where they build, else torch's) or
+    # "aten" (torch's weight-only kernels; scripts/forward_bench.py's -aten systems compare)
+    matmul: str = "auto"
 
     def __post_init__(self) -> None:
         check_kind(self.quantize)
+        check_matmul(self.matmul)
 
 
 class PromptChunk(NamedTuple):
@@ -72,7 +76,7 @@ class SlotForward:
     @classmethod
     def create(cls, loaded: LoadedModel, config: ForwardConfig) -> SlotForward:
         """Build the forward for a loaded model (UnsupportedModel if not Llama-family)."""
-        model = CompactLlama(loaded.model, config.quantize)
+        model = CompactLlama(loaded.model, config.quantize, config.matmul)
         max_len = min(config.max_len or loaded.context_length, model.shape.max_positions)
         cache = SlotCache.for_budget(
             model.shape, max_len, loaded.dtype, loaded.device, config.budget, config.max_slots

@@ -54,6 +54,7 @@ class Steps(Protocol[S]):
     quantize: str  # the linear weights' format: none, int8, int4 (forward/quant.py)
     decode_path: str  # how a decode step runs: eager, compiled (torch.compile) or cuda_graphs
     attention: str  # what computes attention: c-avx2, c-generic, torch (compact) or hf
+    matmul: str  # what runs the linear weights: c-avx2, c-generic, aten, dense (compact) or hf
     prompt_tokens_per_step: int | None  # admission cap on prompt tokens; None: prefill is chunked
 
     def capacity(self) -> int: ...  # streams that can be admitted now

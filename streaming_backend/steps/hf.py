@@ -28,6 +28,7 @@ class HfSteps:
     quantize = "none"  # the model's own weights, as loaded
     decode_path = "eager"
     attention = "hf"  # the Hugging Face modelling code's own
+    matmul = "hf"
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, on_failure: OnFailure):
         self.loaded = loaded

@@ -67,6 +67,11 @@ class SlotSteps:
         return self.forward.model.attention
 
     @property
+    def matmul(self) -> str:
+        """What runs the linear weights: our C kernels, aten or dense (forward/quant.py)."""
+        return self.forward.model.matmul
+
+    @property
     def decode_path(self) -> str:
         """eager, or the faster step steps/build.py set up: CUDA graphs on a GPU, else compiled."""
         if self.forward.compile_seconds is None:  # not asked for, or it failed: eager

@@ -25,6 +25,7 @@ FACTS = Numerics(
     forward="compact",
     decode="eager",
     attention="c-avx2",
+    matmul="c-avx2",
     device="cpu",
     kernels="AVX512",
     threads=2,
@@ -56,8 +57,9 @@ def test_every_fact_changes_the_fingerprint(name):
 
 def steps(name: str, quantize: str = "none", decode_path: str = "eager", attention: str = "torch"):
     """What describe reads of a forward's steps."""
+    matmul = "hf" if name == "hf" else ("dense" if quantize == "none" else "c-avx2")
     return SimpleNamespace(
-        name=name, quantize=quantize, decode_path=decode_path, attention=attention
+        name=name, quantize=quantize, decode_path=decode_path, attention=attention, matmul=matmul
     )
 
 

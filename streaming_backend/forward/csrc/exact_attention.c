@@ -1,6 +1,6 @@
 /* Exact attention over a slot KV cache: every token attends over exactly its own positions.
  *
- * Built by streaming_backend/forward/native.py (gcc -O3 -fopenmp, -mavx2 -mfma on x86-64) and
+ * Built by streaming_backend/forward/native.py (gcc -O3 -fopenmp, -mavx2 -mfma -mf16c on x86-64) and
  * called through ctypes with the tensors' data pointers; the GIL is released for the call.
  *
  * A token's result is computed by one thread, in an order fixed by its own position alone
@@ -22,96 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define TS_AVX2 1
-#endif
-
-enum { TS_F32 = 0, TS_BF16 = 1 };
-enum { TS_OK = 0, TS_BAD_ARGS = 1, TS_NO_MEMORY = 2 };
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch converts float32 to bfloat16 (NaN stays a quiet NaN). */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-/* exp(x) for x <= 0 (a score minus the row's maximum): 2^n * p(r), x = n ln2 + r, |r| <= ln2/2,
- * p a degree-6 polynomial (relative error below 2e-7); below -87 it is 0. */
-#define EXP_LOW -87.0f
-#define LOG2E 1.44269504088896341f
-#define LN2_HI 0.693359375f
-#define LN2_LO -2.12194440e-4f
-#define P0 1.9875691500e-4f
-#define P1 1.3981999507e-3f
-#define P2 8.3334519073e-3f
-#define P3 4.1665795894e-2f
-#define P4 1.6666665459e-1f
-#define P5 5.0000001201e-1f
-
-static inline float exp_neg(float x) {
-    if (x < EXP_LOW) return 0.0f;
-    float n = nearbyintf(x * LOG2E);
-    float r = fmaf(n, -LN2_HI, x);
-    r = fmaf(n, -LN2_LO, r);
-    float p = fmaf(P0, r, P1);
-    p = fmaf(p, r, P2);
-    p = fmaf(p, r, P3);
-    p = fmaf(p, r, P4);
-    p = fmaf(p, r, P5);
-    p = fmaf(p, r * r, r) + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-
-#ifdef TS_AVX2
-static inline __m256 exp_neg8(__m256 x) {
-    __m256 low = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LOW), _CMP_LT_OQ);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
-    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(P0), r, _mm256_set1_ps(P1));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P2));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P4));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P5));
-    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-    /* n is clamped so that lanes below EXP_LOW (zeroed next) do not overflow the exponent */
-    __m256i e = _mm256_cvtps_epi32(_mm256_max_ps(n, _mm256_set1_ps(-126.0f)));
-    __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
-    return _mm256_andnot_ps(low, _mm256_mul_ps(p, scale));
-}
-
-static inline __m256 load8(const void *base, int64_t index, int dtype) {
-    if (dtype == TS_F32) return _mm256_loadu_ps((const float *)base + index);
-    __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + index));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#endif
-
-static inline float load1(const void *base, int64_t index, int dtype) {
-    return dtype == TS_F32 ? ((const float *)base)[index] : bf16_to_f32(((const uint16_t *)base)[index]);
-}
+#include "common.h"
 
 /* q . k over d values, in an order fixed by d alone. */
 static float dot(const float *q, const void *k, int64_t k_at, int64_t d, int dtype) {
@@ -249,35 +160,91 @@ static void attend_one(const Call *c, int64_t token, int64_t head, float *work) 
         weighted_sum(acc + g * d, p, c->v, cache_at, count, d, c->dtype);
     }
     for (int64_t i = 0; i < groups * d; i++) {
-        const float value = acc[i] * inverse[i / d];
-        if (c->dtype == TS_F32)
-            ((float *)c->out)[q_at + i] = value;
-        else
-            ((uint16_t *)c->out)[q_at + i] = f32_to_bf16(value);
+        store1(c->out, q_at + i, c->dtype, acc[i] * inverse[i / d]);
     }
 }
 
-/* Attention of n tokens (see the top of this file) on `threads` OpenMP threads (torch's own
- * runtime when torch is loaded first). Returns TS_OK, or TS_BAD_ARGS / TS_NO_MEMORY with
- * nothing written. */
-int ts_exact_attention(int dtype, const void *q, const void *k, const void *v, void *out,
-                       const int64_t *places, const int64_t *positions, int64_t n,
-                       int64_t kv_heads, int64_t groups, int64_t head_dim, int64_t max_len,
-                       int64_t window, float scale, int threads) {
-    if ((dtype != TS_F32 && dtype != TS_BF16) || n < 0 || kv_heads < 1 || groups < 1 ||
-        head_dim < 1 || max_len < 1 || window < 1 || threads < 1)
-        return TS_BAD_ARGS;
-    for (int64_t t = 0; t < n; t++)
-        if (positions[t] < 0 || positions[t] >= max_len || places[t] < 0) return TS_BAD_ARGS;
-    const Call c = {dtype, q, k, v, out, places, positions, kv_heads, groups, head_dim, max_len,
-                    window, scale};
-    const int64_t items = n * kv_heads, per_thread = groups * (max_len + 2 * head_dim);
+/* Every (token, key/value head) of c on up to `threads` OpenMP threads (torch's own runtime when
+ * torch is loaded first); the arguments are checked. */
+static int attend_all(const Call *c, int64_t n, int threads) {
+    const int64_t items = n * c->kv_heads, per_thread = c->groups * (c->max_len + 2 * c->head_dim);
     if (threads > items) threads = items > 0 ? (int)items : 1;
     float *work = malloc((size_t)threads * (size_t)per_thread * sizeof(float));
     if (work == NULL) return TS_NO_MEMORY;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t item = 0; item < items; item++)
-        attend_one(&c, item / kv_heads, item % kv_heads, work + (int64_t)omp_get_thread_num() * per_thread);
+        attend_one(c, item / c->kv_heads, item % c->kv_heads, work + (int64_t)omp_get_thread_num() * per_thread);
     free(work);
     return TS_OK;
+}
+
+static int bad_positions(const int64_t *places, const int64_t *positions, int64_t n, int64_t max_len) {
+    for (int64_t t = 0; t < n; t++)
+        if (positions[t] < 0 || positions[t] >= max_len || places[t] < 0) return 1;
+    return 0;
+}
+
+/* Attention of n tokens (see the top of this file). Returns TS_OK, or TS_BAD_ARGS /
+ * TS_NO_MEMORY with nothing written. */
+int ts_exact_attention(int dtype, const void *q, const void *k, const void *v, void *out,
+                       const int64_t *places, const int64_t *positions, int64_t n,
+                       int64_t kv_heads, int64_t groups, int64_t head_dim, int64_t max_len,
+                       int64_t window, float scale, int threads) {
+    if ((dtype != TS_F32 && dtype != TS_BF16) || n < 0 || kv_heads < 1 || groups < 1 ||
+        head_dim < 1 || max_len < 1 || window < 1 || threads < 1 ||
+        bad_positions(places, positions, n, max_len))
+        return TS_BAD_ARGS;
+    const Call c = {dtype, q, k, v, out, places, positions, kv_heads, groups, head_dim, max_len,
+                    window, scale};
+    return attend_all(&c, n, threads);
+}
+
+/* x rotated by RoPE (Hugging Face's rotate_half: the first half pairs with the second) into `to`
+ * at to_at, d values; cos and sin rows of the position at cs_at. In float32, rounded once. */
+static void rotate(void *to, int64_t to_at, const void *x, int64_t x_at, const void *cos, const void *sin,
+                   int64_t cs_at, int64_t d, int dtype) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < d; i++) {
+        const float partner = load1(x, x_at + (i < half ? i + half : i - half), dtype);
+        const float turned = i < half ? -partner : partner;
+        const float value = load1(x, x_at + i, dtype) * load1(cos, cs_at + i, dtype) + turned * load1(sin, cs_at + i, dtype);
+        store1(to, to_at + i, dtype, value);
+    }
+}
+
+/* One decoder layer's attention from its q/k/v projection: RoPE on each token's query and key
+ * heads, every token's key and value written into the cache at (place, position), then each
+ * token's attention over exactly its own positions (so a chunk's tokens see each other).
+ *
+ *   qkv   [n, (heads + 2 kv_heads) * head_dim]  the projection: query heads, key heads, value heads
+ *   cos, sin  [positions, head_dim]  RoPE tables, the rows indexed by position
+ *   out   [n, heads * head_dim]
+ * dtype: of all of them and of the cache. Returns TS_OK, or TS_BAD_ARGS / TS_NO_MEMORY with
+ * nothing written. */
+int ts_rope_attention(int dtype, const void *qkv, const void *cos, const void *sin, int64_t positions_in_table,
+                      void *k, void *v, void *out, const int64_t *places, const int64_t *positions, int64_t n,
+                      int64_t kv_heads, int64_t groups, int64_t head_dim, int64_t max_len, int64_t window,
+                      float scale, int threads) {
+    if ((dtype != TS_F32 && dtype != TS_BF16) || n < 0 || kv_heads < 1 || groups < 1 ||
+        head_dim < 2 || head_dim % 2 || max_len < 1 || window < 1 || threads < 1 ||
+        bad_positions(places, positions, n, max_len < positions_in_table ? max_len : positions_in_table))
+        return TS_BAD_ARGS;
+    const int64_t d = head_dim, heads = kv_heads * groups, width = (heads + 2 * kv_heads) * d;
+    const size_t size = dtype == TS_F32 ? sizeof(float) : sizeof(uint16_t);
+    void *q = malloc((size_t)(n * heads * d) * size);  /* the rotated queries, [n, heads, d] */
+    if (q == NULL) return TS_NO_MEMORY;
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t at = t * width, cs_at = positions[t] * d;
+        for (int64_t h = 0; h < heads; h++) rotate(q, (t * heads + h) * d, qkv, at + h * d, cos, sin, cs_at, d, dtype);
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const int64_t cache_at = ((places[t] * kv_heads + h) * max_len + positions[t]) * d;
+            rotate(k, cache_at, qkv, at + (heads + h) * d, cos, sin, cs_at, d, dtype);
+            memcpy((char *)v + cache_at * size, (const char *)qkv + (at + (heads + kv_heads + h) * d) * size, d * size);
+        }
+    }
+    const Call c = {dtype, q, k, v, out, places, positions, kv_heads, groups, head_dim, max_len,
+                    window, scale};
+    const int status = attend_all(&c, n, threads);
+    free(q);
+    return status;
 }

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streaming_backend.forward import quant
+from streaming_backend.forward import native, quant
 from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
 from streaming_backend.forward.slots import CacheBudget
 from streaming_backend.loading import load_model
@@ -66,6 +66,80 @@ def test_linear_equals_the_dequantized_matmul(kind, dtype):
     torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
 
 
+def block_quantized(x: torch.Tensor) -> torch.Tensor:
+    """x [m, k] as the C kernel reads it: each block of 32 inputs rounded to the nearest of 255
+    levels of max|block| / 127 (ties to even), as float32."""
+    blocks = x.float().view(x.shape[0], -1, 32)
+    top = blocks.abs().amax(-1, keepdim=True)
+    # a true division, as the kernel's (torch computes `127 / top` as 127 * (1 / top), which
+    # moves a value that lands on a half level to the other side now and then)
+    inverse = torch.where(top > 0, torch.full_like(top, 127.0) / top, torch.zeros_like(top))
+    return (torch.round(blocks * inverse) * (top / 127)).view(x.shape)
+
+
+def test_native_int4_keeps_each_weight_within_half_a_step():
+    """The C kernel's int4: per group of 32 inputs, w ~ l * step + low with l in [0, 15] and
+    step, low in float16; each weight within half a step of its value (plus float16's rounding
+    of the low); packed two inputs a byte, j and j + 16 of a group."""
+    w = weight()
+    q = quant.quantize_int4_native(w)
+    assert q.packed.shape == (96, 64) and q.packed.dtype == torch.uint8
+    assert q.steps.shape == q.lows.shape == (96, 4) and q.steps.dtype == torch.float16
+    got = quant.dequantize(q).view(96, 4, 32)
+    error = (got - w.view(96, 4, 32)).abs()
+    assert (error <= q.steps.float()[..., None] * 0.51).all()
+    first = q.packed[0, 0].item()  # inputs 0 and 16 of row 0
+    for nibble, column in ((first & 15, 0), (first >> 4, 16)):
+        value = nibble * q.steps[0, 0].float() + q.lows[0, 0].float()
+        assert value == got[0, 0, column]
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_linear_is_the_block_quantized_activations_times_the_weight(kind, dtype):
+    """The C kernel computes (x quantized per block of 32) @ dequantize(W).T: to float32
+    rounding for float32 output, to bfloat16's for bfloat16; the head's shape too."""
+    generator = torch.Generator().manual_seed(1)
+    for inputs, outputs in ((128, 96), (576, 960), (1536, 576), (576, 4099)):
+        w = (torch.randn(outputs, inputs, generator=generator) * 0.05).to(dtype)
+        q = quant.quantize_weight(w, kind)
+        assert isinstance(q, quant.NATIVE_WEIGHTS)
+        x = torch.randn(7, inputs, generator=generator).to(dtype)
+        expected = block_quantized(x) @ quant.dequantize(q).T
+        got = quant.linear(x, q)
+        assert got.dtype == dtype
+        scale = expected.abs().max()
+        rtol = 1e-5 if dtype == torch.float32 else 2**-8
+        assert ((got.float() - expected).abs() <= scale * 1e-5 + expected.abs() * rtol).all()
+
+
+def test_native_linear_is_the_same_on_one_thread_and_two():
+    """Each output is computed by one thread in an order fixed by the inputs' count: one
+    thread and two give the same bits."""
+    w = torch.randn(3072, 576) * 0.05
+    x = torch.randn(5, 576)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append([quant.linear(x, quant.quantize_weight(w, k)) for k in ("int8", "int4")])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_native_kernel_refuses_what_it_cannot_read():
+    """An activation of the wrong width or dtype fails loudly before anything is read."""
+    kernel = native.matmul_kernel()
+    q = quant.quantize_int4_native(weight())
+    with pytest.raises(ValueError, match="for k = 128"):
+        kernel.q4(torch.randn(2, 96), *q)
+    with pytest.raises(ValueError, match="float64"):
+        kernel.q4(torch.randn(2, 128, dtype=torch.float64), *q)
+    assert quant.linear(torch.randn(0, 128), q).shape == (0, 96)
+
+
 def test_plain_weights_and_unfit_shapes_stay_tensors():
     """'none' is the weight itself; int4 leaves a weight whose inputs do not fill whole groups."""
     w = weight()
@@ -95,7 +169,9 @@ def test_quantized_forward_follows_the_plain_one(tiny_model_dir, kind):
     loaded = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
     plain = SlotForward.create(loaded, CONFIG)
     quantized = SlotForward.create(loaded, ForwardConfig(**{**CONFIG.__dict__, "quantize": kind}))
-    assert isinstance(quantized.model.head, quant.Int8Weight)  # int4 too: HEAD_KIND
+    # int4 too: HEAD_KIND; the C kernel's layouts (the suite's machines all have gcc)
+    assert isinstance(quantized.model.head, quant.NativeInt8Weight)
+    assert quantized.model.matmul == f"c-{native.variant()}"
     assert all(not isinstance(b.gate_up, torch.Tensor) for b in quantized.model.blocks)
     ids = torch.randint(0, 1000, (12,), generator=torch.Generator().manual_seed(4)).tolist()
     results = []

@@ -1,0 +1,532 @@
+/* Weight-only quantized matmuls: y [m, n] = x [m, k] . W^T for a W [n, k] stored in 4 or 8 bits.
+ *
+ * Built with exact_attention.c into one library by streaming_backend/forward/native.py and called
+ * through ctypes with the tensors' data pointers; the GIL is released for the call.
+ *
+ * The activations are quantized first, each row on its own, in blocks of QK = 32 inputs: a block
+ * keeps 32 int8 values q and its step d = max|x| / 127 (x ~ q * d), and s = d * sum(q). Every
+ * block of a weight row then meets every block of an activation row in one integer dot product
+ * (exact), scaled and summed in float32:
+ *
+ *   int4 ("q4"): w = l * step + low per block of 32 inputs, l in [0, 15], step and low in float16
+ *       y = sum over blocks of (d * step) * (l . q) + low * s
+ *   int8 ("q8"): w = l * scale, l in [-127, 127], one float32 scale per weight row
+ *       y = scale * sum over blocks of d * (l . q)
+ *
+ * One model whatever the load: the value of y[r, c] depends on row r of x and row c of W alone.
+ * Its blocks are summed in an order fixed by k (two chains, even and odd blocks, then added, then
+ * the 8 lanes in one fixed tree), whatever m, n, the tile a row falls in or the thread that
+ * computes it. So a row's numbers are the same alone, in a crowd, decoded or prefilled, and on
+ * any number of threads.
+ *
+ * Layouts (row-major, contiguous):
+ *   q4: packed [n, k / 2] uint8: byte j of a block holds input j in its low nibble and input
+ *       j + 16 in its high one; steps, lows [n, k / 32] float16
+ *   q8: weight [n, k] int8; scales [n] float32
+ *   x [m, k] (silu_mul: [m, 2k]), y [m, n], norm [k], bias [n], residual [m, n]: one dtype,
+ *   float32 or bfloat16 (codes as common.h)
+ *
+ * Around the product, so a decoder layer is a few calls (forward/llama.py, native_layer):
+ *   before it, each row of x can be RMS-normalised (x / rms(x) * norm, in float32, the squares
+ *   summed in an order fixed by k) or taken as silu(x[:, :k]) * x[:, k:] (an MLP's gate and up);
+ *   after it, y = product + bias + residual, rounded once to the dtype (residual may be y).
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+#define QK 32            /* inputs per block, of the activations and of the int4 weights */
+#define ROW_TILE 4       /* activation rows that share one read of a weight block */
+#define COL_CHUNK 64     /* weight rows a thread takes at a time (they stay in its cache) */
+#define MIN_THREAD_WORK (1 << 18)  /* weight values worth a thread of their own */
+
+/* The activation rows, quantized: row r's block b is q[r * k + 32 b ...] with step d[r * blocks + b]
+ * (x ~ q * d) and s[r * blocks + b] = d * sum(q). */
+typedef struct {
+    int8_t *q;
+    float *d, *s;
+} Quantized;
+
+static inline float half_to_float(uint16_t h) {
+#ifdef TS_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else {  /* subnormal: normalise */
+        exp = 113u;
+        while (!(man & 0x400u)) { man <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+/* One row of x (k values from x_at) as k / QK blocks: values q, steps d, d * sum(q) s. */
+static void quantize_row(int8_t *qs, float *ds, float *ss, const void *x, int64_t x_at, int64_t k,
+                         int dtype) {
+    for (int64_t b = 0; b < k / QK; b++) {
+        const int64_t at = x_at + b * QK;
+#ifdef TS_AVX2
+        __m256 v[4];
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = load8(x, at + 8 * i, dtype);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float max = _mm_cvtss_f32(m4);
+        const float d = max / 127.0f, id = max > 0.0f ? 127.0f / max : 0.0f;
+        __m256i q[4];
+        for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+        /* sum(q): exact in int32 */
+        __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        /* packs interleave the 128-bit lanes; the permutation puts the 32 values back in order */
+        const __m256i p16 = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+        __m256i p8 = _mm256_packs_epi16(p16, p16b);
+        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(qs + b * QK), p8);
+        ds[b] = d;
+        ss[b] = d * (float)_mm_cvtsi128_si32(s4);
+#else
+        float max = 0.0f;
+        for (int i = 0; i < QK; i++) {
+            const float a = fabsf(load1(x, at + i, dtype));
+            max = a > max ? a : max;
+        }
+        const float d = max / 127.0f, id = max > 0.0f ? 127.0f / max : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < QK; i++) {
+            const int q = (int)nearbyintf(load1(x, at + i, dtype) * id);
+            qs[b * QK + i] = (int8_t)q;
+            sum += q;
+        }
+        ds[b] = d;
+        ss[b] = d * (float)sum;
+#endif
+    }
+}
+
+/* What is done to a row of x before it is quantized. */
+enum { PRE_NONE = 0, PRE_RMS_NORM = 1, PRE_SILU_MUL = 2 };
+
+typedef struct {
+    int kind;
+    const void *norm;  /* PRE_RMS_NORM: [k] */
+    float eps;
+} Prologue;
+
+/* sum of x[i]^2 over k values (k % 8 == 0 on the AVX2 path), in an order fixed by k. */
+static float sum_squares(const void *x, int64_t at, int64_t k, int dtype) {
+#ifdef TS_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i += 8) {
+        const __m256 v = load8(x, at + i, dtype);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    return hsum8(acc);
+#else
+    float sum = 0.0f;
+    for (int64_t i = 0; i < k; i++) sum = fmaf(load1(x, at + i, dtype), load1(x, at + i, dtype), sum);
+    return sum;
+#endif
+}
+
+/* silu(g) * u = g * sigmoid(g) * u, sigmoid from exp(-|g|) (exact_attention's exponential). */
+static inline float silu_mul(float g, float u) {
+    const float e = exp_neg(-fabsf(g));
+    return g * (g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e)) * u;
+}
+
+/* Row r of what the matmul multiplies (k floats into a), from x by the prologue. */
+static void prologue_row(float *a, const void *x, int64_t r, int64_t k, int dtype, const Prologue *pre) {
+    if (pre->kind == PRE_SILU_MUL) {
+        const int64_t at = r * 2 * k;
+        int64_t i = 0;
+#ifdef TS_AVX2
+        const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+        for (; i + 8 <= k; i += 8) {
+            const __m256 g = load8(x, at + i, dtype), u = load8(x, at + k + i, dtype);
+            const __m256 e = exp_neg8(_mm256_or_ps(g, sign));  /* exp(-|g|) */
+            const __m256 positive = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_GE_OQ);
+            const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(e, one, positive), _mm256_add_ps(one, e));
+            _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), u));
+        }
+#endif
+        for (; i < k; i++) a[i] = silu_mul(load1(x, at + i, dtype), load1(x, at + k + i, dtype));
+        return;
+    }
+    const int64_t at = r * k;
+    float inverse = 1.0f;
+    if (pre->kind == PRE_RMS_NORM) inverse = 1.0f / sqrtf(sum_squares(x, at, k, dtype) / (float)k + pre->eps);
+    int64_t i = 0;
+#ifdef TS_AVX2
+    const __m256 by = _mm256_set1_ps(inverse);
+    for (; i + 8 <= k; i += 8) {
+        __m256 v = load8(x, at + i, dtype);
+        if (pre->kind == PRE_RMS_NORM) v = _mm256_mul_ps(_mm256_mul_ps(v, by), load8(pre->norm, i, dtype));
+        _mm256_storeu_ps(a + i, v);
+    }
+#endif
+    for (; i < k; i++) {
+        const float v = load1(x, at + i, dtype);
+        a[i] = pre->kind == PRE_RMS_NORM ? v * inverse * load1(pre->norm, i, dtype) : v;
+    }
+}
+
+/* A call's operands. */
+typedef struct {
+    Quantized xq;
+    int64_t m, k, n;
+    const uint8_t *w;       /* q4: packed nibbles; q8: int8 values */
+    const uint16_t *steps;  /* q4 */
+    const uint16_t *lows;   /* q4 */
+    const float *scales;    /* q8 */
+    void *y;
+    int dtype;
+    const void *bias;      /* [n] or NULL */
+    const void *residual;  /* [m, n] or NULL */
+} Call;
+
+/* y[row, col] = value + bias + residual, rounded once. */
+static inline void emit(const Call *c, int64_t row, int64_t col, float value) {
+    const int64_t at = row * c->n + col;
+    if (c->bias != NULL) value += load1(c->bias, col, c->dtype);
+    if (c->residual != NULL) value = load1(c->residual, at, c->dtype) + value;
+    store1(c->y, at, c->dtype, value);
+}
+
+#ifdef TS_AVX2
+/* 32 bytes l[0..31] from a block's 16 packed bytes (0..15: low nibbles, 16..31: high ones). */
+static inline __m256i unpack_nibbles(const uint8_t *p) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)p);
+    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+}
+
+/* The 8 int32 sums of u . s over 4 bytes each (u unsigned, s signed, both below 128 in size, so
+ * AVX2's 16-bit pair sums cannot saturate): exact, so VNNI's one instruction gives the same. */
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#ifdef TS_AVX512
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* For blocks b .. b + 7 of a q4 weight row: each row's 8 products d * step (into scale[r]) and
+ * its sums of low * s, lane j for block b + j (into low_acc[r]). */
+static inline void q4_group(const Call *c, const uint16_t *steps, const uint16_t *lows, int64_t row,
+                            int R, int64_t b, float scale[][8], __m256 *low_acc) {
+    const int64_t blocks = c->k / QK;
+    const __m256 step8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(steps + b)));
+    const __m256 low8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(lows + b)));
+    for (int r = 0; r < R; r++) {
+        const int64_t at = (row + r) * blocks + b;
+        _mm256_storeu_ps(scale[r], _mm256_mul_ps(_mm256_loadu_ps(c->xq.d + at), step8));
+        low_acc[r] = _mm256_fmadd_ps(low8, _mm256_loadu_ps(c->xq.s + at), low_acc[r]);
+    }
+}
+
+/* Blocks b .. blocks - 1 of a q4 weight row one by one into the two chains, then y. */
+static inline void q4_finish(const Call *c, const uint16_t *steps, const uint16_t *lows, int64_t row,
+                             int R, int64_t col, int64_t b, __m256 acc[][2], const __m256 *low_acc) {
+    const int64_t blocks = c->k / QK;
+    const uint8_t *w = c->w + col * (c->k / 2);
+    float low_tail[ROW_TILE] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (; b < blocks; b++) {
+        const __m256i l = unpack_nibbles(w + b * (QK / 2));
+        const float step = half_to_float(steps[b]), low = half_to_float(lows[b]);
+        for (int r = 0; r < R; r++) {
+            const int64_t at = (row + r) * blocks + b;
+            const int8_t *q = c->xq.q + (row + r) * c->k + b * QK;
+            const __m256 f = _mm256_cvtepi32_ps(dot_u8s8(l, _mm256_loadu_si256((const __m256i *)q)));
+            acc[r][b & 1] = _mm256_fmadd_ps(f, _mm256_set1_ps(c->xq.d[at] * step), acc[r][b & 1]);
+            low_tail[r] = fmaf(low, c->xq.s[at], low_tail[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const float lows_sum = hsum8(low_acc[r]) + low_tail[r];
+        emit(c, row + r, col, hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + lows_sum);
+    }
+}
+
+/* Blocks b .. blocks - 1 of a q8 weight row one by one into the two chains, then y. */
+static inline void q8_finish(const Call *c, int64_t row, int R, int64_t col, int64_t b, __m256 acc[][2]) {
+    const int64_t blocks = c->k / QK;
+    const int8_t *w = (const int8_t *)c->w + col * c->k;
+    for (; b < blocks; b++) {
+        const __m256i l = _mm256_loadu_si256((const __m256i *)(w + b * QK));
+        const __m256i magnitude = _mm256_sign_epi8(l, l);  /* |l|; the sign moves to q */
+        for (int r = 0; r < R; r++) {
+            const int8_t *q = c->xq.q + (row + r) * c->k + b * QK;
+            const __m256i a = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)q), l);
+            const __m256 f = _mm256_cvtepi32_ps(dot_u8s8(magnitude, a));
+            const float *d = c->xq.d + (row + r) * blocks + b;
+            acc[r][b & 1] = _mm256_fmadd_ps(f, _mm256_broadcast_ss(d), acc[r][b & 1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const float value = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) * c->scales[col];
+        emit(c, row + r, col, value);
+    }
+}
+
+#ifdef TS_AVX512
+/* AVX-512 with VNNI: two blocks at a time, even block in lanes 0-7 and odd in 8-15, which are
+ * the AVX2 build's two chains; every product and sum is the AVX2 build's, so both builds give
+ * the same bits (tested). */
+
+/* l for blocks b and b + 1 (their 32 packed bytes at p): [l_b, l_b+1], 64 bytes. */
+static inline __m512i unpack_nibbles2(const uint8_t *p) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)p);
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    const __m256i low = _mm256_and_si256(raw, mask), high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+    /* [low_b, low_b+1, high_b, high_b+1] -> [low_b, high_b, low_b+1, high_b+1] */
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+    return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+static inline void split(__m512 wide, __m256 acc[2]) {
+    acc[0] = _mm512_castps512_ps256(wide);
+    acc[1] = _mm512_extractf32x8_ps(wide, 1);
+}
+
+static inline void q4_tile(const Call *c, int64_t row, int R, int64_t col) {
+    const int64_t blocks = c->k / QK;
+    const uint8_t *w = c->w + col * (c->k / 2);
+    const uint16_t *steps = c->steps + col * blocks, *lows = c->lows + col * blocks;
+    __m512 wide[ROW_TILE];
+    __m256 acc[ROW_TILE][2], low_acc[ROW_TILE];
+    float scale[ROW_TILE][8];
+    for (int r = 0; r < R; r++) {
+        wide[r] = _mm512_setzero_ps();
+        low_acc[r] = _mm256_setzero_ps();
+    }
+    int64_t b = 0;
+    for (; b + 8 <= blocks; b += 8) {
+        q4_group(c, steps, lows, row, R, b, scale, low_acc);
+        for (int j = 0; j < 8; j += 2) {
+            const __m512i l = unpack_nibbles2(w + (b + j) * (QK / 2));
+            const __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(j), _mm256_set1_epi32(j + 1), 1);
+            for (int r = 0; r < R; r++) {
+                const int8_t *q = c->xq.q + (row + r) * c->k + (b + j) * QK;
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), l, _mm512_loadu_si512(q));
+                const __m512 s = _mm512_permutexvar_ps(pick, _mm512_castps256_ps512(_mm256_loadu_ps(scale[r])));
+                wide[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, wide[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) split(wide[r], acc[r]);
+    q4_finish(c, steps, lows, row, R, col, b, acc, low_acc);
+}
+
+static inline void q8_tile(const Call *c, int64_t row, int R, int64_t col) {
+    const int64_t blocks = c->k / QK;
+    const int8_t *w = (const int8_t *)c->w + col * c->k;
+    __m512 wide[ROW_TILE];
+    __m256 acc[ROW_TILE][2];
+    for (int r = 0; r < R; r++) wide[r] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+        const __m512i l = _mm512_loadu_si512(w + b * QK);
+        const __m512i magnitude = _mm512_abs_epi8(l);
+        const __mmask64 negative = _mm512_movepi8_mask(l);  /* the sign moves to q */
+        for (int r = 0; r < R; r++) {
+            const int8_t *q = c->xq.q + (row + r) * c->k + b * QK;
+            const __m512i raw = _mm512_loadu_si512(q);
+            const __m512i a = _mm512_mask_sub_epi8(raw, negative, _mm512_setzero_si512(), raw);
+            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude, a);
+            const float *d = c->xq.d + (row + r) * blocks + b;
+            const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(d[0]), _mm256_set1_ps(d[1]), 1);
+            wide[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, wide[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) split(wide[r], acc[r]);
+    q8_finish(c, row, R, col, b, acc);
+}
+#else
+/* y[r, c] for R rows from `row` and weight row c, q4 (see the top of this file). Blocks go 8 at
+ * a time (their steps and lows converted at once), the rest one by one; which way a block is
+ * summed depends on its index b and on k alone. */
+static inline void q4_tile(const Call *c, int64_t row, int R, int64_t col) {
+    const int64_t blocks = c->k / QK;
+    const uint8_t *w = c->w + col * (c->k / 2);
+    const uint16_t *steps = c->steps + col * blocks, *lows = c->lows + col * blocks;
+    __m256 acc[ROW_TILE][2], low_acc[ROW_TILE];
+    float scale[ROW_TILE][8];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = low_acc[r] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= blocks; b += 8) {
+        q4_group(c, steps, lows, row, R, b, scale, low_acc);
+        for (int j = 0; j < 8; j++) {
+            const __m256i l = unpack_nibbles(w + (b + j) * (QK / 2));
+            for (int r = 0; r < R; r++) {
+                const int8_t *q = c->xq.q + (row + r) * c->k + (b + j) * QK;
+                const __m256 f = _mm256_cvtepi32_ps(dot_u8s8(l, _mm256_loadu_si256((const __m256i *)q)));
+                acc[r][j & 1] = _mm256_fmadd_ps(f, _mm256_broadcast_ss(&scale[r][j]), acc[r][j & 1]);
+            }
+        }
+    }
+    q4_finish(c, steps, lows, row, R, col, b, acc, low_acc);
+}
+
+/* The same for q8: y = scale * sum over blocks of d * (l . q). */
+static inline void q8_tile(const Call *c, int64_t row, int R, int64_t col) {
+    __m256 acc[ROW_TILE][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    q8_finish(c, row, R, col, 0, acc);
+}
+#endif
+#else
+/* Portable versions: the same sums, one value at a time (their own numbers, as named by the
+ * build's variant). */
+static inline void q4_tile(const Call *c, int64_t row, int R, int64_t col) {
+    const int64_t blocks = c->k / QK;
+    const uint8_t *w = c->w + col * (c->k / 2);
+    for (int r = 0; r < R; r++) {
+        float acc[2] = {0.0f, 0.0f}, low_acc[2] = {0.0f, 0.0f};
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t at = (row + r) * blocks + b;
+            const int8_t *q = c->xq.q + (row + r) * c->k + b * QK;
+            const uint8_t *p = w + b * (QK / 2);
+            int32_t dot = 0;
+            for (int j = 0; j < QK / 2; j++) dot += (p[j] & 0x0f) * q[j] + (p[j] >> 4) * q[j + QK / 2];
+            const float step = half_to_float(c->steps[col * blocks + b]);
+            const float low = half_to_float(c->lows[col * blocks + b]);
+            acc[b & 1] = fmaf((float)dot, c->xq.d[at] * step, acc[b & 1]);
+            low_acc[b & 1] = fmaf(low, c->xq.s[at], low_acc[b & 1]);
+        }
+        emit(c, row + r, col, (acc[0] + acc[1]) + (low_acc[0] + low_acc[1]));
+    }
+}
+
+static inline void q8_tile(const Call *c, int64_t row, int R, int64_t col) {
+    const int64_t blocks = c->k / QK;
+    const int8_t *w = (const int8_t *)c->w + col * c->k;
+    for (int r = 0; r < R; r++) {
+        float acc[2] = {0.0f, 0.0f};
+        for (int64_t b = 0; b < blocks; b++) {
+            const int8_t *q = c->xq.q + (row + r) * c->k + b * QK;
+            int32_t dot = 0;
+            for (int j = 0; j < QK; j++) dot += w[b * QK + j] * q[j];
+            acc[b & 1] = fmaf((float)dot, c->xq.d[(row + r) * blocks + b], acc[b & 1]);
+        }
+        emit(c, row + r, col, (acc[0] + acc[1]) * c->scales[col]);
+    }
+}
+#endif
+
+/* Weight rows [first, last) against every activation row: a chunk of weight rows at a time,
+ * each chunk against every tile of activation rows (so the chunk is read from memory once). */
+static void columns(const Call *c, int q4, int64_t first, int64_t last) {
+    for (int64_t chunk = first; chunk < last; chunk += COL_CHUNK) {
+        const int64_t end = chunk + COL_CHUNK < last ? chunk + COL_CHUNK : last;
+        for (int64_t row = 0; row < c->m; row += ROW_TILE) {
+            const int R = c->m - row < ROW_TILE ? (int)(c->m - row) : ROW_TILE;
+            for (int64_t col = chunk; col < end; col++) {
+                /* a constant R per call site, so the compiler unrolls each */
+                if (q4) {
+                    switch (R) {
+                    case 4: q4_tile(c, row, 4, col); break;
+                    case 3: q4_tile(c, row, 3, col); break;
+                    case 2: q4_tile(c, row, 2, col); break;
+                    default: q4_tile(c, row, 1, col);
+                    }
+                } else {
+                    switch (R) {
+                    case 4: q8_tile(c, row, 4, col); break;
+                    case 3: q8_tile(c, row, 3, col); break;
+                    case 2: q8_tile(c, row, 2, col); break;
+                    default: q8_tile(c, row, 1, col);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* x's rows through the prologue and quantized, then every y[r, c], on up to `threads` OpenMP
+ * threads (torch's own runtime when torch is loaded first); fewer where the weight is small. */
+static int matmul(Call *c, int q4, const void *x, const Prologue *pre, int threads) {
+    const int64_t blocks = c->k / QK;
+    if (c->m < 0 || c->n < 1 || c->k < QK || c->k % QK || threads < 1 ||
+        (c->dtype != TS_F32 && c->dtype != TS_BF16) || pre->kind < PRE_NONE || pre->kind > PRE_SILU_MUL ||
+        (pre->kind == PRE_RMS_NORM && pre->norm == NULL))
+        return TS_BAD_ARGS;
+    if (c->m == 0) return TS_OK;
+    /* one allocation: the values, then the steps and sums (float-aligned: k is a multiple of 32) */
+    char *memory = malloc((size_t)(c->m * c->k) + 2 * (size_t)(c->m * blocks) * sizeof(float));
+    if (memory == NULL) return TS_NO_MEMORY;
+    c->xq.q = (int8_t *)memory;
+    c->xq.d = (float *)(memory + c->m * c->k);
+    c->xq.s = c->xq.d + c->m * blocks;
+    const int64_t work = c->n * c->k * (c->m < ROW_TILE ? 1 : c->m / ROW_TILE);
+    int64_t most = work / MIN_THREAD_WORK, chunks = (c->n + COL_CHUNK - 1) / COL_CHUNK;
+    if (most > chunks) most = chunks;
+    if (threads > most) threads = most > 1 ? (int)most : 1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float *row = malloc((size_t)c->k * sizeof(float));  /* this thread's prologue row */
+        if (row == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < c->m; r++) {
+            if (row == NULL) continue;
+            prologue_row(row, x, r, c->k, c->dtype, pre);
+            quantize_row(c->xq.q + r * c->k, c->xq.d + r * blocks, c->xq.s + r * blocks, row, 0, c->k, TS_F32);
+        }
+        free(row);
+        int stop;
+#pragma omp atomic read
+        stop = failed;
+        if (!stop) {  /* contiguous whole chunks of weight rows per thread */
+            const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+            const int64_t first = chunks * t / count * COL_CHUNK, last = chunks * (t + 1) / count * COL_CHUNK;
+            columns(c, q4, first, last < c->n ? last : c->n);
+        }
+    }
+    free(memory);
+    return failed ? TS_NO_MEMORY : TS_OK;
+}
+
+/* y = x . W^T for an int4 W (layout at the top), with the prologue and bias, residual around it.
+ * Returns TS_OK, or TS_BAD_ARGS / TS_NO_MEMORY with nothing written. */
+int ts_q4_matmul(const void *x, void *y, int dtype, int64_t m, int64_t k, int64_t n, const uint8_t *packed,
+                 const uint16_t *steps, const uint16_t *lows, int prologue, const void *norm, float eps,
+                 const void *bias, const void *residual, int threads) {
+    Call c = {.m = m, .k = k, .n = n, .w = packed, .steps = steps, .lows = lows, .y = y, .dtype = dtype,
+              .bias = bias, .residual = residual};
+    const Prologue pre = {prologue, norm, eps};
+    return matmul(&c, 1, x, &pre, threads);
+}
+
+/* y = x . W^T for an int8 W with one scale per row, likewise. */
+int ts_q8_matmul(const void *x, void *y, int dtype, int64_t m, int64_t k, int64_t n, const int8_t *weight,
+                 const float *scales, int prologue, const void *norm, float eps, const void *bias,
+                 const void *residual, int threads) {
+    Call c = {.m = m, .k = k, .n = n, .w = (const uint8_t *)weight, .scales = scales, .y = y, .dtype = dtype,
+              .bias = bias, .residual = residual};
+    const Prologue pre = {prologue, norm, eps};
+    return matmul(&c, 0, x, &pre, threads);
+}
