@@ -134,16 +134,16 @@ PYEOF
     apt_install "$package"
 }
 
-# The compact forward's attention kernel (streaming_backend/forward/csrc/), built now so that a
-# server does not compile on its first request; without a C compiler the forward attends with
-# torch, one call per token, much slower.
+# The compact forward's C kernels (streaming_backend/forward/csrc/: attention, quantized matmuls),
+# built now so that a server does not compile on its first request; without a C compiler the
+# forward attends with torch, one call per token, and runs int4/int8 on torch's kernels: slower.
 build_kernel() {
     if ! command -v "${CC:-gcc}" >/dev/null 2>&1 && ! command -v cc >/dev/null 2>&1; then
-        say "installing Debian's gcc (the attention kernel)"
+        say "installing Debian's gcc (the forward's C kernels)"
         apt_install gcc libc6-dev
     fi
     if ! "$PY" -m streaming_backend.forward.native; then
-        echo "setup: warning: the attention kernel did not build; attention runs on torch" >&2
+        echo "setup: warning: the C kernels did not build; the forward runs on torch's" >&2
     fi
 }
 

@@ -48,3 +48,25 @@ def test_the_slowdown_table_divides_each_servers_idle_figures_by_its_busy_ones()
     assert lines[-1] == "| tokenstream serve | 1 | 2.00x | 2.00x |"
     assert len(lines) == 3
     assert script.label("llama.cpp", 2) == "llama.cpp, 2 cores busy"
+
+
+def test_another_model_is_served_by_all_from_its_folder_and_gguf(tmp_path):
+    """--model DIR: ours serves DIR, transformers serve loads DIR and llama.cpp --llama-gguf, its
+    row named by the file; EOS (banned for the peers) from DIR's config."""
+    import argparse
+    import json
+
+    script = load_script()
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [7, 8]}))
+    gguf = tmp_path / "model-q4_0.gguf"
+    args = argparse.Namespace(
+        model=tmp_path, llama_gguf=gguf, llama_env="/peers/llama", transformers_env="/peers/hf",
+        output_tokens=16, ours_args="", only=None,
+    )  # fmt: skip
+    assert script.models(args) == (gguf, tmp_path, 7)
+    ours, *peers = script.servers(args)
+    assert ours.command[ours.command.index("--model") + 1] == str(tmp_path)
+    assert all(str(tmp_path) in p.command for p in peers if "transformers" in p.name)
+    (llama,) = [p for p in peers if p.name.startswith("llama.cpp")]
+    assert "model-q4_0.gguf" in llama.name and str(gguf) in llama.command
+    assert '"7": -100.0' in " ".join(llama.fixed_length)

@@ -211,3 +211,50 @@ def test_the_native_layers_compute_what_the_torch_layers_do(tiny_model_dir, kind
     else:  # torch rounds each step to bfloat16, C once (measured: cosine 0.99984 at the least)
         close = F.cosine_similarity(ours.flatten(0, 1), theirs.flatten(0, 1), dim=-1)
         assert close.min() > 0.999
+
+
+def cpu_has(variant: str) -> bool:
+    """Whether this CPU runs the build `variant` (native.NEEDS)."""
+    return native.NEEDS[variant] <= set(open("/proc/cpuinfo").read().split())
+
+
+@pytest.mark.skipif(not cpu_has("avx512"), reason="the CPU has no AVX-512 with VNNI")
+def test_the_avx512_and_avx2_builds_give_the_same_bits(tmp_path, monkeypatch):
+    """The AVX-512 build's matmuls sum the AVX2 build's products in the AVX2 build's order, and
+    its attention is the same code: the same bits from both, whatever the rows, inputs (block
+    counts even, odd, below and above 8), prologue and dtype. So an answer does not depend on
+    which of the two CPU kinds served it."""
+    monkeypatch.setenv("TOKENSTREAM_CACHE", str(tmp_path))
+    cc = native.compiler()
+    built = {v: ctypes.CDLL(str(native.build(cc, v))) for v in ("avx2", "avx512")}
+    matmuls = {v: native.MatmulKernel(lib, v) for v, lib in built.items()}
+    generator = torch.Generator().manual_seed(2)
+    for inputs in (96, 576, 608, 2048):
+        w = torch.randn(77, inputs, generator=generator) * 0.05
+        weights = (quant.quantize_int4_native(w), quant.quantize_int8_native(w))
+        for rows, dtype in ((1, torch.float32), (5, torch.bfloat16), (9, torch.float32)):
+            x = torch.randn(rows, 2 * inputs, generator=generator).to(dtype)
+            norm = torch.rand(inputs, generator=generator).to(dtype)
+            around = [
+                {},
+                {"prologue": "rms_norm", "norm": norm, "eps": 1e-5},
+                {"prologue": "silu_mul", "add_to": torch.ones(rows, 77, dtype=dtype)},
+            ]
+            for options in around:
+                width = 2 * inputs if options.get("prologue") == "silu_mul" else inputs
+                a = x[:, :width].contiguous()
+                got = {}
+                for variant, kernel in matmuls.items():
+                    opts = {k: v.clone() if k == "add_to" else v for k, v in options.items()}
+                    got[variant] = (
+                        kernel.q4(a, *weights[0], **opts),
+                        kernel.q8(a, *weights[1], **opts),
+                    )
+                assert all(torch.equal(p, q) for p, q in zip(got["avx2"], got["avx512"]))
+    k, v = cache(torch.float32)
+    q = queries(len(ROWS), torch.float32)
+    outs = [
+        native.AttentionKernel(lib, n)(q, k, v, Placed.of(ROWS), NO_WINDOW, 0.125)
+        for n, lib in built.items()
+    ]
+    assert torch.equal(*outs)

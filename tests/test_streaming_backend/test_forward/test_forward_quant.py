@@ -155,6 +155,8 @@ def test_bad_kinds_and_devices_are_refused():
         quant.quantize_weight(weight(), "int3")
     with pytest.raises(ValueError, match="unknown quantization"):
         ForwardConfig(quantize="fp8")
+    with pytest.raises(ValueError, match="unknown matmul 'mkl'; choose auto, aten"):
+        ForwardConfig(quantize="int4", matmul="mkl")
     with pytest.raises(ValueError, match="CPU kernels; the model is on meta"):
         quant.quantize_weight(torch.empty(8, 64, device="meta"), "int8")
 
@@ -162,16 +164,20 @@ def test_bad_kinds_and_devices_are_refused():
 CONFIG = ForwardConfig(CacheBudget(bytes=64 << 20), max_len=128, max_slots=4)
 
 
+@pytest.mark.parametrize("matmul", ["auto", "aten"])
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_quantized_forward_follows_the_plain_one(tiny_model_dir, kind):
-    """With quantized weights the forward's logits stay close to the plain forward's, its
-    lone-stream step equals its batched step, and every linear weight is quantized."""
+def test_quantized_forward_follows_the_plain_one(tiny_model_dir, kind, matmul):
+    """With quantized weights, on our C kernels (auto, the suite's machines all have gcc) or on
+    torch's (aten), the forward's logits stay close to the plain forward's, its lone-stream
+    step equals its batched step, and every linear weight is quantized."""
     loaded = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
     plain = SlotForward.create(loaded, CONFIG)
-    quantized = SlotForward.create(loaded, ForwardConfig(**{**CONFIG.__dict__, "quantize": kind}))
-    # int4 too: HEAD_KIND; the C kernel's layouts (the suite's machines all have gcc)
-    assert isinstance(quantized.model.head, quant.NativeInt8Weight)
-    assert quantized.model.matmul == f"c-{native.variant()}"
+    options = {**CONFIG.__dict__, "quantize": kind, "matmul": matmul}
+    quantized = SlotForward.create(loaded, ForwardConfig(**options))
+    ours = matmul == "auto"  # int4 too has an int8 head: HEAD_KIND
+    head_type = quant.NativeInt8Weight if ours else quant.Int8Weight
+    assert isinstance(quantized.model.head, head_type) and quantized.model.native == ours
+    assert quantized.model.matmul == (f"c-{native.variant()}" if ours else "aten")
     assert all(not isinstance(b.gate_up, torch.Tensor) for b in quantized.model.blocks)
     ids = torch.randint(0, 1000, (12,), generator=torch.Generator().manual_seed(4)).tolist()
     results = []
