@@ -218,6 +218,10 @@ class CompactLlama(nn.Module):
         # for every weight and the attention kernel
         ours = all(isinstance(w, NATIVE_WEIGHTS) for w in weights)
         self.native = ours and self.kernel is not None and self.shape.head_dim % 2 == 0
+        if self.native:  # its activations are float32 whatever the model's dtype
+            self.native_blocks = [_float_params(block) for block in self.blocks]
+            self.native_final_norm = self.final_norm.float()
+            self.native_rope = _rope_tables(inner.rotary_emb, self.shape, torch.float32)
 
     def forward(
         self,
@@ -318,7 +322,7 @@ class CompactLlama(nn.Module):
         dims = self.shape.dims
         x = F.embedding(tokens, self.embed)  # [N, hidden]
         if self.native:
-            x = self._native_layers(x, k_cache, v_cache, Placed.of(list(rows)))
+            x = self._native_layers(x.float(), k_cache, v_cache, Placed.of(list(rows)))
             return self.normed_logits(x)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [N, 1, D]
         # the rows' places, for one indexed write of several rows' K/V (a lone row: a slice)
@@ -341,15 +345,15 @@ class CompactLlama(nn.Module):
         """The final norm and the head: hidden states [N, hidden] -> fp32 logits [N, V] (native:
         one call, the norm as the head's prologue)."""
         if self.native:
-            norm = {"prologue": "rms_norm", "norm": self.final_norm, "eps": self.shape.eps}
-            return native_linear(x.contiguous(), self.head, **norm).float()
+            norm = {"prologue": "rms_norm", "norm": self.native_final_norm, "eps": self.shape.eps}
+            return native_linear(x.float().contiguous(), self.head, **norm)
         return self.logits(rms_norm(x, self.final_norm, self.shape.eps))
 
     def _native_layers(self, x, k_cache, v_cache, placed: Placed) -> torch.Tensor:
-        """Every decoder layer on n tokens (x [n, hidden], contiguous; placed: where each
-        attends) through native_layer -> the last layer's output [n, hidden]."""
-        rope, windows, dims = (self.cos, self.sin), self.shape.windows, self.shape.dims
-        for number, block in enumerate(self.blocks):
+        """Every decoder layer on n tokens (x [n, hidden] float32, contiguous; placed: where
+        each attends) through native_layer -> the last layer's output [n, hidden] float32."""
+        rope, windows, dims = self.native_rope, self.shape.windows, self.shape.dims
+        for number, block in enumerate(self.native_blocks):
             kv = (k_cache[number], v_cache[number])
             x = native_layer(x, block, kv, (placed, windows[number]), dims, self.kernel, rope)
         return x
@@ -360,9 +364,9 @@ class CompactLlama(nn.Module):
         n, t = tokens.shape
         placed, index = _placed_tokens(spans, t)
         if index is None:
-            x = F.embedding(tokens.reshape(-1), self.embed)
+            x = F.embedding(tokens.reshape(-1), self.embed).float()
             return self._native_layers(x, k_cache, v_cache, placed).view(n, t, -1)
-        x = F.embedding(tokens[index[0], index[1]], self.embed)
+        x = F.embedding(tokens[index[0], index[1]], self.embed).float()
         out = x.new_zeros(n, t, x.shape[-1])
         out[index[0], index[1]] = self._native_layers(x, k_cache, v_cache, placed)
         return out
@@ -390,6 +394,16 @@ def _block(layer: Any) -> Block:
         down=mlp.down_proj.weight.detach(),
         down_bias=_param(mlp.down_proj.bias),
     )
+
+
+def _float_params(block: Block) -> Block:
+    """A block with its norms and biases as float32 (the native layers' activations)."""
+    floats = {
+        name: None if value is None else value.float()
+        for name, value in block._asdict().items()
+        if name not in LINEAR_WEIGHTS
+    }
+    return block._replace(**floats)
 
 
 def _rope_tables(rotary: Any, shape: LlamaShape, dtype: torch.dtype):
@@ -547,7 +561,7 @@ def rows_attention(h, block: Block, kv, cos, sin, where, dims: Dims, kernel) -> 
 
 
 def native_layer(x, block: Block, kv, where, dims: Dims, kernel, rope) -> torch.Tensor:
-    """One decoder layer on n tokens (x [n, hidden], contiguous) in five C calls: the q/k/v
+    """One decoder layer on n tokens (x [n, hidden] float32, contiguous) in five C calls: the q/k/v
     projection of the normalised x; RoPE, the K/V writes and each token's exact attention; x
     plus the output projection; the gate/up projection of the normalised x; x plus the down
     projection of silu(gate) * up. Each token's numbers depend on it and its positions alone

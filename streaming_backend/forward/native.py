@@ -83,8 +83,8 @@ class AttentionKernel:
         self._fn = fn
         rope = library.ts_rope_attention
         rope.restype = ctypes.c_int
-        rope.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 3, ctypes.c_int64]
-        rope.argtypes += [*[ctypes.c_void_p] * 5, *[ctypes.c_int64] * 6]
+        rope.argtypes = [ctypes.c_int, ctypes.c_int, *[ctypes.c_void_p] * 3, ctypes.c_int64]
+        rope.argtypes += [*[ctypes.c_void_p] * 5, *[ctypes.c_int64] * 7]
         rope.argtypes += [ctypes.c_float, ctypes.c_int]
         self._rope = rope
 
@@ -134,21 +134,29 @@ class AttentionKernel:
     ) -> torch.Tensor:
         """From a layer's q/k/v projection: RoPE on the queries and keys, every token's key and
         value written at its place and position, then each token's attention over exactly its
-        own positions (as `__call__`) -> [n, heads * head_dim] in qkv's dtype."""
+        own positions (as `__call__`) -> [n, heads * head_dim] in qkv's dtype. The cache may
+        have another dtype (float32 activations over a bfloat16 cache); the turned queries stay
+        float32."""
         cos, sin = rope
         places, kv_heads, max_len, head_dim = k_layer.shape
         n, heads = qkv.shape[0], kv_heads * groups
         tensors = (qkv, cos, sin, k_layer, v_layer)
-        if any(t.dtype != qkv.dtype or not t.is_contiguous() for t in tensors) or (
-            qkv.shape[1] != (heads + 2 * kv_heads) * head_dim or cos.shape[1] != head_dim
+        if (
+            any(not t.is_contiguous() or t.dtype not in DTYPES for t in tensors)
+            or cos.dtype != qkv.dtype
+            or sin.dtype != qkv.dtype
+            or v_layer.dtype != k_layer.dtype
+            or qkv.shape[1] != (heads + 2 * kv_heads) * head_dim
+            or cos.shape[1] != head_dim
         ):
-            raise ValueError("rope attention: tensors of one dtype, contiguous, shapes matching")
+            raise ValueError("rope attention: contiguous tensors, shapes and dtypes matching")
         out = qkv.new_empty(n, heads * head_dim)
         status = self._rope(
-            DTYPES[qkv.dtype], qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
+            DTYPES[qkv.dtype], DTYPES[k_layer.dtype],
+            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
             k_layer.data_ptr(), v_layer.data_ptr(), out.data_ptr(),
             placed.places.data_ptr(), placed.positions.data_ptr(),
-            n, kv_heads, groups, head_dim, max_len, min(window, 1 << 62), head_dim**-0.5,
+            n, places, kv_heads, groups, head_dim, max_len, min(window, 1 << 62), head_dim**-0.5,
             torch.get_num_threads(),
         )  # fmt: skip
         if status:

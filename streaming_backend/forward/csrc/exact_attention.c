@@ -133,7 +133,7 @@ static float softmax_numerators(float *p, int64_t count, float max) {
 }
 
 typedef struct {
-    int dtype;
+    int dtype, q_dtype, out_dtype;  /* of the cache; of q; of out */
     const void *q, *k, *v;
     void *out;
     const int64_t *places, *positions;
@@ -152,7 +152,7 @@ static void attend_one(const Call *c, int64_t token, int64_t head, float *work) 
     const int64_t q_at = (token * c->kv_heads + head) * groups * d;
     float *scores = work, *query = work + groups * c->max_len, *acc = query + groups * d;
     float inverse[groups];
-    for (int64_t i = 0; i < groups * d; i++) query[i] = load1(c->q, q_at + i, c->dtype) * c->scale;
+    for (int64_t i = 0; i < groups * d; i++) query[i] = load1(c->q, q_at + i, c->q_dtype) * c->scale;
     for (int64_t g = 0; g < groups; g++) {  /* the key and value rows stay in cache across g */
         float *p = scores + g * c->max_len;
         const float max = scores_of(p, query + g * d, c->k, cache_at, count, d, c->dtype);
@@ -160,7 +160,7 @@ static void attend_one(const Call *c, int64_t token, int64_t head, float *work) 
         weighted_sum(acc + g * d, p, c->v, cache_at, count, d, c->dtype);
     }
     for (int64_t i = 0; i < groups * d; i++) {
-        store1(c->out, q_at + i, c->dtype, acc[i] * inverse[i / d]);
+        store1(c->out, q_at + i, c->out_dtype, acc[i] * inverse[i / d]);
     }
 }
 
@@ -194,21 +194,22 @@ int ts_exact_attention(int dtype, const void *q, const void *k, const void *v, v
         head_dim < 1 || max_len < 1 || window < 1 || threads < 1 ||
         bad_positions(places, positions, n, max_len))
         return TS_BAD_ARGS;
-    const Call c = {dtype, q, k, v, out, places, positions, kv_heads, groups, head_dim, max_len,
-                    window, scale};
+    const Call c = {dtype, dtype, dtype, q, k, v, out, places, positions, kv_heads, groups, head_dim,
+                    max_len, window, scale};
     return attend_all(&c, n, threads);
 }
 
 /* x rotated by RoPE (Hugging Face's rotate_half: the first half pairs with the second) into `to`
- * at to_at, d values; cos and sin rows of the position at cs_at. In float32, rounded once. */
-static void rotate(void *to, int64_t to_at, const void *x, int64_t x_at, const void *cos, const void *sin,
-                   int64_t cs_at, int64_t d, int dtype) {
+ * at to_at, d values; cos and sin rows of the position at cs_at (in x's dtype). In float32,
+ * rounded once to to_dtype. */
+static void rotate(void *to, int64_t to_at, int to_dtype, const void *x, int64_t x_at, const void *cos,
+                   const void *sin, int64_t cs_at, int64_t d, int dtype) {
     const int64_t half = d / 2;
     for (int64_t i = 0; i < d; i++) {
         const float partner = load1(x, x_at + (i < half ? i + half : i - half), dtype);
         const float turned = i < half ? -partner : partner;
         const float value = load1(x, x_at + i, dtype) * load1(cos, cs_at + i, dtype) + turned * load1(sin, cs_at + i, dtype);
-        store1(to, to_at + i, dtype, value);
+        store1(to, to_at + i, to_dtype, value);
     }
 }
 
@@ -219,31 +220,34 @@ static void rotate(void *to, int64_t to_at, const void *x, int64_t x_at, const v
  *   qkv   [n, (heads + 2 kv_heads) * head_dim]  the projection: query heads, key heads, value heads
  *   cos, sin  [positions, head_dim]  RoPE tables, the rows indexed by position
  *   out   [n, heads * head_dim]
- * dtype: of all of them and of the cache. Returns TS_OK, or TS_BAD_ARGS / TS_NO_MEMORY with
- * nothing written. */
-int ts_rope_attention(int dtype, const void *qkv, const void *cos, const void *sin, int64_t positions_in_table,
-                      void *k, void *v, void *out, const int64_t *places, const int64_t *positions, int64_t n,
-                      int64_t kv_heads, int64_t groups, int64_t head_dim, int64_t max_len, int64_t window,
-                      float scale, int threads) {
-    if ((dtype != TS_F32 && dtype != TS_BF16) || n < 0 || kv_heads < 1 || groups < 1 ||
-        head_dim < 2 || head_dim % 2 || max_len < 1 || window < 1 || threads < 1 ||
+ * dtype: of qkv, cos, sin and out; cache_dtype: of k and v (the queries stay float32). Returns
+ * TS_OK, or TS_BAD_ARGS / TS_NO_MEMORY with nothing written. */
+int ts_rope_attention(int dtype, int cache_dtype, const void *qkv, const void *cos, const void *sin,
+                      int64_t positions_in_table, void *k, void *v, void *out, const int64_t *places,
+                      const int64_t *positions, int64_t n, int64_t place_count, int64_t kv_heads, int64_t groups,
+                      int64_t head_dim, int64_t max_len, int64_t window, float scale, int threads) {
+    if ((dtype != TS_F32 && dtype != TS_BF16) || (cache_dtype != TS_F32 && cache_dtype != TS_BF16) || n < 0 ||
+        kv_heads < 1 || groups < 1 || head_dim < 2 || head_dim % 2 || max_len < 1 || window < 1 || threads < 1 ||
         bad_positions(places, positions, n, max_len < positions_in_table ? max_len : positions_in_table))
         return TS_BAD_ARGS;
+    for (int64_t t = 0; t < n; t++)  /* it writes there: a place past the cache is refused */
+        if (places[t] >= place_count) return TS_BAD_ARGS;
     const int64_t d = head_dim, heads = kv_heads * groups, width = (heads + 2 * kv_heads) * d;
-    const size_t size = dtype == TS_F32 ? sizeof(float) : sizeof(uint16_t);
-    void *q = malloc((size_t)(n * heads * d) * size);  /* the rotated queries, [n, heads, d] */
+    float *q = malloc((size_t)(n * heads * d) * sizeof(float));  /* the rotated queries, [n, heads, d] */
     if (q == NULL) return TS_NO_MEMORY;
     for (int64_t t = 0; t < n; t++) {
         const int64_t at = t * width, cs_at = positions[t] * d;
-        for (int64_t h = 0; h < heads; h++) rotate(q, (t * heads + h) * d, qkv, at + h * d, cos, sin, cs_at, d, dtype);
+        for (int64_t h = 0; h < heads; h++)
+            rotate(q, (t * heads + h) * d, TS_F32, qkv, at + h * d, cos, sin, cs_at, d, dtype);
         for (int64_t h = 0; h < kv_heads; h++) {
             const int64_t cache_at = ((places[t] * kv_heads + h) * max_len + positions[t]) * d;
-            rotate(k, cache_at, qkv, at + (heads + h) * d, cos, sin, cs_at, d, dtype);
-            memcpy((char *)v + cache_at * size, (const char *)qkv + (at + (heads + kv_heads + h) * d) * size, d * size);
+            rotate(k, cache_at, cache_dtype, qkv, at + (heads + h) * d, cos, sin, cs_at, d, dtype);
+            const int64_t v_at = at + (heads + kv_heads + h) * d;
+            for (int64_t i = 0; i < d; i++) store1(v, cache_at + i, cache_dtype, load1(qkv, v_at + i, dtype));
         }
     }
-    const Call c = {dtype, q, k, v, out, places, positions, kv_heads, groups, head_dim, max_len,
-                    window, scale};
+    const Call c = {cache_dtype, TS_F32, dtype, q, k, v, out, places, positions, kv_heads, groups, head_dim,
+                    max_len, window, scale};
     const int status = attend_all(&c, n, threads);
     free(q);
     return status;

@@ -3,15 +3,20 @@
  * Built with exact_attention.c into one library by streaming_backend/forward/native.py and called
  * through ctypes with the tensors' data pointers; the GIL is released for the call.
  *
- * The activations are quantized first, each row on its own, in blocks of QK = 32 inputs: a block
- * keeps 32 int8 values q and its step d = max|x| / 127 (x ~ q * d), and s = d * sum(q). Every
- * block of a weight row then meets every block of an activation row in one integer dot product
- * (exact), scaled and summed in float32:
+ * The activations are quantized first, each row on its own, in blocks of QK = 32 inputs, to
+ * about 15 bits: v = round(x / d) with the block's step d = max|x| / 16256, so |v| <= 127 * 128,
+ * kept as two int8 halves v = 128 * q + r (q in [-127, 127], r in [-64, 63]); s = d * sum(v).
+ * Every block of a weight row then meets every block of an activation row in integer dot
+ * products (exact: l . v = 128 * (l . q) + l . r), scaled and summed in float32:
  *
  *   int4 ("q4"): w = l * step + low per block of 32 inputs, l in [0, 15], step and low in float16
- *       y = sum over blocks of (d * step) * (l . q) + low * s
+ *       y = sum over blocks of (d * step) * (l . v) + low * s
  *   int8 ("q8"): w = l * scale, l in [-127, 127], one float32 scale per weight row
- *       y = scale * sum over blocks of d * (l . q)
+ *       y = scale * sum over blocks of d * (l . v)
+ *
+ * (One int8 half alone, as llama.cpp's Q8_0 / Q8_1 activations, flipped the default model's first
+ * token on "What is the capital of France?" from "The" to "L": its weights are exact in int4, so
+ * the activations' rounding was the whole difference from the unquantized model.)
  *
  * One model whatever the load: the value of y[r, c] depends on row r of x and row c of W alone.
  * Its blocks are summed in an order fixed by k (two chains, even and odd blocks, then added, then
@@ -40,14 +45,15 @@
 #include "common.h"
 
 #define QK 32            /* inputs per block, of the activations and of the int4 weights */
+#define V_MAX 16256.0f   /* 127 * 128: the largest |v| of an activation block */
 #define ROW_TILE 4       /* activation rows that share one read of a weight block */
 #define COL_CHUNK 64     /* weight rows a thread takes at a time (they stay in its cache) */
 #define MIN_THREAD_WORK (1 << 18)  /* weight values worth a thread of their own */
 
-/* The activation rows, quantized: row r's block b is q[r * k + 32 b ...] with step d[r * blocks + b]
- * (x ~ q * d) and s[r * blocks + b] = d * sum(q). */
+/* The activation rows, quantized: row r's block b is v = 128 * q + r at q[r * k + 32 b ...] and
+ * r[...], with step d[r * blocks + b] (x ~ v * d) and s[r * blocks + b] = d * sum(v). */
 typedef struct {
-    int8_t *q;
+    int8_t *q, *r;
     float *d, *s;
 } Quantized;
 
@@ -73,9 +79,9 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
-/* One row of x (k values from x_at) as k / QK blocks: values q, steps d, d * sum(q) s. */
-static void quantize_row(int8_t *qs, float *ds, float *ss, const void *x, int64_t x_at, int64_t k,
-                         int dtype) {
+/* One row of x (k values from x_at) as k / QK blocks: halves q and r, steps d, d * sum(v) s. */
+static void quantize_row(int8_t *qs, int8_t *rs, float *ds, float *ss, const void *x, int64_t x_at,
+                         int64_t k, int dtype) {
     for (int64_t b = 0; b < k / QK; b++) {
         const int64_t at = x_at + b * QK;
 #ifdef TS_AVX2
@@ -90,19 +96,23 @@ static void quantize_row(int8_t *qs, float *ds, float *ss, const void *x, int64_
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
         const float max = _mm_cvtss_f32(m4);
-        const float d = max / 127.0f, id = max > 0.0f ? 127.0f / max : 0.0f;
-        __m256i q[4];
-        for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
-        /* sum(q): exact in int32 */
-        __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        const float d = max / V_MAX, id = max > 0.0f ? V_MAX / max : 0.0f;
+        __m256i high[4], low[4], sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            const __m256i value = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+            sum = _mm256_add_epi32(sum, value);  /* exact in int32 */
+            high[i] = _mm256_srai_epi32(_mm256_add_epi32(value, _mm256_set1_epi32(64)), 7);
+            low[i] = _mm256_sub_epi32(value, _mm256_slli_epi32(high[i], 7));
+        }
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
         /* packs interleave the 128-bit lanes; the permutation puts the 32 values back in order */
-        const __m256i p16 = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
-        __m256i p8 = _mm256_packs_epi16(p16, p16b);
-        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(qs + b * QK), p8);
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        const __m256i q8 = _mm256_packs_epi16(_mm256_packs_epi32(high[0], high[1]), _mm256_packs_epi32(high[2], high[3]));
+        const __m256i r8 = _mm256_packs_epi16(_mm256_packs_epi32(low[0], low[1]), _mm256_packs_epi32(low[2], low[3]));
+        _mm256_storeu_si256((__m256i *)(qs + b * QK), _mm256_permutevar8x32_epi32(q8, order));
+        _mm256_storeu_si256((__m256i *)(rs + b * QK), _mm256_permutevar8x32_epi32(r8, order));
         ds[b] = d;
         ss[b] = d * (float)_mm_cvtsi128_si32(s4);
 #else
@@ -111,12 +121,14 @@ static void quantize_row(int8_t *qs, float *ds, float *ss, const void *x, int64_
             const float a = fabsf(load1(x, at + i, dtype));
             max = a > max ? a : max;
         }
-        const float d = max / 127.0f, id = max > 0.0f ? 127.0f / max : 0.0f;
+        const float d = max / V_MAX, id = max > 0.0f ? V_MAX / max : 0.0f;
         int sum = 0;
         for (int i = 0; i < QK; i++) {
-            const int q = (int)nearbyintf(load1(x, at + i, dtype) * id);
-            qs[b * QK + i] = (int8_t)q;
-            sum += q;
+            const int value = (int)nearbyintf(load1(x, at + i, dtype) * id);
+            const int high = (value + 64) >> 7;  /* floor: an arithmetic shift, as srai */
+            qs[b * QK + i] = (int8_t)high;
+            rs[b * QK + i] = (int8_t)(value - high * 128);
+            sum += value;
         }
         ds[b] = d;
         ss[b] = d * (float)sum;
@@ -231,6 +243,24 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
+/* l . v = 128 * (l . q) + l . r, 8 int32 lanes of 4 inputs each (u: unsigned weight bytes; the
+ * halves q, r signed, as dot_u8s8 takes them). */
+static inline __m256i dot_v(__m256i u, const int8_t *q, const int8_t *r) {
+    const __m256i high = dot_u8s8(u, _mm256_loadu_si256((const __m256i *)q));
+#ifdef TS_AVX512
+    return _mm256_dpbusd_epi32(_mm256_slli_epi32(high, 7), u, _mm256_loadu_si256((const __m256i *)r));
+#else
+    return _mm256_add_epi32(_mm256_slli_epi32(high, 7), dot_u8s8(u, _mm256_loadu_si256((const __m256i *)r)));
+#endif
+}
+
+/* The same for a signed weight block l: its magnitude meets the halves with l's sign. */
+static inline __m256i dot_v_signed(__m256i l, __m256i magnitude, const int8_t *q, const int8_t *r) {
+    const __m256i high = dot_u8s8(magnitude, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)q), l));
+    const __m256i low = dot_u8s8(magnitude, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)r), l));
+    return _mm256_add_epi32(_mm256_slli_epi32(high, 7), low);
+}
+
 /* For blocks b .. b + 7 of a q4 weight row: each row's 8 products d * step (into scale[r]) and
  * its sums of low * s, lane j for block b + j (into low_acc[r]). */
 static inline void q4_group(const Call *c, const uint16_t *steps, const uint16_t *lows, int64_t row,
@@ -256,8 +286,8 @@ static inline void q4_finish(const Call *c, const uint16_t *steps, const uint16_
         const float step = half_to_float(steps[b]), low = half_to_float(lows[b]);
         for (int r = 0; r < R; r++) {
             const int64_t at = (row + r) * blocks + b;
-            const int8_t *q = c->xq.q + (row + r) * c->k + b * QK;
-            const __m256 f = _mm256_cvtepi32_ps(dot_u8s8(l, _mm256_loadu_si256((const __m256i *)q)));
+            const int64_t v_at = (row + r) * c->k + b * QK;
+            const __m256 f = _mm256_cvtepi32_ps(dot_v(l, c->xq.q + v_at, c->xq.r + v_at));
             acc[r][b & 1] = _mm256_fmadd_ps(f, _mm256_set1_ps(c->xq.d[at] * step), acc[r][b & 1]);
             low_tail[r] = fmaf(low, c->xq.s[at], low_tail[r]);
         }
@@ -274,11 +304,10 @@ static inline void q8_finish(const Call *c, int64_t row, int R, int64_t col, int
     const int8_t *w = (const int8_t *)c->w + col * c->k;
     for (; b < blocks; b++) {
         const __m256i l = _mm256_loadu_si256((const __m256i *)(w + b * QK));
-        const __m256i magnitude = _mm256_sign_epi8(l, l);  /* |l|; the sign moves to q */
+        const __m256i magnitude = _mm256_sign_epi8(l, l);  /* |l|; the sign moves to q and r */
         for (int r = 0; r < R; r++) {
-            const int8_t *q = c->xq.q + (row + r) * c->k + b * QK;
-            const __m256i a = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)q), l);
-            const __m256 f = _mm256_cvtepi32_ps(dot_u8s8(magnitude, a));
+            const int64_t v_at = (row + r) * c->k + b * QK;
+            const __m256 f = _mm256_cvtepi32_ps(dot_v_signed(l, magnitude, c->xq.q + v_at, c->xq.r + v_at));
             const float *d = c->xq.d + (row + r) * blocks + b;
             acc[r][b & 1] = _mm256_fmadd_ps(f, _mm256_broadcast_ss(d), acc[r][b & 1]);
         }
@@ -327,8 +356,9 @@ static inline void q4_tile(const Call *c, int64_t row, int R, int64_t col) {
             const __m512i l = unpack_nibbles2(w + (b + j) * (QK / 2));
             const __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(j), _mm256_set1_epi32(j + 1), 1);
             for (int r = 0; r < R; r++) {
-                const int8_t *q = c->xq.q + (row + r) * c->k + (b + j) * QK;
-                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), l, _mm512_loadu_si512(q));
+                const int64_t v_at = (row + r) * c->k + (b + j) * QK;
+                const __m512i high = _mm512_dpbusd_epi32(_mm512_setzero_si512(), l, _mm512_loadu_si512(c->xq.q + v_at));
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(high, 7), l, _mm512_loadu_si512(c->xq.r + v_at));
                 const __m512 s = _mm512_permutexvar_ps(pick, _mm512_castps256_ps512(_mm256_loadu_ps(scale[r])));
                 wide[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, wide[r]);
             }
@@ -350,10 +380,12 @@ static inline void q8_tile(const Call *c, int64_t row, int R, int64_t col) {
         const __m512i magnitude = _mm512_abs_epi8(l);
         const __mmask64 negative = _mm512_movepi8_mask(l);  /* the sign moves to q */
         for (int r = 0; r < R; r++) {
-            const int8_t *q = c->xq.q + (row + r) * c->k + b * QK;
-            const __m512i raw = _mm512_loadu_si512(q);
-            const __m512i a = _mm512_mask_sub_epi8(raw, negative, _mm512_setzero_si512(), raw);
-            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude, a);
+            const int64_t v_at = (row + r) * c->k + b * QK;
+            const __m512i q = _mm512_loadu_si512(c->xq.q + v_at), rest = _mm512_loadu_si512(c->xq.r + v_at);
+            const __m512i zero = _mm512_setzero_si512();
+            const __m512i high = _mm512_dpbusd_epi32(zero, magnitude, _mm512_mask_sub_epi8(q, negative, zero, q));
+            const __m512i dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(high, 7), magnitude,
+                                                    _mm512_mask_sub_epi8(rest, negative, zero, rest));
             const float *d = c->xq.d + (row + r) * blocks + b;
             const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(d[0]), _mm256_set1_ps(d[1]), 1);
             wide[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, wide[r]);
@@ -379,8 +411,8 @@ static inline void q4_tile(const Call *c, int64_t row, int R, int64_t col) {
         for (int j = 0; j < 8; j++) {
             const __m256i l = unpack_nibbles(w + (b + j) * (QK / 2));
             for (int r = 0; r < R; r++) {
-                const int8_t *q = c->xq.q + (row + r) * c->k + (b + j) * QK;
-                const __m256 f = _mm256_cvtepi32_ps(dot_u8s8(l, _mm256_loadu_si256((const __m256i *)q)));
+                const int64_t v_at = (row + r) * c->k + (b + j) * QK;
+                const __m256 f = _mm256_cvtepi32_ps(dot_v(l, c->xq.q + v_at, c->xq.r + v_at));
                 acc[r][j & 1] = _mm256_fmadd_ps(f, _mm256_broadcast_ss(&scale[r][j]), acc[r][j & 1]);
             }
         }
@@ -405,10 +437,11 @@ static inline void q4_tile(const Call *c, int64_t row, int R, int64_t col) {
         float acc[2] = {0.0f, 0.0f}, low_acc[2] = {0.0f, 0.0f};
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t at = (row + r) * blocks + b;
-            const int8_t *q = c->xq.q + (row + r) * c->k + b * QK;
+            const int8_t *q = c->xq.q + (row + r) * c->k + b * QK, *rest = c->xq.r + (row + r) * c->k + b * QK;
             const uint8_t *p = w + b * (QK / 2);
-            int32_t dot = 0;
-            for (int j = 0; j < QK / 2; j++) dot += (p[j] & 0x0f) * q[j] + (p[j] >> 4) * q[j + QK / 2];
+            int32_t dot = 0;  /* l . v, v = 128 * q + r */
+            for (int j = 0; j < QK / 2; j++)
+                dot += (p[j] & 0x0f) * (128 * q[j] + rest[j]) + (p[j] >> 4) * (128 * q[j + QK / 2] + rest[j + QK / 2]);
             const float step = half_to_float(c->steps[col * blocks + b]);
             const float low = half_to_float(c->lows[col * blocks + b]);
             acc[b & 1] = fmaf((float)dot, c->xq.d[at] * step, acc[b & 1]);
@@ -424,9 +457,9 @@ static inline void q8_tile(const Call *c, int64_t row, int R, int64_t col) {
     for (int r = 0; r < R; r++) {
         float acc[2] = {0.0f, 0.0f};
         for (int64_t b = 0; b < blocks; b++) {
-            const int8_t *q = c->xq.q + (row + r) * c->k + b * QK;
+            const int8_t *q = c->xq.q + (row + r) * c->k + b * QK, *rest = c->xq.r + (row + r) * c->k + b * QK;
             int32_t dot = 0;
-            for (int j = 0; j < QK; j++) dot += w[b * QK + j] * q[j];
+            for (int j = 0; j < QK; j++) dot += w[b * QK + j] * (128 * q[j] + rest[j]);
             acc[b & 1] = fmaf((float)dot, c->xq.d[(row + r) * blocks + b], acc[b & 1]);
         }
         emit(c, row + r, col, (acc[0] + acc[1]) * c->scales[col]);
@@ -472,11 +505,12 @@ static int matmul(Call *c, int q4, const void *x, const Prologue *pre, int threa
         (pre->kind == PRE_RMS_NORM && pre->norm == NULL))
         return TS_BAD_ARGS;
     if (c->m == 0) return TS_OK;
-    /* one allocation: the values, then the steps and sums (float-aligned: k is a multiple of 32) */
-    char *memory = malloc((size_t)(c->m * c->k) + 2 * (size_t)(c->m * blocks) * sizeof(float));
+    /* one allocation: both halves, then the steps and sums (float-aligned: k is a multiple of 32) */
+    char *memory = malloc(2 * (size_t)(c->m * c->k) + 2 * (size_t)(c->m * blocks) * sizeof(float));
     if (memory == NULL) return TS_NO_MEMORY;
     c->xq.q = (int8_t *)memory;
-    c->xq.d = (float *)(memory + c->m * c->k);
+    c->xq.r = c->xq.q + c->m * c->k;
+    c->xq.d = (float *)(memory + 2 * c->m * c->k);
     c->xq.s = c->xq.d + c->m * blocks;
     const int64_t work = c->n * c->k * (c->m < ROW_TILE ? 1 : c->m / ROW_TILE);
     int64_t most = work / MIN_THREAD_WORK, chunks = (c->n + COL_CHUNK - 1) / COL_CHUNK;
@@ -494,7 +528,8 @@ static int matmul(Call *c, int q4, const void *x, const Prologue *pre, int threa
         for (int64_t r = 0; r < c->m; r++) {
             if (row == NULL) continue;
             prologue_row(row, x, r, c->k, c->dtype, pre);
-            quantize_row(c->xq.q + r * c->k, c->xq.d + r * blocks, c->xq.s + r * blocks, row, 0, c->k, TS_F32);
+            quantize_row(c->xq.q + r * c->k, c->xq.r + r * c->k, c->xq.d + r * blocks, c->xq.s + r * blocks, row, 0,
+                         c->k, TS_F32);
         }
         free(row);
         int stop;

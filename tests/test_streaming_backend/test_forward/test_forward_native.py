@@ -116,6 +116,55 @@ def test_a_position_outside_the_cache_is_refused_not_read(kernel):
             kernel(q, k, v, Placed.of([(0, position)]), NO_WINDOW, 0.125)
 
 
+def rope_tables(positions: int = MAX_LEN) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random RoPE-like cos, sin tables [positions, head_dim] (any values do for the checks)."""
+    generator = torch.Generator().manual_seed(3)
+    return tuple(torch.rand(positions, HEAD_DIM, generator=generator) for _ in range(2))
+
+
+def test_rope_attention_turns_writes_and_attends_as_torch_would(kernel):
+    """with_rope from a q/k/v projection: the keys written into the cache are RoPE's (Hugging
+    Face's rotate_half), the values as they came, and the output is the exact attention of
+    the turned queries over the cache (each token seeing the ones before it in the call)."""
+    k, v = cache(torch.float32)
+    cos, sin = rope_tables()
+    rows = [(1, 0), (1, 1), (1, 2), (4, 40)]
+    heads = KV_HEADS * GROUPS
+    qkv = torch.randn(
+        len(rows), (heads + 2 * KV_HEADS) * HEAD_DIM, generator=torch.Generator().manual_seed(4)
+    )
+    placed = Placed.of(rows)
+    got = kernel.with_rope(qkv, (cos, sin), k, v, placed, NO_WINDOW, GROUPS)
+
+    def turn(x, position):  # [h, D]
+        half = HEAD_DIM // 2
+        rotated = torch.cat([-x[:, half:], x[:, :half]], dim=-1)
+        return x * cos[position] + rotated * sin[position]
+
+    q, kk, vv = qkv.split([heads * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+    turned = []
+    for token, (place, position) in enumerate(rows):
+        turned.append(turn(q[token].view(heads, HEAD_DIM), position))
+        keys = turn(kk[token].view(KV_HEADS, HEAD_DIM), position)
+        torch.testing.assert_close(k[place, :, position], keys, atol=1e-6, rtol=0)
+        assert torch.equal(v[place, :, position], vv[token].view(KV_HEADS, HEAD_DIM))
+    q_turned = torch.stack(turned).view(len(rows), KV_HEADS, GROUPS, HEAD_DIM)
+    expected = reference(q_turned, k, v, rows, NO_WINDOW)
+    torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_rope_attention_refuses_a_place_or_position_outside_the_cache(kernel):
+    """A place past the cache or a position past it (or past the RoPE table) fails loudly,
+    before anything is written."""
+    k, v = cache(torch.float32)
+    qkv = torch.randn(1, (KV_HEADS * GROUPS + 2 * KV_HEADS) * HEAD_DIM)
+    for rows, table in (([(PLACES, 0)], MAX_LEN), ([(0, MAX_LEN)], MAX_LEN), ([(0, 10)], 10)):
+        before = k.clone()
+        with pytest.raises(RuntimeError, match="bad arguments"):
+            kernel.with_rope(qkv, rope_tables(table), k, v, Placed.of(rows), NO_WINDOW, GROUPS)
+        assert torch.equal(k, before)
+
+
 def test_no_compiler_means_torch_kernels_with_a_warning(monkeypatch, caplog):
     """Without a C compiler both kernels are None, the reason is logged, and quantized weights
     take torch's layouts (its weight-only kernels run them)."""
@@ -206,8 +255,10 @@ def test_the_native_layers_compute_what_the_torch_layers_do(tiny_model_dir, kind
             steps.append(forward.decode(slots, steps[-1].argmax(-1).tolist()))
         logits[use_native] = torch.stack(steps)
     ours, theirs = logits[True], logits[False]
-    if dtype == "float32":  # measured: 2e-7 of the largest logit; a wrong RoPE or norm: ~1
-        assert (ours - theirs).abs().max() <= 1e-5 * theirs.abs().max()
+    # float32: a norm one ulp apart can move an activation a level (of 16256 per block): measured
+    # up to 4e-5 of the largest logit; a wrong RoPE or norm is off by about the logits themselves
+    if dtype == "float32":
+        assert (ours - theirs).abs().max() <= 2e-4 * theirs.abs().max()
     else:  # torch rounds each step to bfloat16, C once (measured: cosine 0.99984 at the least)
         close = F.cosine_similarity(ours.flatten(0, 1), theirs.flatten(0, 1), dim=-1)
         assert close.min() > 0.999
