@@ -46,10 +46,10 @@ class Numerics:
     head: str  # the output head's format (quant.HEAD_KIND)
     forward: str  # compact or hf (steps/build.py)
     decode: str  # how a decode step runs: eager, compiled (torch.compile) or cuda_graphs
-    attention: str  # the compact forward's exact attention: c-avx2, c-generic (its C kernel
+    attention: str  # the compact forward's exact attention: c-avx512, c-avx2, c-generic (C kernel
     # as built, forward/native.py) or torch (one call per token); hf on the Hugging Face forward
-    matmul: str  # what runs the linear weights: c-avx2, c-generic (our C kernels, which quantize
-    # the activations too), aten (torch's weight-only kernels), dense; "+" joins several; or hf
+    matmul: str  # what runs the linear weights: c-avx512, c-avx2, c-generic (our C kernels, which
+    # quantize the activations too), aten (torch's weight-only kernels), dense ("+" joins); or hf
     device: str  # cpu or cuda
     kernels: str  # CPU: the kernel family torch dispatches (AVX512, AVX2, ...); GPU: its model
     threads: int  # torch's CPU threads at load (torch's attention: differed on 1 and 2); GPU: 0
