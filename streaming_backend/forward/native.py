@@ -116,7 +116,7 @@ class AttentionKernel:
             k_layer.shape[2],
             min(window, 1 << 62),
             scale,
-            torch.get_num_threads(),
+            _threads(),
         )
         if status:
             raise RuntimeError(f"exact attention kernel: {STATUS.get(status, status)}")
@@ -157,7 +157,7 @@ class AttentionKernel:
             k_layer.data_ptr(), v_layer.data_ptr(), out.data_ptr(),
             placed.places.data_ptr(), placed.positions.data_ptr(),
             n, places, kv_heads, groups, head_dim, max_len, min(window, 1 << 62), head_dim**-0.5,
-            torch.get_num_threads(),
+            _threads(),
         )  # fmt: skip
         if status:
             raise RuntimeError(f"rope attention kernel: {STATUS.get(status, status)}")
@@ -213,8 +213,11 @@ class MatmulKernel:
         if x.dim() != 2 or x.shape[1] != width or x.dtype not in DTYPES or not x.is_contiguous():
             raise ValueError(f"quantized matmul: x {tuple(x.shape)} {x.dtype} for k = {k}")
         m = x.shape[0]
-        expected = {"norm": (norm, (k,)), "bias": (bias, (n,)), "add_to": (add_to, (m, n))}
-        for name, (tensor, shape) in expected.items():
+        for name, tensor, shape in (
+            ("norm", norm, (k,)),
+            ("bias", bias, (n,)),
+            ("add_to", add_to, (m, n)),
+        ):
             if tensor is not None and (
                 tensor.shape != shape or tensor.dtype != x.dtype or not tensor.is_contiguous()
             ):
