@@ -275,23 +275,33 @@ static inline void q4_group(const Call *c, const uint16_t *steps, const uint16_t
     }
 }
 
-/* Blocks b .. blocks - 1 of a q4 weight row one by one into the two chains, then y. */
+/* Block b of a q4 weight row into chain `chain` of R rows' accumulators (its low * s into
+ * low_tail[r]). */
+static inline void q4_block(const Call *c, const uint8_t *w, const uint16_t *steps, const uint16_t *lows,
+                            int64_t row, int R, int64_t b, int chain, __m256 acc[][2], float *low_tail) {
+    const int64_t blocks = c->k / QK;
+    const __m256i l = unpack_nibbles(w + b * (QK / 2));
+    const float step = half_to_float(steps[b]), low = half_to_float(lows[b]);
+    for (int r = 0; r < R; r++) {
+        const int64_t at = (row + r) * blocks + b;
+        const int64_t v_at = (row + r) * c->k + b * QK;
+        const __m256 f = _mm256_cvtepi32_ps(dot_v(l, c->xq.q + v_at, c->xq.r + v_at));
+        acc[r][chain] = _mm256_fmadd_ps(f, _mm256_set1_ps(c->xq.d[at] * step), acc[r][chain]);
+        low_tail[r] = fmaf(low, c->xq.s[at], low_tail[r]);
+    }
+}
+
+/* Blocks b .. blocks - 1 of a q4 weight row (b even) into the two chains, then y. */
 static inline void q4_finish(const Call *c, const uint16_t *steps, const uint16_t *lows, int64_t row,
-                             int R, int64_t col, int64_t b, __m256 acc[][2], const __m256 *low_acc) {
+                             int R, int64_t col, int64_t b, __m256 acc[][2], const __m256 *low_acc,
+                             float *low_tail) {
     const int64_t blocks = c->k / QK;
     const uint8_t *w = c->w + col * (c->k / 2);
-    float low_tail[ROW_TILE] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (; b < blocks; b++) {
-        const __m256i l = unpack_nibbles(w + b * (QK / 2));
-        const float step = half_to_float(steps[b]), low = half_to_float(lows[b]);
-        for (int r = 0; r < R; r++) {
-            const int64_t at = (row + r) * blocks + b;
-            const int64_t v_at = (row + r) * c->k + b * QK;
-            const __m256 f = _mm256_cvtepi32_ps(dot_v(l, c->xq.q + v_at, c->xq.r + v_at));
-            acc[r][b & 1] = _mm256_fmadd_ps(f, _mm256_set1_ps(c->xq.d[at] * step), acc[r][b & 1]);
-            low_tail[r] = fmaf(low, c->xq.s[at], low_tail[r]);
-        }
+    for (; b + 2 <= blocks; b += 2) {  /* the chain of a block is its index's parity */
+        q4_block(c, w, steps, lows, row, R, b, 0, acc, low_tail);
+        q4_block(c, w, steps, lows, row, R, b + 1, 1, acc, low_tail);
     }
+    if (b < blocks) q4_block(c, w, steps, lows, row, R, b, 0, acc, low_tail);
     for (int r = 0; r < R; r++) {
         const float lows_sum = hsum8(low_acc[r]) + low_tail[r];
         emit(c, row + r, col, hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + lows_sum);
@@ -333,6 +343,12 @@ static inline __m512i unpack_nibbles2(const uint8_t *p) {
     return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
 }
 
+/* dot_v for two blocks at once: l as unpack_nibbles2 gives it, q and r the halves of both. */
+static inline __m512i dot_v2(__m512i l, const int8_t *q, const int8_t *r) {
+    const __m512i high = _mm512_dpbusd_epi32(_mm512_setzero_si512(), l, _mm512_loadu_si512(q));
+    return _mm512_dpbusd_epi32(_mm512_slli_epi32(high, 7), l, _mm512_loadu_si512(r));
+}
+
 static inline void split(__m512 wide, __m256 acc[2]) {
     acc[0] = _mm512_castps512_ps256(wide);
     acc[1] = _mm512_extractf32x8_ps(wide, 1);
@@ -357,15 +373,28 @@ static inline void q4_tile(const Call *c, int64_t row, int R, int64_t col) {
             const __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(j), _mm256_set1_epi32(j + 1), 1);
             for (int r = 0; r < R; r++) {
                 const int64_t v_at = (row + r) * c->k + (b + j) * QK;
-                const __m512i high = _mm512_dpbusd_epi32(_mm512_setzero_si512(), l, _mm512_loadu_si512(c->xq.q + v_at));
-                const __m512i dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(high, 7), l, _mm512_loadu_si512(c->xq.r + v_at));
+                const __m512i dot = dot_v2(l, c->xq.q + v_at, c->xq.r + v_at);
                 const __m512 s = _mm512_permutexvar_ps(pick, _mm512_castps256_ps512(_mm256_loadu_ps(scale[r])));
                 wide[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, wide[r]);
             }
         }
     }
+    float low_tail[ROW_TILE];
+    for (int r = 0; r < R; r++) low_tail[r] = 0.0f;
+    for (; b + 2 <= blocks; b += 2) {  /* pairs after the groups of 8, as q4_finish sums them */
+        const __m512i l = unpack_nibbles2(w + b * (QK / 2));
+        const float step0 = half_to_float(steps[b]), step1 = half_to_float(steps[b + 1]);
+        const float low0 = half_to_float(lows[b]), low1 = half_to_float(lows[b + 1]);
+        for (int r = 0; r < R; r++) {
+            const int64_t at = (row + r) * blocks + b, v_at = (row + r) * c->k + b * QK;
+            const __m512i dot = dot_v2(l, c->xq.q + v_at, c->xq.r + v_at);
+            const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(c->xq.d[at] * step0), _mm256_set1_ps(c->xq.d[at + 1] * step1), 1);
+            wide[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, wide[r]);
+            low_tail[r] = fmaf(low1, c->xq.s[at + 1], fmaf(low0, c->xq.s[at], low_tail[r]));
+        }
+    }
     for (int r = 0; r < R; r++) split(wide[r], acc[r]);
-    q4_finish(c, steps, lows, row, R, col, b, acc, low_acc);
+    q4_finish(c, steps, lows, row, R, col, b, acc, low_acc, low_tail);
 }
 
 static inline void q8_tile(const Call *c, int64_t row, int R, int64_t col) {
@@ -417,7 +446,9 @@ static inline void q4_tile(const Call *c, int64_t row, int R, int64_t col) {
             }
         }
     }
-    q4_finish(c, steps, lows, row, R, col, b, acc, low_acc);
+    float low_tail[ROW_TILE];
+    for (int r = 0; r < R; r++) low_tail[r] = 0.0f;
+    q4_finish(c, steps, lows, row, R, col, b, acc, low_acc, low_tail);
 }
 
 /* The same for q8: y = scale * sum over blocks of d * (l . q). */
