@@ -64,7 +64,7 @@ def _memory(text: str) -> str:
 
 MEMORY = Kind(_memory, str, "SIZE")
 
-# Shared by both models: `tokenstream serve --model/--dtype` set them on each.
+# Shared by both models: `tokenstream serve --model/--dtype/--quantize/--forward` set them on each.
 MODEL = Parameter(
     "model",
     "",
@@ -98,6 +98,13 @@ QUANTIZE = Parameter(
     choice(AUTO, *QUANTIZE_KINDS),
     option=True,
 )
+FORWARD = Parameter(
+    "forward",
+    "auto",
+    "auto (compact for Llama-family models, else hf), compact, or hf (Hugging Face)",
+    choice(*FORWARDS),
+    option=True,
+)
 
 CHAT_PARAMETERS = ParameterTable(
     CHAT_MODEL,
@@ -126,13 +133,7 @@ CHAT_PARAMETERS = ParameterTable(
             MILLISECONDS,
             field="cancel_check_s",
         ),
-        Parameter(
-            "forward",
-            "auto",
-            "auto (compact for Llama-family models, else hf), compact, or hf (Hugging Face)",
-            choice(*FORWARDS),
-            option=True,
-        ),
+        FORWARD,
         Parameter(
             "prefix_cache",
             "on",
@@ -193,12 +194,7 @@ DIALOGUE_PARAMETERS = ParameterTable(
         MODEL,
         DTYPE,
         QUANTIZE,
-        Parameter(
-            "forward",
-            "auto",
-            "auto (compact for Llama-family models, else hf), compact, or hf (Hugging Face)",
-            choice(*FORWARDS),
-        ),
+        FORWARD,
         Parameter("max_beam_width", "8", "widest beam search a request may ask for", integer(1)),
         Parameter(
             "default_output_len",

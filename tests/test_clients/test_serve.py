@@ -61,6 +61,9 @@ def test_serve_options_take_their_defaults_from_the_model_settings() -> None:
     assert helps["max_streams"].endswith(f"(default {defaults.engine.max_streams}); chat")
     assert helps["queue_limit"].endswith(f"(default {defaults.engine.queue_limit}); chat")
     assert helps["dtype"].endswith(f"(default {defaults.dtype}); chat and dialogue_model")
+    assert helps["forward"].endswith(
+        f"(default {defaults.engine.forward}); chat and dialogue_model"
+    )
 
 
 def serve_command(repository: Path, *extra: str) -> list[str]:

@@ -17,6 +17,7 @@ from streaming_backend.config import (
     ModelSettings,
     parameter_strings,
     parse_memory,
+    serve_options,
 )
 from streaming_backend.launcher.repository import read_parameters
 
@@ -43,6 +44,14 @@ def test_every_row_fills_a_settings_field() -> None:
     chat_fields = {f.name for f in fields(EngineConfig)} | {f.name for f in fields(ModelSettings)}
     assert {p.target for p in CHAT_PARAMETERS} <= chat_fields
     assert {p.target for p in DIALOGUE_PARAMETERS} == {f.name for f in fields(DialogueSettings)}
+
+
+def test_serve_options_name_every_model_that_takes_them() -> None:
+    """An option's models are all those whose table has its key (the launcher sets it on each),
+    and a parameter has an option in every table or in none."""
+    for parameter, models in serve_options():
+        assert models == [name for name, table in TABLES.items() if parameter.key in table]
+        assert all(table[parameter.key].option for name, table in TABLES.items() if name in models)
 
 
 def test_dataclass_defaults_are_the_tables() -> None:
