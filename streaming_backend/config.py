@@ -243,7 +243,7 @@ class EngineConfig:
     # streams and the prefix cache; admission waits for a slot, so a step never runs out of it.
     kv_cache_memory: str = _CHAT["kv_cache_memory"]
     compile: bool = _CHAT["compile"]  # torch.compile the compact decode step
-    quantize: str = _CHAT["quantize"]  # the compact forward's weights: none, int8, int4
+    quantize: str = _CHAT["quantize"]  # the compact forward's weights: auto, none, int8, int4
     # On a CPU: decode steps on fewer torch threads while fewer measure faster, as when another
     # process holds a core (streaming_backend/step_threads.py); off: torch's count throughout.
     adaptive_threads: bool = _CHAT["adaptive_threads"]

@@ -107,13 +107,15 @@ def test_runtime_repository_of_a_missing_folder_fails(tmp_path: Path) -> None:
 
 
 def test_runtime_repository_sets_each_parameter_on_the_models_that_take_it(tmp_path) -> None:
-    """max_streams reaches the chat model only; model and dtype reach both of ours; a key a
-    model's own config.pbtxt declares reaches that model."""
+    """max_streams reaches the chat model only, max_beam_width the dialogue model only; dtype,
+    quantize and forward reach both of ours; a key a model's own config.pbtxt declares reaches
+    that model."""
     repository = tmp_path / "repository"
     write_echo_model(repository)  # declares "suffix"
     shutil.copytree(REPO_ROOT / "repository" / "chat", repository / "chat", symlinks=True)
     shutil.copytree(REPO_ROOT / "repository" / "dialogue_model", repository / "dialogue_model")
     values = {"max_streams": "3", "dtype": "float32", "suffix": "?", "max_beam_width": "2"}
+    values |= {"quantize": "none", "forward": "hf"}
     runtime = make_runtime_repository(repository, values)
     try:
         read = {m: read_parameters((runtime / m / "config.pbtxt").read_text()) for m in MODELS}
@@ -122,6 +124,8 @@ def test_runtime_repository_sets_each_parameter_on_the_models_that_take_it(tmp_p
     assert read["chat"]["max_streams"] == "3" and read["chat"]["dtype"] == "float32"
     assert "max_beam_width" not in read["chat"] and "suffix" not in read["chat"]
     assert read["dialogue_model"]["max_beam_width"] == "2"
+    for model in ("chat", "dialogue_model"):
+        assert (read[model]["quantize"], read[model]["forward"]) == ("none", "hf")
     assert read["dialogue_model"]["dtype"] == "float32"
     assert "max_streams" not in read["dialogue_model"]
     assert read["echo"] == {"suffix": "?"}
