@@ -328,11 +328,6 @@ class DialogueSettings:
         return replace(settings, cpu_threads=threads)
 
 
-def default_parameters() -> dict[str, str]:
-    """The default value of every chat model parameter, as config.pbtxt spells it."""
-    return CHAT_PARAMETERS.defaults()
-
-
 def serve_options() -> list[tuple[Parameter, list[str]]]:
     """The parameters `tokenstream serve` has an option for, each with the models that take it."""
     options: dict[str, tuple[Parameter, list[str]]] = {}

@@ -265,4 +265,3 @@ DIALOGUE_INPUT_NAMES = (
 DIALOGUE_OUTPUT_IDS = "output_ids"  # INT32 [1, beam_width, request_output_len], pad_id-padded
 SEQUENCE_LENGTH = "sequence_length"  # INT32 [1, beam_width]: new tokens of each beam
 CUM_LOG_PROBS = "cum_log_probs"  # FP32 [1, beam_width]: summed log-probabilities of each beam
-DIALOGUE_OUTPUT_NAMES = (DIALOGUE_OUTPUT_IDS, SEQUENCE_LENGTH, CUM_LOG_PROBS)
