@@ -72,14 +72,21 @@ def default_model_dir() -> Path:
     return convert_gguf(default_model_path())
 
 
-def save_tiny_model(out: Path, tokenizer_dir: Path, context: int = TINY_CONTEXT) -> Path:
-    """A randomly initialised 2-layer Llama of `context` positions with the default model's
-    tokenizer, saved to `out`."""
+def save_tiny_model(
+    out: Path, tokenizer_dir: Path, context: int = TINY_CONTEXT, family: str = "llama"
+) -> Path:
+    """A randomly initialised 2-layer model of `context` positions with the default model's
+    tokenizer, saved to `out`: a Llama, or a model of another family (Hugging Face model_type)."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    import transformers
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = LlamaConfig(
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[family]
+    config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -93,7 +100,7 @@ def save_tiny_model(out: Path, tokenizer_dir: Path, context: int = TINY_CONTEXT)
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = model_class(config)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out

@@ -1,8 +1,10 @@
 """A compact forward pass for the Llama family over a per-slot KV cache.
 
-Supported: `llama` (Llama 2/3, SmolLM, SmolLM2, TinyLlama), `mistral` (sliding window as a mask)
-and `qwen2` (q/k/v biases, per-layer sliding window). Anything else raises UnsupportedModel and
-the caller keeps the Hugging Face forward. The weights are the Hugging Face model's own tensors
+Supported (FAMILIES): `llama` (Llama 2/3, SmolLM, SmolLM2, TinyLlama), `mistral` (sliding window
+as a mask), `qwen2` (q/k/v biases, per-layer sliding window) and `qwen3` (an RMS norm on each
+head's queries and keys before RoPE). What a family does differently is data (`Family`), read by
+the one forward. Anything else raises UnsupportedModel and the caller keeps the Hugging Face
+forward. The weights are the Hugging Face model's own tensors
 (q/k/v and gate/up fused into one matmul each; the model's parameters are re-pointed at views of
 the fused tensors, so the weights are held once).
 
@@ -35,7 +37,20 @@ from streaming_backend.forward.quant import (
     quantize_weight,
 )
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+
+class Family(NamedTuple):
+    """What a model family's decoder layer does beyond Llama's."""
+
+    head_norms: bool = False  # an RMS norm over each head's queries and keys, before RoPE
+
+
+FAMILIES = {  # Hugging Face model_type -> its differences
+    "llama": Family(),
+    "mistral": Family(),
+    "qwen2": Family(),
+    "qwen3": Family(head_norms=True),
+}
+SUPPORTED_TYPES = tuple(FAMILIES)
 # RoPE variants whose inverse frequencies are fixed at load (no position-dependent rescaling).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")
 NO_WINDOW = 1 << 62  # "sliding window" of a full-attention layer
@@ -73,6 +88,8 @@ class Block(NamedTuple):
     gate_up_bias: torch.Tensor | None
     down: Weight  # [hidden, intermediate]
     down_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None = None  # [head_dim]: Family.head_norms
+    k_norm: torch.Tensor | None = None
 
     def quantized(self, kind: str, matmul: str = "auto") -> Block:
         """This block with its four linear weights quantized as `kind` (forward/quant.py)."""
@@ -205,7 +222,8 @@ class CompactLlama(nn.Module):
         head = model.lm_head.weight.detach()
         self.head: Weight = quantize_weight(head, HEAD_KIND[quantize], matmul)
         self.final_norm = inner.norm.weight.detach()
-        self.blocks = [_block(layer).quantized(quantize, matmul) for layer in inner.layers]
+        family = FAMILIES[model.config.model_type]
+        self.blocks = [_block(layer, family).quantized(quantize, matmul) for layer in inner.layers]
         self.cos, self.sin = _rope_tables(inner.rotary_emb, self.shape, self.embed.dtype)
         # exact attention: the C kernel on the CPU for the dtypes it takes, else torch per token
         on_cpu = self.embed.device.type == "cpu" and self.embed.dtype in native.DTYPES
@@ -377,9 +395,12 @@ class CompactLlama(nn.Module):
         return mask[:, None, None].expand(n, 1, self.shape.groups, t, w).reshape(n, 1, -1, w)
 
 
-def _block(layer: Any) -> Block:
+def _block(layer: Any, family: Family) -> Block:
     """A Hugging Face decoder layer's weights, q/k/v and gate/up fused."""
     attn, mlp = layer.self_attn, layer.mlp
+    norms = {}
+    if family.head_norms:
+        norms = {"q_norm": attn.q_norm.weight.detach(), "k_norm": attn.k_norm.weight.detach()}
     qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
     gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
     return Block(
@@ -393,6 +414,7 @@ def _block(layer: Any) -> Block:
         gate_up_bias=gate_up_bias,
         down=mlp.down_proj.weight.detach(),
         down_bias=_param(mlp.down_proj.bias),
+        **norms,
     )
 
 
@@ -469,8 +491,8 @@ def _project_and_write(h, block: Block, kv, rope, where, dims: Dims) -> torch.Te
     q_size, kv_size = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
     qkv = linear(h, block.qkv, block.qkv_bias)  # [N, T, (H + 2 Hkv) D]
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    q = q.view(n, t, dims.heads, dims.head_dim).transpose(1, 2)  # [N, H, T, D]
-    k = k.view(n, t, dims.kv_heads, dims.head_dim).transpose(1, 2)  # [N, Hkv, T, D]
+    q, k = head_norms(q.view(n, t, dims.heads, -1), k.view(n, t, dims.kv_heads, -1), block, dims)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)  # [N, H, T, D], [N, Hkv, T, D]
     q = q * cos + _rotate_half(q) * sin
     k = (k * cos + _rotate_half(k) * sin).transpose(1, 2)  # [N, T, Hkv, D]
     k_layer[write_slots, :, positions] = k  # the indexed view is [N, T, Hkv, D]
@@ -548,6 +570,8 @@ def rows_attention(h, block: Block, kv, cos, sin, where, dims: Dims, kernel) -> 
     q_size, kv_size = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
     qkv = linear(h, block.qkv, block.qkv_bias)  # [N, (H + 2 Hkv) D]
     qk = qkv[:, : q_size + kv_size].reshape(n, dims.heads + dims.kv_heads, dims.head_dim)
+    if block.q_norm is not None:
+        qk = torch.cat(head_norms(qk[:, : dims.heads], qk[:, dims.heads :], block, dims), dim=1)
     qk = qk * cos + _rotate_half(qk) * sin  # q's heads, then k's
     k_new, v_new = qk[:, dims.heads :], qkv[:, q_size + kv_size :].reshape(n, dims.kv_heads, -1)
     if n == 1:  # a lone stream: a plain slice write (an indexed one costs more)
@@ -570,11 +594,23 @@ def native_layer(x, block: Block, kv, where, dims: Dims, kernel, rope) -> torch.
     placed, window = where
     norm = {"prologue": "rms_norm", "eps": dims.eps}
     qkv = native_linear(x, block.qkv, norm=block.norm1, bias=block.qkv_bias, **norm)
+    if block.q_norm is not None:  # in place, on the float32 rows
+        n, q_size = qkv.shape[0], dims.heads * dims.head_dim
+        qk = qkv[:, : q_size + dims.kv_heads * dims.head_dim].view(n, -1, dims.head_dim)
+        qk.copy_(torch.cat(head_norms(qk[:, : dims.heads], qk[:, dims.heads :], block, dims), 1))
     groups = dims.heads // dims.kv_heads
     out = kernel.with_rope(qkv, rope, kv[0], kv[1], placed, window, groups)  # [n, H * D]
     x = native_linear(out, block.o, bias=block.o_bias, add_to=x)
     h = native_linear(x, block.gate_up, norm=block.norm2, bias=block.gate_up_bias, **norm)
     return native_linear(h, block.down, prologue="silu_mul", bias=block.down_bias, add_to=x)
+
+
+def head_norms(q, k, block: Block, dims: Dims) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [..., H, D] and k [..., Hkv, D], each head RMS-normalised (Family.head_norms), or as
+    they are."""
+    if block.q_norm is None:
+        return q, k
+    return rms_norm(q, block.q_norm, dims.eps), rms_norm(k, block.k_norm, dims.eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from families import tiny_config_model
 
 from streaming_backend.forward import quant
 from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
@@ -110,7 +111,18 @@ def test_a_streams_logits_are_the_same_alone_or_in_a_crowd(tiny_model_dir, kind,
     """A prompt prefilled alone, among other prompts or in chunks of 1, 7 or 32 tokens, then
     decoded alone or beside 1 or 15 streams of other lengths: the same logits, bit for bit, at
     every step."""
-    loaded = load_model(str(tiny_model_dir), dtype=dtype, device="cpu")
+    same_alone_or_in_a_crowd(load_model(str(tiny_model_dir), dtype=dtype, device="cpu"), kind)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ("none", "int4"))
+def test_a_qwen3_streams_logits_are_the_same_alone_or_in_a_crowd(kind, dtype):
+    """The same for Qwen3, whose heads' queries and keys are normalised between the C calls."""
+    same_alone_or_in_a_crowd(tiny_config_model("qwen3", getattr(torch, dtype)), kind)
+
+
+def same_alone_or_in_a_crowd(loaded, kind: str) -> None:
+    """The crowd test's body for one loaded model."""
     config = ForwardConfig(CacheBudget(bytes=64 << 20), max_len=256, max_slots=20, quantize=kind)
     probe = Probe(SlotForward.create(loaded, config))
     alone = probe.run("alone", 0)

@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+from families import tiny_config_model
 
 from streaming_backend.forward.llama import UnsupportedModel
 from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
@@ -40,30 +41,6 @@ def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
 def hf_logits(model, ids: list[int]) -> torch.Tensor:
     """Hugging Face logits [len(ids), V] (fp32) of one sequence, no cache, no padding."""
     return model(input_ids=torch.tensor([ids])).logits[0].float()
-
-
-def tiny_config_model(kind: str, **overrides) -> LoadedModel:
-    """A randomly initialised 2-layer model of another family, in fp32 on the CPU."""
-    import transformers
-
-    config_class, model_class = {
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-    }[kind]
-    config = config_class(
-        vocab_size=1000,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        **overrides,
-    )
-    torch.manual_seed(1)
-    model = model_class(config).eval()
-    return LoadedModel(model, None, torch.device("cpu"), torch.float32, frozenset(), 256, kind)
 
 
 def test_prefill_of_rows_of_different_lengths_matches_hf(tiny):
@@ -122,8 +99,15 @@ def test_freed_slot_is_reused_without_its_old_keys(tiny):
         torch.testing.assert_close(logits[0], reference[4 + step], atol=FP32_ATOL, rtol=0)
 
 
-def test_chunked_prefill_equals_whole_prefill(tiny):
+@pytest.fixture(params=["llama", "qwen3"])
+def family_model(request, tiny) -> LoadedModel:
+    """The tiny Llama, and a tiny model of a family with per-head q/k norms."""
+    return tiny if request.param == "llama" else tiny_config_model(request.param)
+
+
+def test_chunked_prefill_equals_whole_prefill(family_model):
     """A prompt prefilled in chunks (sharing calls with another slot) ends as a whole one."""
+    tiny = family_model
     forward = SlotForward.create(tiny, CONFIG)
     prompt, other = prompts([30, 11], seed=4)
     whole, chunked, neighbour = (forward.cache.allocate() for _ in range(3))
@@ -139,9 +123,9 @@ def test_chunked_prefill_equals_whole_prefill(tiny):
     )
 
 
-def test_prefill_after_a_copied_prefix_equals_whole_prefill(tiny):
+def test_prefill_after_a_copied_prefix_equals_whole_prefill(family_model):
     """A slot given another slot's first positions (as a prefix cache would) continues from them."""
-    forward = SlotForward.create(tiny, CONFIG)
+    forward = SlotForward.create(family_model, CONFIG)
     first, second = prompts([25, 8], seed=7)
     donor, whole, reuser = (forward.cache.allocate() for _ in range(3))
     forward.prefill([PromptChunk(donor, first)])
@@ -159,10 +143,13 @@ def test_prefill_after_a_copied_prefix_equals_whole_prefill(tiny):
         ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
         ("qwen2", {}),
         ("mistral", {"sliding_window": 8}),
+        ("qwen3", {}),
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
     ],
 )
 def test_other_families_match_hf(kind, overrides):
-    """Qwen2 (q/k/v biases, sliding layers) and Mistral (sliding window) match Hugging Face."""
+    """Qwen2 (q/k/v biases, sliding layers), Mistral (sliding window) and Qwen3 (norms on each
+    head's queries and keys) match Hugging Face."""
     loaded = tiny_config_model(kind, **overrides)
     forward = SlotForward.create(loaded, CONFIG)
     rows = prompts([20, 6], seed=5)
@@ -183,6 +170,7 @@ def test_other_families_match_hf(kind, overrides):
         ("llama", None),
         ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
         ("mistral", {"sliding_window": 8}),
+        ("qwen3", {}),
     ],
 )
 def test_one_stream_decodes_as_hf_and_as_a_batch_row(kind, overrides, tiny):
@@ -209,6 +197,7 @@ def test_one_stream_decodes_as_hf_and_as_a_batch_row(kind, overrides, tiny):
     [
         ("llama", None),
         ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+        ("qwen3", {}),
     ],
 )
 def test_decode_of_scattered_slots_matches_hf(kind, overrides, tiny):
@@ -235,9 +224,10 @@ def test_decode_of_scattered_slots_matches_hf(kind, overrides, tiny):
 
 
 def test_unsupported_family_is_refused_with_its_name():
-    """A model outside the Llama family (Qwen3: q/k norms) is refused, naming what is supported."""
-    with pytest.raises(UnsupportedModel, match="qwen3"):
-        SlotForward.create(tiny_config_model("qwen3"), CONFIG)
+    """A family the compact forward does not run (OLMo 2: norms after attention and MLP) is
+    refused, naming it and what is supported."""
+    with pytest.raises(UnsupportedModel, match="llama, mistral, qwen2, qwen3, not 'olmo2'"):
+        SlotForward.create(tiny_config_model("olmo2"), CONFIG)
 
 
 def test_bad_calls_are_refused(tiny):

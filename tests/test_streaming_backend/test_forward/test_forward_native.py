@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from families import tiny_config_model
 
 from streaming_backend.forward import native, quant
 from streaming_backend.forward.llama import exact_attention
@@ -236,14 +237,19 @@ def test_the_tiny_model_gives_the_same_logits_with_and_without_the_kernel(tiny_m
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_the_native_layers_compute_what_the_torch_layers_do(tiny_model_dir, kind, dtype):
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_the_native_layers_compute_what_the_torch_layers_do(tiny_model_dir, family, kind, dtype):
     """With quantized weights every layer runs as a few C calls (llama.native_layer: the norms,
-    RoPE, K/V writes, attention, silu and residuals in C); prefill (padded rows too) and decode
-    give the logits of the same weights through torch's norms, RoPE and MLP, within the
-    rounding of the activations' quantization (a norm a hair apart can move a level)."""
+    RoPE, K/V writes, attention, silu and residuals in C; Qwen3's head norms in torch between
+    them); prefill (padded rows too) and decode give the logits of the same weights through
+    torch's norms, RoPE and MLP, within the rounding of the activations' quantization (a norm a
+    hair apart can move a level)."""
     logits = {}
     for use_native in (True, False):
-        loaded = load_model(str(tiny_model_dir), dtype=dtype, device="cpu")
+        if family == "llama":
+            loaded = load_model(str(tiny_model_dir), dtype=dtype, device="cpu")
+        else:
+            loaded = tiny_config_model(family, getattr(torch, dtype))
         config = ForwardConfig(CacheBudget(bytes=64 << 20), max_len=128, max_slots=4, quantize=kind)
         forward = SlotForward.create(loaded, config)
         assert forward.model.native

@@ -1,0 +1,34 @@
+"""Tiny random models of the families the compact forward runs, made from their config classes
+(no files, no downloads): what the forward tests check against the Hugging Face forward."""
+
+from __future__ import annotations
+
+import torch
+
+from streaming_backend.loading import LoadedModel
+
+
+def tiny_config_model(kind: str, dtype: torch.dtype = torch.float32, **overrides) -> LoadedModel:
+    """A randomly initialised 2-layer model of the family `kind` (Hugging Face model_type), on
+    the CPU in `dtype`; the same weights every call."""
+    import transformers
+
+    config_class, model_class = {
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+    }[kind]
+    config = config_class(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        **overrides,
+    )
+    torch.manual_seed(1)
+    model = model_class(config).eval().to(dtype)
+    return LoadedModel(model, None, torch.device("cpu"), dtype, frozenset(), 256, kind)
