@@ -1,8 +1,9 @@
 """Answering a request through Triton: the few pb_utils calls a response needs.
 
 The pb_utils module (triton_python_backend_utils) is importable only inside the model's process,
-so `Sender` is given it; tests pass a small fake with the same few names. Only the outbox thread
-calls these: concurrent calls into Triton from several stub threads crashed the server.
+so `Sender` is given it; tests pass a small fake with the same few names. Only the chat model's
+outbox thread calls a Sender: concurrent calls into Triton from several stub threads crashed the
+server. `error_response` only builds a response: the dialogue model returns its errors with it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ def triton_code_name(exc: Exception) -> str:
     return exc.kind.triton_code if isinstance(exc, StreamingError) else INTERNAL.triton_code
 
 
+def error_response(pb_utils, exc: Exception):
+    """An InferenceResponse carrying `exc`: its message and Triton code (wire.ErrorKind)."""
+    code = getattr(pb_utils.TritonError, triton_code_name(exc))
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(error_message(exc), code))
+
+
 class Sender:
     """Responses, errors and cancellation checks on a request's InferenceResponseSender."""
 
@@ -52,10 +59,9 @@ class Sender:
 
     def send_error(self, sender, exc: Exception) -> None:
         """The request's only remaining response: its error, with FINAL. Never raises."""
-        code = getattr(self._pb.TritonError, triton_code_name(exc))
-        error = self._pb.TritonError(error_message(exc), code)
+        response = error_response(self._pb, exc)
         try:
-            sender.send(self._pb.InferenceResponse(error=error), flags=self._final)
+            sender.send(response, flags=self._final)
         except Exception:  # noqa: BLE001 - the client may be gone; nothing else to do
             log.exception("could not send the error response")
 

@@ -1,8 +1,8 @@
 """Triton adapter for the streaming engine: tensors in, one response per token out.
 
 A table of contents; each job lives in its own module of streaming_backend/adapter/:
-- requests in (here): `execute` copies each request's inputs, parses them (adapter/request.py),
-  hands the request to the engine and returns None;
+- requests in (here): `execute` copies each request's inputs (adapter/inputs.py), parses them
+  (adapter/request.py), hands the request to the engine and returns None;
 - responses out: adapter/outbox.py, the one thread that calls Triton after execute() (responses,
   cancellation checks, metrics), through adapter/sender.py; events become arrays in
   adapter/response.py;
@@ -21,6 +21,7 @@ import time
 import triton_python_backend_utils as pb_utils
 
 from streaming_backend.adapter.control import Control
+from streaming_backend.adapter.inputs import copy_inputs
 from streaming_backend.adapter.metrics import Metrics
 from streaming_backend.adapter.outbox import Outbox
 from streaming_backend.adapter.request import ModelRequest, parse_request
@@ -88,7 +89,9 @@ class TritonPythonModel:
         request_id = self.outbox.new_id()
         try:
             self.control.admit()
-            parsed = parse_request(_copy_inputs(request), request.parameters())
+            parsed = parse_request(
+                copy_inputs(pb_utils, request, INPUT_NAMES), request.parameters()
+            )
             prompt_ids = encode_prompt(
                 self.tokenizer,
                 text=parsed.text,
@@ -111,16 +114,6 @@ class TritonPythonModel:
             )
         except Exception as exc:  # noqa: BLE001 - every failure becomes this request's error
             self.outbox.reject(request_id, sender, exc)
-
-
-def _copy_inputs(request) -> dict:
-    """Copy every input out of Triton's memory (released when execute returns)."""
-    arrays = {}
-    for name in INPUT_NAMES:
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
-        if tensor is not None:
-            arrays[name] = tensor.as_numpy().copy()
-    return arrays
 
 
 def _prompt_text(parsed: ModelRequest, prompt_ids, tokenizer) -> str:

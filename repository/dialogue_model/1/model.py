@@ -1,8 +1,9 @@
 """Triton adapter for the dialogue model: a batch of requests in, one response per request out.
 
-`initialize` loads the model; `execute` copies each request's inputs, parses them (a bad request
-gets its own INVALID_ARG response), generates for all valid requests together in one batch
-(streaming_backend.batch_generation) and returns their responses in request order.
+`initialize` loads the model; `execute` copies each request's inputs (adapter/inputs.py), parses
+them (a bad request gets its own error response, built by adapter/sender.py), generates for all
+valid requests together in one batch (streaming_backend.batch_generation) and returns their
+responses in request order.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from streaming_backend.adapter.dialogue import (
     dialogue_outputs,
     parse_dialogue_request,
 )
+from streaming_backend.adapter.inputs import copy_inputs
+from streaming_backend.adapter.sender import error_response
 from streaming_backend.batch_forward import build_batch_forward
 from streaming_backend.batch_generation import generate_batch
 from streaming_backend.config import DialogueSettings
@@ -78,7 +81,10 @@ class TritonPythonModel:
 
     def _parse(self, request) -> DialogueRequest | Exception:
         try:
-            return parse_dialogue_request(_copy_inputs(request), self.settings.default_output_len)
+            return parse_dialogue_request(
+                copy_inputs(pb_utils, request, DIALOGUE_INPUT_NAMES),
+                self.settings.default_output_len,
+            )
         except Exception as exc:  # noqa: BLE001 - every failure becomes this request's error
             return exc
 
@@ -97,23 +103,8 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
-def _copy_inputs(request) -> dict:
-    """Copy every input out of Triton's memory (released when execute returns)."""
-    arrays = {}
-    for name in DIALOGUE_INPUT_NAMES:
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
-        if tensor is not None:
-            arrays[name] = tensor.as_numpy().copy()
-    return arrays
-
-
 def _error_response(exc: Exception):
-    """An error response; the Triton code comes from the error's wire.ErrorKind."""
-    if isinstance(exc, StreamingError):
-        message, code = str(exc), exc.kind.triton_code
-    else:
+    """The request's error response (adapter/sender.py); an unexpected error is logged first."""
+    if not isinstance(exc, StreamingError):
         log.error("dialogue request failed: %r", exc)
-        message, code = f"internal error: {exc!r}", "INTERNAL"
-    return pb_utils.InferenceResponse(
-        error=pb_utils.TritonError(message, getattr(pb_utils.TritonError, code))
-    )
+    return error_response(pb_utils, exc)

@@ -34,6 +34,25 @@ class TritonError:
         self.message, self.code = message, code
 
 
+class InputTensor:
+    def __init__(self, array):
+        self.array = array
+
+    def as_numpy(self):
+        return self.array
+
+
+class InferenceRequest:
+    """A request holding its input arrays by tensor name."""
+
+    def __init__(self, **arrays):
+        self.inputs = {name: InputTensor(array) for name, array in arrays.items()}
+
+
+def get_input_tensor_by_name(request, name):
+    return request.inputs.get(name)
+
+
 class ResponseSender:
     """A request's response sender: keeps (response, flags); `fail` makes data sends raise."""
 
