@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from families import MULTIPLIERS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_CONTEXT = 256
@@ -85,8 +86,10 @@ def save_tiny_model(
     config_class, model_class = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
     }[family]
     config = config_class(
+        **MULTIPLIERS.get(family, {}),
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,

@@ -7,6 +7,16 @@ import torch
 
 from streaming_backend.loading import LoadedModel
 
+# Granite's multipliers, far from 1 so that a forward which skips one fails its test
+MULTIPLIERS = {
+    "granite": {
+        "embedding_multiplier": 6.0,
+        "residual_multiplier": 0.3,
+        "attention_multiplier": 0.05,
+        "logits_scaling": 4.0,
+    }
+}
+
 
 def tiny_config_model(kind: str, dtype: torch.dtype = torch.float32, **overrides) -> LoadedModel:
     """A randomly initialised 2-layer model of the family `kind` (Hugging Face model_type), on
@@ -18,7 +28,9 @@ def tiny_config_model(kind: str, dtype: torch.dtype = torch.float32, **overrides
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+        "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
     }[kind]
+    overrides = MULTIPLIERS.get(kind, {}) | overrides
     config = config_class(
         vocab_size=1000,
         hidden_size=64,

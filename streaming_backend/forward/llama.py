@@ -1,12 +1,13 @@
 """A compact forward pass for the Llama family over a per-slot KV cache.
 
 Supported (FAMILIES): `llama` (Llama 2/3, SmolLM, SmolLM2, TinyLlama), `mistral` (sliding window
-as a mask), `qwen2` (q/k/v biases, per-layer sliding window) and `qwen3` (an RMS norm on each
-head's queries and keys before RoPE). What a family does differently is data (`Family`), read by
+as a mask), `qwen2` (q/k/v biases, per-layer sliding window), `qwen3` (an RMS norm on each head's
+queries and keys before RoPE) and `granite` (multipliers on the embeddings, the residual branches,
+the attention scores and the logits). What a family does differently is data (`Family`), read by
 the one forward. Anything else raises UnsupportedModel and the caller keeps the Hugging Face
 forward. The weights are the Hugging Face model's own tensors
 (q/k/v and gate/up fused into one matmul each; the model's parameters are re-pointed at views of
-the fused tensors, so the weights are held once).
+the fused tensors, so the weights are held once; Granite's output projections are scaled copies).
 
 One `forward` serves prefill and decode: N rows of T tokens each (decode is T = 1). Each row's
 new keys and values are written into the cache at their positions first, then every row attends
@@ -42,6 +43,10 @@ class Family(NamedTuple):
     """What a model family's decoder layer does beyond Llama's."""
 
     head_norms: bool = False  # an RMS norm over each head's queries and keys, before RoPE
+    # the config's embedding_multiplier, residual_multiplier (of the attention and MLP outputs
+    # added to the residual stream), attention_multiplier (the scores' scale, for 1/sqrt(D))
+    # and logits_scaling (the logits divided by it)
+    multipliers: bool = False
 
 
 FAMILIES = {  # Hugging Face model_type -> its differences
@@ -49,6 +54,7 @@ FAMILIES = {  # Hugging Face model_type -> its differences
     "mistral": Family(),
     "qwen2": Family(),
     "qwen3": Family(head_norms=True),
+    "granite": Family(multipliers=True),
 }
 SUPPORTED_TYPES = tuple(FAMILIES)
 # RoPE variants whose inverse frequencies are fixed at load (no position-dependent rescaling).
@@ -108,6 +114,7 @@ class Dims(NamedTuple):
     kv_heads: int
     head_dim: int
     eps: float
+    scale: float  # of the attention scores: 1/sqrt(head_dim) unless the family sets it
 
 
 class UnsupportedModel(ValueError):
@@ -127,6 +134,7 @@ class LlamaShape:
     max_positions: int
     eps: float
     windows: tuple[int, ...]  # per layer: sliding window length, NO_WINDOW for full attention
+    scale: float | None = None  # of the attention scores; None: 1/sqrt(head_dim)
 
     @property
     def groups(self) -> int:
@@ -136,7 +144,8 @@ class LlamaShape:
     @property
     def dims(self) -> Dims:
         """What `decoder_layer` needs to know."""
-        return Dims(self.heads, self.kv_heads, self.head_dim, self.eps)
+        scale = self.head_dim**-0.5 if self.scale is None else self.scale
+        return Dims(self.heads, self.kv_heads, self.head_dim, self.eps, scale)
 
 
 def model_shape(model: Any) -> LlamaShape:
@@ -156,16 +165,19 @@ def model_shape(model: Any) -> LlamaShape:
     if rope.get("rope_type", "default") not in STATIC_ROPE_TYPES:
         raise UnsupportedModel(f"RoPE type {rope.get('rope_type')!r} is not supported")
     heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    scale = config.attention_multiplier if FAMILIES[kind].multipliers else None
     return LlamaShape(
         layers=config.num_hidden_layers,
         hidden=config.hidden_size,
         heads=heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        head_dim=head_dim,
         vocab=config.vocab_size,
         max_positions=config.max_position_embeddings,
         eps=config.rms_norm_eps,
         windows=_layer_windows(config),
+        scale=scale,
     )
 
 
@@ -222,8 +234,16 @@ class CompactLlama(nn.Module):
         head = model.lm_head.weight.detach()
         self.head: Weight = quantize_weight(head, HEAD_KIND[quantize], matmul)
         self.final_norm = inner.norm.weight.detach()
-        family = FAMILIES[model.config.model_type]
-        self.blocks = [_block(layer, family).quantized(quantize, matmul) for layer in inner.layers]
+        family, config = FAMILIES[model.config.model_type], model.config
+        blocks = [_block(layer, family) for layer in inner.layers]
+        self.embed_scale = 1.0
+        if family.multipliers:
+            # folded into the weights: the residual branches' output projections (copies) and the
+            # final norm, so that every path, the C layers' included, runs them unchanged
+            self.embed_scale = float(config.embedding_multiplier)
+            blocks = [_scaled_outputs(b, config.residual_multiplier) for b in blocks]
+            self.final_norm = self.final_norm / config.logits_scaling
+        self.blocks = [block.quantized(quantize, matmul) for block in blocks]
         self.cos, self.sin = _rope_tables(inner.rotary_emb, self.shape, self.embed.dtype)
         # exact attention: the C kernel on the CPU for the dtypes it takes, else torch per token
         on_cpu = self.embed.device.type == "cpu" and self.embed.dtype in native.DTYPES
@@ -284,7 +304,7 @@ class CompactLlama(nn.Module):
         """The last decoder layer's output [N, T, hidden] for every token (see `forward`)."""
         if spans is not None and self.native:
             return self._native_hidden(k_cache, v_cache, rows.tokens, spans)
-        x = F.embedding(rows.tokens, self.embed)  # [N, T, hidden]
+        x = self._embed(rows.tokens)  # [N, T, hidden]
         cos = self.cos[rows.positions][:, None]  # [N, 1, T, head_dim]
         sin = self.sin[rows.positions][:, None]
         dims, windows = self.shape.dims, self.shape.windows
@@ -338,7 +358,7 @@ class CompactLlama(nn.Module):
         """
         tokens, positions = index
         dims = self.shape.dims
-        x = F.embedding(tokens, self.embed)  # [N, hidden]
+        x = self._embed(tokens)  # [N, hidden]
         if self.native:
             x = self._native_layers(x.float(), k_cache, v_cache, Placed.of(list(rows)))
             return self.normed_logits(x)
@@ -382,12 +402,17 @@ class CompactLlama(nn.Module):
         n, t = tokens.shape
         placed, index = _placed_tokens(spans, t)
         if index is None:
-            x = F.embedding(tokens.reshape(-1), self.embed).float()
+            x = self._embed(tokens.reshape(-1)).float()
             return self._native_layers(x, k_cache, v_cache, placed).view(n, t, -1)
-        x = F.embedding(tokens[index[0], index[1]], self.embed).float()
+        x = self._embed(tokens[index[0], index[1]]).float()
         out = x.new_zeros(n, t, x.shape[-1])
         out[index[0], index[1]] = self._native_layers(x, k_cache, v_cache, placed)
         return out
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings (times the family's embedding multiplier)."""
+        x = F.embedding(tokens, self.embed)
+        return x if self.embed_scale == 1.0 else x * self.embed_scale
 
     def _grouped(self, mask: torch.Tensor) -> torch.Tensor:
         """[N, T, W] -> [N, 1, groups * T, W]: one mask row per (query head of a group, token)."""
@@ -416,6 +441,17 @@ def _block(layer: Any, family: Family) -> Block:
         down_bias=_param(mlp.down_proj.bias),
         **norms,
     )
+
+
+def _scaled_outputs(block: Block, by: float) -> Block:
+    """A block whose attention and MLP outputs are `by` times its own (Family.multipliers)."""
+    if by == 1.0:
+        return block
+    scaled = {
+        name: None if (t := getattr(block, name)) is None else t * by
+        for name in ("o", "o_bias", "down", "down_bias")
+    }
+    return block._replace(**scaled)
 
 
 def _float_params(block: Block) -> Block:
@@ -476,7 +512,7 @@ def attention(h, block: Block, kv, cos, sin, mask, where, dims: Dims) -> torch.T
     # head are stacked along the query axis -> [N, Hkv, groups * T, D]
     groups = dims.heads // dims.kv_heads
     q = q.reshape(n, dims.kv_heads, groups * t, dims.head_dim)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=dims.scale)
     q_size = dims.heads * dims.head_dim
     out = out.reshape(n, dims.heads, t, dims.head_dim).transpose(1, 2).reshape(n, t, q_size)
     return linear(out, block.o, block.o_bias)
@@ -514,11 +550,15 @@ def tokens_attention(h, block: Block, kv, cos, sin, where, dims: Dims, kernel) -
     # [N, T, Hkv, groups, D]: a token's query heads grouped by the key/value head they share
     q = q.transpose(1, 2).reshape(n, t, dims.kv_heads, dims.heads // dims.kv_heads, -1)
     if index is None:  # no padding: every token of every row
-        out = exact_attention(q.reshape(n * t, *q.shape[2:]), kv, placed, window, kernel)
+        out = exact_attention(
+            q.reshape(n * t, *q.shape[2:]), kv, placed, window, kernel, dims.scale
+        )
         out = out.view(n, t, -1)
     else:
         out = h.new_zeros(n, t, dims.heads * dims.head_dim)
-        out[index[0], index[1]] = exact_attention(q[index[0], index[1]], kv, placed, window, kernel)
+        out[index[0], index[1]] = exact_attention(
+            q[index[0], index[1]], kv, placed, window, kernel, dims.scale
+        )
     return linear(out, block.o, block.o_bias)
 
 
@@ -532,7 +572,7 @@ def _placed_tokens(spans: Sequence[Span], t: int) -> tuple[Placed, torch.Tensor 
     return Placed.of(rows), torch.tensor(index, dtype=torch.long).T
 
 
-def exact_attention(q, kv, placed: Placed, window: int, kernel) -> torch.Tensor:
+def exact_attention(q, kv, placed: Placed, window: int, kernel, scale: float | None = None):
     """Attention of n tokens, each over exactly its own positions -> [n, H * D].
 
     q: [n, Hkv, groups, D], each token's query heads grouped by the key/value head they share;
@@ -545,14 +585,15 @@ def exact_attention(q, kv, placed: Placed, window: int, kernel) -> torch.Tensor:
     """
     k_layer, v_layer = kv
     q = q.contiguous()
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     if kernel is not None:
-        return kernel(q, k_layer, v_layer, placed, window, q.shape[-1] ** -0.5)
+        return kernel(q, k_layer, v_layer, placed, window, scale)
     outs = []
     for token, (place, position) in enumerate(placed.rows):
         first = max(0, position + 1 - window)  # the sliding window
         keys = k_layer[place][None, :, first : position + 1]  # [1, Hkv, L, D]: views, all valid
         values = v_layer[place][None, :, first : position + 1]
-        outs.append(F.scaled_dot_product_attention(q[token][None], keys, values))
+        outs.append(F.scaled_dot_product_attention(q[token][None], keys, values, scale=scale))
     return torch.cat(outs).reshape(len(placed.rows), -1)  # [n, Hkv * groups * D]
 
 
@@ -581,7 +622,8 @@ def rows_attention(h, block: Block, kv, cos, sin, where, dims: Dims, kernel) -> 
         k_layer[places, :, positions], v_layer[places, :, positions] = k_new, v_new  # [N, Hkv, D]
     # the query heads sharing a key/value head stacked along the query axis, as in `attention`
     q = qk[:, : dims.heads].reshape(n, dims.kv_heads, dims.heads // dims.kv_heads, -1)
-    return linear(exact_attention(q, kv, placed, window, kernel), block.o, block.o_bias)
+    out = exact_attention(q, kv, placed, window, kernel, dims.scale)
+    return linear(out, block.o, block.o_bias)
 
 
 def native_layer(x, block: Block, kv, where, dims: Dims, kernel, rope) -> torch.Tensor:
@@ -599,7 +641,7 @@ def native_layer(x, block: Block, kv, where, dims: Dims, kernel, rope) -> torch.
         qk = qkv[:, : q_size + dims.kv_heads * dims.head_dim].view(n, -1, dims.head_dim)
         qk.copy_(torch.cat(head_norms(qk[:, : dims.heads], qk[:, dims.heads :], block, dims), 1))
     groups = dims.heads // dims.kv_heads
-    out = kernel.with_rope(qkv, rope, kv[0], kv[1], placed, window, groups)  # [n, H * D]
+    out = kernel.with_rope(qkv, rope, kv[0], kv[1], placed, window, groups, dims.scale)
     x = native_linear(out, block.o, bias=block.o_bias, add_to=x)
     h = native_linear(x, block.gate_up, norm=block.norm2, bias=block.gate_up_bias, **norm)
     return native_linear(h, block.down, prologue="silu_mul", bias=block.down_bias, add_to=x)

@@ -131,10 +131,12 @@ class AttentionKernel:
         placed: Placed,
         window: int,
         groups: int,
+        scale: float | None = None,
     ) -> torch.Tensor:
         """From a layer's q/k/v projection: RoPE on the queries and keys, every token's key and
         value written at its place and position, then each token's attention over exactly its
-        own positions (as `__call__`) -> [n, heads * head_dim] in qkv's dtype. The cache may
+        own positions (as `__call__`; scores times `scale`, 1/sqrt(head_dim) when None) ->
+        [n, heads * head_dim] in qkv's dtype. The cache may
         have another dtype (float32 activations over a bfloat16 cache); the turned queries stay
         float32."""
         cos, sin = rope
@@ -156,7 +158,8 @@ class AttentionKernel:
             qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
             k_layer.data_ptr(), v_layer.data_ptr(), out.data_ptr(),
             placed.places.data_ptr(), placed.positions.data_ptr(),
-            n, places, kv_heads, groups, head_dim, max_len, min(window, 1 << 62), head_dim**-0.5,
+            n, places, kv_heads, groups, head_dim, max_len, min(window, 1 << 62),
+            head_dim**-0.5 if scale is None else scale,
             _threads(),
         )  # fmt: skip
         if status:

@@ -99,9 +99,9 @@ def test_freed_slot_is_reused_without_its_old_keys(tiny):
         torch.testing.assert_close(logits[0], reference[4 + step], atol=FP32_ATOL, rtol=0)
 
 
-@pytest.fixture(params=["llama", "qwen3"])
+@pytest.fixture(params=["llama", "qwen3", "granite"])
 def family_model(request, tiny) -> LoadedModel:
-    """The tiny Llama, and a tiny model of a family with per-head q/k norms."""
+    """The tiny Llama, and tiny models of the families beyond it that change most."""
     return tiny if request.param == "llama" else tiny_config_model(request.param)
 
 
@@ -145,11 +145,12 @@ def test_prefill_after_a_copied_prefix_equals_whole_prefill(family_model):
         ("mistral", {"sliding_window": 8}),
         ("qwen3", {}),
         ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+        ("granite", {}),
     ],
 )
 def test_other_families_match_hf(kind, overrides):
-    """Qwen2 (q/k/v biases, sliding layers), Mistral (sliding window) and Qwen3 (norms on each
-    head's queries and keys) match Hugging Face."""
+    """Qwen2 (q/k/v biases, sliding layers), Mistral (sliding window), Qwen3 (norms on each
+    head's queries and keys) and Granite (multipliers) match Hugging Face."""
     loaded = tiny_config_model(kind, **overrides)
     forward = SlotForward.create(loaded, CONFIG)
     rows = prompts([20, 6], seed=5)
@@ -171,6 +172,7 @@ def test_other_families_match_hf(kind, overrides):
         ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
         ("mistral", {"sliding_window": 8}),
         ("qwen3", {}),
+        ("granite", {}),
     ],
 )
 def test_one_stream_decodes_as_hf_and_as_a_batch_row(kind, overrides, tiny):
@@ -226,7 +228,7 @@ def test_decode_of_scattered_slots_matches_hf(kind, overrides, tiny):
 def test_unsupported_family_is_refused_with_its_name():
     """A family the compact forward does not run (OLMo 2: norms after attention and MLP) is
     refused, naming it and what is supported."""
-    with pytest.raises(UnsupportedModel, match="llama, mistral, qwen2, qwen3, not 'olmo2'"):
+    with pytest.raises(UnsupportedModel, match="qwen3, granite, not 'olmo2'"):
         SlotForward.create(tiny_config_model("olmo2"), CONFIG)
 
 

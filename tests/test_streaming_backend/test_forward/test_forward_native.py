@@ -237,13 +237,13 @@ def test_the_tiny_model_gives_the_same_logits_with_and_without_the_kernel(tiny_m
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "granite"])
 def test_the_native_layers_compute_what_the_torch_layers_do(tiny_model_dir, family, kind, dtype):
     """With quantized weights every layer runs as a few C calls (llama.native_layer: the norms,
     RoPE, K/V writes, attention, silu and residuals in C; Qwen3's head norms in torch between
-    them); prefill (padded rows too) and decode give the logits of the same weights through
-    torch's norms, RoPE and MLP, within the rounding of the activations' quantization (a norm a
-    hair apart can move a level)."""
+    them; Granite's multipliers folded into the weights); prefill (padded rows too) and decode
+    give the logits of the same weights through torch's norms, RoPE and MLP, within the rounding
+    of the activations' quantization (a norm a hair apart can move a level)."""
     logits = {}
     for use_native in (True, False):
         if family == "llama":
@@ -257,8 +257,8 @@ def test_the_native_layers_compute_what_the_torch_layers_do(tiny_model_dir, fami
         slots = [forward.cache.allocate() for _ in range(3)]
         prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]
         steps = [forward.prefill([PromptChunk(s, p) for s, p in zip(slots, prompts)])]
-        for _ in range(4):
-            steps.append(forward.decode(slots, steps[-1].argmax(-1).tolist()))
+        for step in range(4):  # the same tokens fed to both (an argmax tie could part them)
+            steps.append(forward.decode(slots, [20 + step, 30 + step, 40 + step]))
         logits[use_native] = torch.stack(steps)
     ours, theirs = logits[True], logits[False]
     # float32: a norm one ulp apart can move an activation a level (of 16256 per block): measured
