@@ -59,9 +59,9 @@ class Output:
         return "".join(self.lines)
 
 
-def ready_status(port: int) -> int | None:
+def ready_status(port: int, path: str = "/ready") -> int | None:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as response:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as response:
             return response.status
     except urllib.error.HTTPError as error:
         return error.code
@@ -83,6 +83,8 @@ def test_sigterm_drains_then_exits_cleanly(tiny_model_dir: Path) -> None:
     try:
         output.wait("Triton is ready", timeout=300)
         wait_for(lambda: ready_status(ports["supervisor"]) == 200, timeout=30)
+        # the supervisor's /ready is the models'; the bridge's thread binds its port after it
+        wait_for(lambda: ready_status(ports["bridge"], "/healthz") == 200, timeout=30)
         family = descendants(process.pid)
         grpc_url = f"127.0.0.1:{ports['grpc']}"
         short = [GrpcStream(grpc_url, max_tokens=SHORT).start() for _ in range(4)]
