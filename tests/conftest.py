@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from families import MULTIPLIERS
+from families import MULTIPLIERS, family_classes
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_CONTEXT = 256
@@ -79,15 +79,10 @@ def save_tiny_model(
     """A randomly initialised 2-layer model of `context` positions with the default model's
     tokenizer, saved to `out`: a Llama, or a model of another family (Hugging Face model_type)."""
     import torch
-    import transformers
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config_class, model_class = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-        "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
-    }[family]
+    config_class, model_class = family_classes(family)
     config = config_class(
         **MULTIPLIERS.get(family, {}),
         vocab_size=len(tokenizer),

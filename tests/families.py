@@ -18,18 +18,26 @@ MULTIPLIERS = {
 }
 
 
+def family_classes(kind: str) -> tuple[type, type]:
+    """transformers' config and causal-LM classes of the family `kind`."""
+    import transformers
+
+    names = {
+        "llama": "Llama",
+        "qwen2": "Qwen2",
+        "mistral": "Mistral",
+        "qwen3": "Qwen3",
+        "olmo2": "Olmo2",
+        "granite": "Granite",
+    }
+    name = names[kind]
+    return getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM")
+
+
 def tiny_config_model(kind: str, dtype: torch.dtype = torch.float32, **overrides) -> LoadedModel:
     """A randomly initialised 2-layer model of the family `kind` (Hugging Face model_type), on
     the CPU in `dtype`; the same weights every call."""
-    import transformers
-
-    config_class, model_class = {
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-        "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
-        "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
-    }[kind]
+    config_class, model_class = family_classes(kind)
     overrides = MULTIPLIERS.get(kind, {}) | overrides
     config = config_class(
         vocab_size=1000,
