@@ -147,10 +147,12 @@ def _context_length(model: Any, tokenizer: Any) -> int:
 
 
 def convert_gguf(gguf_path: Path) -> Path:
-    """Dequantise a GGUF file into a safetensors model folder, once; later calls reuse it."""
+    """Dequantise a GGUF file into a safetensors model folder, once; later calls reuse it.
+    ValueError naming the file's architecture when transformers' GGUF reader cannot convert it."""
     target = cache_dir() / f"{gguf_path.stem}-{_file_hash(gguf_path)[:16]}"
     if (target / "config.json").is_file():
         return target
+    check_gguf_architecture(gguf_path)
     progress(f"converting {gguf_path.name} (once; cached in {target})")
     started = time.monotonic()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -166,6 +168,43 @@ def convert_gguf(gguf_path: Path) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
     progress(f"converted in {time.monotonic() - started:.1f} s")
     return target
+
+
+def gguf_architecture(gguf_path: Path) -> str:
+    """The model family a GGUF file holds, as llama.cpp names it (`general.architecture`)."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(gguf_path).get_field("general.architecture")
+    if field is None:
+        raise ValueError(f"{gguf_path.name} names no general.architecture: not a model's GGUF file")
+    return str(field.contents())
+
+
+def gguf_architectures() -> list[str]:
+    """The architectures transformers' GGUF reader converts, as it names them (qwen3_moe)."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    # the keys of its config mapping: a section per family, and two that are none
+    return sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"})
+
+
+def check_gguf_architecture(gguf_path: Path) -> None:
+    """ValueError naming the file's architecture and those transformers converts, unless it is
+    one (llama.cpp writes qwen3moe, gpt-oss where transformers has qwen3_moe, gpt_oss)."""
+    import transformers
+
+    architecture = gguf_architecture(gguf_path)
+    supported = gguf_architectures()
+    if _bare(architecture) not in {_bare(name) for name in supported}:
+        raise ValueError(
+            f"{gguf_path.name} holds a model of architecture {architecture!r}, which the GGUF "
+            f"reader of transformers {transformers.__version__} does not convert (it converts "
+            f"{', '.join(supported)}): serve the model's Hugging Face folder instead"
+        )
+
+
+def _bare(architecture: str) -> str:
+    return architecture.replace("_", "").replace("-", "")
 
 
 def _write_converted(gguf_path: Path, out: Path) -> None:

@@ -8,6 +8,7 @@ import torch
 from conftest import TINY_CONTEXT
 
 from streaming_backend import loading
+from streaming_backend.paths import CACHE_VARIABLE
 
 
 @pytest.mark.parametrize(
@@ -125,3 +126,38 @@ def test_instance_device_follows_the_triton_instance(kind, device_id, device):
     from streaming_backend.loading import instance_device
 
     assert instance_device(kind, device_id) == device
+
+
+def write_gguf(path, architecture: str):
+    """A GGUF file of one tiny tensor whose general.architecture is `architecture`."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gguf_file_of_an_architecture_transformers_cannot_convert(tmp_path, monkeypatch):
+    """A GGUF file whose architecture transformers' reader does not convert fails before any
+    conversion, naming the file, its architecture and the ones that convert."""
+    monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "tiny-olmo2.gguf", "olmo2")
+    assert loading.gguf_architecture(path) == "olmo2"
+    assert "olmo2" not in loading.gguf_architectures()
+    with pytest.raises(ValueError, match=r"tiny-olmo2\.gguf .* architecture 'olmo2'") as refused:
+        loading.load_model(str(path))
+    assert "llama, mamba" in str(refused.value)  # the list transformers converts
+    assert not (tmp_path / "cache").exists()  # refused before a conversion started
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3moe", "gpt-oss"])
+def test_gguf_architectures_transformers_converts_pass_the_check(tmp_path, architecture):
+    """The families transformers converts pass, as llama.cpp spells them too (qwen3moe for
+    transformers' qwen3_moe)."""
+    loading.check_gguf_architecture(write_gguf(tmp_path / "tiny.gguf", architecture))
