@@ -29,6 +29,7 @@ def family_classes(kind: str) -> tuple[type, type]:
         "qwen3": "Qwen3",
         "olmo2": "Olmo2",
         "granite": "Granite",
+        "stablelm": "StableLm",  # not on the compact forward: LayerNorm, partial RoPE
     }
     name = names[kind]
     return getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM")

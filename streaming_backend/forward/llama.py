@@ -2,10 +2,11 @@
 
 Supported (FAMILIES): `llama` (Llama 2/3, SmolLM, SmolLM2, TinyLlama), `mistral` (sliding window
 as a mask), `qwen2` (q/k/v biases, per-layer sliding window), `qwen3` (an RMS norm on each head's
-queries and keys before RoPE) and `granite` (multipliers on the embeddings, the residual branches,
-the attention scores and the logits). What a family does differently is data (`Family`), read by
-the one forward. Anything else raises UnsupportedModel and the caller keeps the Hugging Face
-forward. The weights are the Hugging Face model's own tensors
+queries and keys before RoPE), `granite` (multipliers on the embeddings, the residual branches,
+the attention scores and the logits) and `olmo2` (norms on the attention's and the MLP's outputs
+instead of their inputs, norms on all queries and keys). What a family does differently is data
+(`Family`), read by the one forward. Anything else raises UnsupportedModel and the caller keeps
+the Hugging Face forward. The weights are the Hugging Face model's own tensors
 (q/k/v and gate/up fused into one matmul each; the model's parameters are re-pointed at views of
 the fused tensors, so the weights are held once; Granite's output projections are scaled copies).
 
@@ -42,7 +43,15 @@ from streaming_backend.forward.quant import (
 class Family(NamedTuple):
     """What a model family's decoder layer does beyond Llama's."""
 
-    head_norms: bool = False  # an RMS norm over each head's queries and keys, before RoPE
+    # an RMS norm on the queries and keys before RoPE: over each head (Qwen3; weights of
+    # head_dim) or over all heads at once (OLMo 2; weights of heads * head_dim)
+    head_norms: bool = False
+    pre_norms: bool = True  # the attention and the MLP take the normalised residual stream
+    # their outputs are normalised before they join the residual stream (OLMo 2)
+    post_norms: bool = False
+    # norms scale in float32, then cast to the model's dtype (Llama casts, then scales): their
+    # weights are held in float32, which tells rms_norm
+    float_norms: bool = False
     # the config's embedding_multiplier, residual_multiplier (of the attention and MLP outputs
     # added to the residual stream), attention_multiplier (the scores' scale, for 1/sqrt(D))
     # and logits_scaling (the logits divided by it)
@@ -55,6 +64,7 @@ FAMILIES = {  # Hugging Face model_type -> its differences
     "qwen2": Family(),
     "qwen3": Family(head_norms=True),
     "granite": Family(multipliers=True),
+    "olmo2": Family(head_norms=True, pre_norms=False, post_norms=True, float_norms=True),
 }
 SUPPORTED_TYPES = tuple(FAMILIES)
 # RoPE variants whose inverse frequencies are fixed at load (no position-dependent rescaling).
@@ -84,18 +94,20 @@ class Span(NamedTuple):
 class Block(NamedTuple):
     """One decoder layer's weights (q/k/v and gate/up fused); biases are None when absent."""
 
-    norm1: torch.Tensor  # [hidden]
+    norm1: torch.Tensor | None  # [hidden]: before attention (None: Family.pre_norms is False)
     qkv: Weight  # [(heads + 2 * kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None
     o: Weight  # [hidden, heads * head_dim]
     o_bias: torch.Tensor | None
-    norm2: torch.Tensor  # [hidden]
+    norm2: torch.Tensor | None  # [hidden]: before the MLP
     gate_up: Weight  # [2 * intermediate, hidden]
     gate_up_bias: torch.Tensor | None
     down: Weight  # [hidden, intermediate]
     down_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None = None  # [head_dim]: Family.head_norms
-    k_norm: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # [head_dim] or [heads * head_dim]: Family.head_norms
+    k_norm: torch.Tensor | None = None  # [head_dim] or [kv_heads * head_dim]
+    attn_out_norm: torch.Tensor | None = None  # [hidden]: Family.post_norms
+    mlp_out_norm: torch.Tensor | None = None
 
     def quantized(self, kind: str, matmul: str = "auto") -> Block:
         """This block with its four linear weights quantized as `kind` (forward/quant.py)."""
@@ -233,8 +245,8 @@ class CompactLlama(nn.Module):
         # [V, hidden]; tied models share the tensor (unless quantized)
         head = model.lm_head.weight.detach()
         self.head: Weight = quantize_weight(head, HEAD_KIND[quantize], matmul)
-        self.final_norm = inner.norm.weight.detach()
         family, config = FAMILIES[model.config.model_type], model.config
+        self.final_norm = _norm_weight(inner.norm, family)
         blocks = [_block(layer, family) for layer in inner.layers]
         self.embed_scale = 1.0
         if family.multipliers:
@@ -313,9 +325,9 @@ class CompactLlama(nn.Module):
             for index, block in enumerate(self.blocks):
                 kv = (k_cache[index], v_cache[index])
                 where = (rows.write_slots, rows.positions, placed, windows[index])
-                h = rms_norm(x, block.norm1, dims.eps)
-                x = x + tokens_attention(h, block, kv, cos, sin, where, dims, self.kernel)
-                x = mlp(x, block, dims)
+                h = pre_norm(x, block.norm1, dims.eps)
+                out = tokens_attention(h, block, kv, cos, sin, where, dims, self.kernel)
+                x = mlp(add_branch(x, out, block.attn_out_norm, dims.eps), block, dims)
             return x
         layer = layer or decoder_layer
         key_pos = torch.arange(window, device=rows.tokens.device)
@@ -369,9 +381,9 @@ class CompactLlama(nn.Module):
         for number, block in enumerate(self.blocks):
             kv = (k_cache[number], v_cache[number])
             where = (places, positions, placed, self.shape.windows[number])
-            h = rms_norm(x, block.norm1, dims.eps)
-            x = x + rows_attention(h, block, kv, cos, sin, where, dims, self.kernel)
-            x = mlp(x, block, dims)
+            h = pre_norm(x, block.norm1, dims.eps)
+            out = rows_attention(h, block, kv, cos, sin, where, dims, self.kernel)
+            x = mlp(add_branch(x, out, block.attn_out_norm, dims.eps), block, dims)
         x = rms_norm(x, self.final_norm, self.shape.eps)
         return self.logits(x)
 
@@ -423,24 +435,40 @@ class CompactLlama(nn.Module):
 def _block(layer: Any, family: Family) -> Block:
     """A Hugging Face decoder layer's weights, q/k/v and gate/up fused."""
     attn, mlp = layer.self_attn, layer.mlp
-    norms = {}
+    modules = _norm_modules(layer, family)
     if family.head_norms:
-        norms = {"q_norm": attn.q_norm.weight.detach(), "k_norm": attn.k_norm.weight.detach()}
+        modules |= {"q_norm": attn.q_norm, "k_norm": attn.k_norm}
+    norms = {name: _norm_weight(module, family) for name, module in modules.items()}
     qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
     gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
     return Block(
-        norm1=layer.input_layernorm.weight.detach(),
         qkv=qkv,
         qkv_bias=qkv_bias,
         o=attn.o_proj.weight.detach(),
         o_bias=_param(attn.o_proj.bias),
-        norm2=layer.post_attention_layernorm.weight.detach(),
         gate_up=gate_up,
         gate_up_bias=gate_up_bias,
         down=mlp.down_proj.weight.detach(),
         down_bias=_param(mlp.down_proj.bias),
-        **norms,
+        **{"norm1": None, "norm2": None} | norms,
     )
+
+
+def _norm_modules(layer: Any, family: Family) -> dict[str, Any]:
+    """A layer's norms by Block field (Hugging Face names them by place, per family)."""
+    if not family.post_norms:  # Llama: before the attention and before the MLP
+        return {"norm1": layer.input_layernorm, "norm2": layer.post_attention_layernorm}
+    # OLMo 2: on the attention's and the MLP's outputs
+    return {
+        "attn_out_norm": layer.post_attention_layernorm,
+        "mlp_out_norm": layer.post_feedforward_layernorm,
+    }
+
+
+def _norm_weight(module: Any, family: Family) -> torch.Tensor:
+    """A norm's weight as rms_norm applies it (Family.float_norms: held in float32)."""
+    weight = module.weight.detach()
+    return weight.float() if family.float_norms else weight
 
 
 def _scaled_outputs(block: Block, by: float) -> Block:
@@ -488,17 +516,28 @@ def decoder_layer(
     dims: Dims,
 ) -> torch.Tensor:
     """One decoder layer (the unit torch.compile compiles once and reuses for every layer)."""
-    h = rms_norm(x, block.norm1, dims.eps)
+    h = pre_norm(x, block.norm1, dims.eps)
     where = (write_slots, positions, read_slots, window)
-    x = x + attention(h, block, kv, cos, sin, mask, where, dims)
-    return mlp(x, block, dims)
+    out = attention(h, block, kv, cos, sin, mask, where, dims)
+    return mlp(add_branch(x, out, block.attn_out_norm, dims.eps), block, dims)
 
 
 def mlp(x: torch.Tensor, block: Block, dims: Dims) -> torch.Tensor:
     """The second half of a decoder layer: x plus the MLP of its normalised self."""
-    h = rms_norm(x, block.norm2, dims.eps)
+    h = pre_norm(x, block.norm2, dims.eps)
     gate, up = linear(h, block.gate_up, block.gate_up_bias).chunk(2, dim=-1)
-    return x + linear(F.silu(gate) * up, block.down, block.down_bias)
+    out = linear(F.silu(gate) * up, block.down, block.down_bias)
+    return add_branch(x, out, block.mlp_out_norm, dims.eps)
+
+
+def pre_norm(x: torch.Tensor, norm: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x normalised for the attention or the MLP, or x itself (Family.pre_norms False)."""
+    return x if norm is None else rms_norm(x, norm, eps)
+
+
+def add_branch(x: torch.Tensor, out: torch.Tensor, norm: torch.Tensor | None, eps: float):
+    """The residual stream x plus a branch's output, normalised first (Family.post_norms)."""
+    return x + (out if norm is None else rms_norm(out, norm, eps))
 
 
 def attention(h, block: Block, kv, cos, sin, mask, where, dims: Dims) -> torch.Tensor:
@@ -634,31 +673,53 @@ def native_layer(x, block: Block, kv, where, dims: Dims, kernel, rope) -> torch.
     (forward/csrc/). where: (the tokens' Placed, this layer's sliding window); rope: cos, sin.
     Returns the layer's output, written into x."""
     placed, window = where
-    norm = {"prologue": "rms_norm", "eps": dims.eps}
-    qkv = native_linear(x, block.qkv, norm=block.norm1, bias=block.qkv_bias, **norm)
+    qkv = native_linear(x, block.qkv, bias=block.qkv_bias, **_prologue(block.norm1, dims))
     if block.q_norm is not None:  # in place, on the float32 rows
         n, q_size = qkv.shape[0], dims.heads * dims.head_dim
         qk = qkv[:, : q_size + dims.kv_heads * dims.head_dim].view(n, -1, dims.head_dim)
         qk.copy_(torch.cat(head_norms(qk[:, : dims.heads], qk[:, dims.heads :], block, dims), 1))
     groups = dims.heads // dims.kv_heads
     out = kernel.with_rope(qkv, rope, kv[0], kv[1], placed, window, groups, dims.scale)
-    x = native_linear(out, block.o, bias=block.o_bias, add_to=x)
-    h = native_linear(x, block.gate_up, norm=block.norm2, bias=block.gate_up_bias, **norm)
-    return native_linear(h, block.down, prologue="silu_mul", bias=block.down_bias, add_to=x)
+    x = _native_branch(x, out, block.o, block.o_bias, block.attn_out_norm, dims)
+    h = native_linear(x, block.gate_up, bias=block.gate_up_bias, **_prologue(block.norm2, dims))
+    down = (block.down, block.down_bias, block.mlp_out_norm)
+    return _native_branch(x, h, *down, dims, prologue="silu_mul")
+
+
+def _prologue(norm: torch.Tensor | None, dims: Dims) -> dict[str, Any]:
+    """native_linear's arguments for an RMS norm of its input (none without a pre-norm)."""
+    return {} if norm is None else {"prologue": "rms_norm", "norm": norm, "eps": dims.eps}
+
+
+def _native_branch(x, h, weight, bias, out_norm, dims: Dims, **prologue) -> torch.Tensor:
+    """x plus h's projection by `weight` (after native_linear's `prologue`, if any),
+    normalised first where the family says (Family.post_norms); written into x."""
+    if out_norm is None:
+        return native_linear(h, weight, bias=bias, add_to=x, **prologue)
+    return x.add_(rms_norm(native_linear(h, weight, bias=bias, **prologue), out_norm, dims.eps))
 
 
 def head_norms(q, k, block: Block, dims: Dims) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [..., H, D] and k [..., Hkv, D], each head RMS-normalised (Family.head_norms), or as
-    they are."""
+    """q [..., H, D] and k [..., Hkv, D] RMS-normalised per head or over all heads, by their
+    weights' size (Family.head_norms), or as they are."""
     if block.q_norm is None:
         return q, k
-    return rms_norm(q, block.q_norm, dims.eps), rms_norm(k, block.k_norm, dims.eps)
+    return _norm_heads(q, block.q_norm, dims.eps), _norm_heads(k, block.k_norm, dims.eps)
+
+
+def _norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if weight.shape[0] == x.shape[-1]:  # each head on its own
+        return rms_norm(x, weight, eps)
+    return rms_norm(x.flatten(-2), weight, eps).view(x.shape)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face's Llama RMSNorm: normalise in fp32, cast back, then scale."""
+    """Hugging Face's RMS norm: normalise in fp32, then Llama's casts back and scales; a
+    float32 weight on a narrower x (Family.float_norms) scales in fp32 and casts after."""
     y = x.float()
     y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32 and x.dtype != torch.float32:
+        return (weight * y).to(x.dtype)
     return weight * y.to(x.dtype)
 
 

@@ -99,7 +99,7 @@ def test_freed_slot_is_reused_without_its_old_keys(tiny):
         torch.testing.assert_close(logits[0], reference[4 + step], atol=FP32_ATOL, rtol=0)
 
 
-@pytest.fixture(params=["llama", "qwen3", "granite"])
+@pytest.fixture(params=["llama", "qwen3", "granite", "olmo2"])
 def family_model(request, tiny) -> LoadedModel:
     """The tiny Llama, and tiny models of the families beyond it that change most."""
     return tiny if request.param == "llama" else tiny_config_model(request.param)
@@ -146,6 +146,7 @@ def test_prefill_after_a_copied_prefix_equals_whole_prefill(family_model):
         ("qwen3", {}),
         ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
         ("granite", {}),
+        ("olmo2", {}),
     ],
 )
 def test_other_families_match_hf(kind, overrides):
@@ -173,6 +174,7 @@ def test_other_families_match_hf(kind, overrides):
         ("mistral", {"sliding_window": 8}),
         ("qwen3", {}),
         ("granite", {}),
+        ("olmo2", {}),
     ],
 )
 def test_one_stream_decodes_as_hf_and_as_a_batch_row(kind, overrides, tiny):
@@ -226,10 +228,10 @@ def test_decode_of_scattered_slots_matches_hf(kind, overrides, tiny):
 
 
 def test_unsupported_family_is_refused_with_its_name():
-    """A family the compact forward does not run (OLMo 2: norms after attention and MLP) is
+    """A family the compact forward does not run (StableLM: LayerNorm, partial RoPE) is
     refused, naming it and what is supported."""
-    with pytest.raises(UnsupportedModel, match="qwen3, granite, not 'olmo2'"):
-        SlotForward.create(tiny_config_model("olmo2"), CONFIG)
+    with pytest.raises(UnsupportedModel, match=r"qwen3, granite, .*not 'stablelm'"):
+        SlotForward.create(tiny_config_model("stablelm"), CONFIG)
 
 
 def test_bad_calls_are_refused(tiny):
