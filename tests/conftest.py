@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from families import MULTIPLIERS, family_classes
+from families import DIFFERENCES, family_classes
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_CONTEXT = 256
@@ -84,7 +84,7 @@ def save_tiny_model(
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config_class, model_class = family_classes(family)
     config = config_class(
-        **MULTIPLIERS.get(family, {}),
+        **DIFFERENCES.get(family, {}),
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,

@@ -7,14 +7,17 @@ import torch
 
 from streaming_backend.loading import LoadedModel
 
-# Granite's multipliers, far from 1 so that a forward which skips one fails its test
-MULTIPLIERS = {
+# What a family's tiny model sets beyond the sizes, so that a forward which skips the family's
+# difference fails its test: Granite's multipliers far from 1, SmolLM3's layers without RoPE
+# (every second one; its default, every fourth, leaves both tiny layers with RoPE)
+DIFFERENCES = {
     "granite": {
         "embedding_multiplier": 6.0,
         "residual_multiplier": 0.3,
         "attention_multiplier": 0.05,
         "logits_scaling": 4.0,
-    }
+    },
+    "smollm3": {"no_rope_layer_interval": 2},
 }
 
 
@@ -29,6 +32,7 @@ def family_classes(kind: str) -> tuple[type, type]:
         "qwen3": "Qwen3",
         "olmo2": "Olmo2",
         "granite": "Granite",
+        "smollm3": "SmolLM3",
         "stablelm": "StableLm",  # not on the compact forward: LayerNorm, partial RoPE
     }
     name = names[kind]
@@ -39,7 +43,8 @@ def tiny_config_model(kind: str, dtype: torch.dtype = torch.float32, **overrides
     """A randomly initialised 2-layer model of the family `kind` (Hugging Face model_type), on
     the CPU in `dtype`; the same weights every call."""
     config_class, model_class = family_classes(kind)
-    overrides = MULTIPLIERS.get(kind, {}) | overrides
+    # no padding token: SmolLM3's default one lies beyond the tiny vocabulary
+    overrides = {"pad_token_id": None} | DIFFERENCES.get(kind, {}) | overrides
     config = config_class(
         vocab_size=1000,
         hidden_size=64,

@@ -3,8 +3,9 @@
 Supported (FAMILIES): `llama` (Llama 2/3, SmolLM, SmolLM2, TinyLlama), `mistral` (sliding window
 as a mask), `qwen2` (q/k/v biases, per-layer sliding window), `qwen3` (an RMS norm on each head's
 queries and keys before RoPE), `granite` (multipliers on the embeddings, the residual branches,
-the attention scores and the logits) and `olmo2` (norms on the attention's and the MLP's outputs
-instead of their inputs, norms on all queries and keys). What a family does differently is data
+the attention scores and the logits), `olmo2` (norms on the attention's and the MLP's outputs
+instead of their inputs, norms on all queries and keys) and `smollm3` (layers without RoPE).
+What a family does differently is data
 (`Family`), read by the one forward. Anything else raises UnsupportedModel and the caller keeps
 the Hugging Face forward. The weights are the Hugging Face model's own tensors
 (q/k/v and gate/up fused into one matmul each; the model's parameters are re-pointed at views of
@@ -56,6 +57,7 @@ class Family(NamedTuple):
     # added to the residual stream), attention_multiplier (the scores' scale, for 1/sqrt(D))
     # and logits_scaling (the logits divided by it)
     multipliers: bool = False
+    rope_layers: bool = False  # some layers without RoPE: the config's no_rope_layers (SmolLM3)
 
 
 FAMILIES = {  # Hugging Face model_type -> its differences
@@ -65,6 +67,7 @@ FAMILIES = {  # Hugging Face model_type -> its differences
     "qwen3": Family(head_norms=True),
     "granite": Family(multipliers=True),
     "olmo2": Family(head_norms=True, pre_norms=False, post_norms=True, float_norms=True),
+    "smollm3": Family(rope_layers=True),
 }
 SUPPORTED_TYPES = tuple(FAMILIES)
 # RoPE variants whose inverse frequencies are fixed at load (no position-dependent rescaling).
@@ -256,7 +259,9 @@ class CompactLlama(nn.Module):
             blocks = [_scaled_outputs(b, config.residual_multiplier) for b in blocks]
             self.final_norm = self.final_norm / config.logits_scaling
         self.blocks = [block.quantized(quantize, matmul) for block in blocks]
-        self.cos, self.sin = _rope_tables(inner.rotary_emb, self.shape, self.embed.dtype)
+        # RoPE's cos and sin tables, and which one each layer applies (Family.rope_layers)
+        self.layer_ropes = _layer_ropes(config, family)
+        self.ropes = _rope_tables(inner.rotary_emb, self.shape, self.embed.dtype)
         # exact attention: the C kernel on the CPU for the dtypes it takes, else torch per token
         on_cpu = self.embed.device.type == "cpu" and self.embed.dtype in native.DTYPES
         self.kernel: AttentionKernel | None = native.attention_kernel() if on_cpu else None
@@ -271,7 +276,7 @@ class CompactLlama(nn.Module):
         if self.native:  # its activations are float32 whatever the model's dtype
             self.native_blocks = [_float_params(block) for block in self.blocks]
             self.native_final_norm = self.final_norm.float()
-            self.native_rope = _rope_tables(inner.rotary_emb, self.shape, torch.float32)
+            self.native_ropes = _rope_tables(inner.rotary_emb, self.shape, torch.float32)
 
     def forward(
         self,
@@ -317,15 +322,14 @@ class CompactLlama(nn.Module):
         if spans is not None and self.native:
             return self._native_hidden(k_cache, v_cache, rows.tokens, spans)
         x = self._embed(rows.tokens)  # [N, T, hidden]
-        cos = self.cos[rows.positions][:, None]  # [N, 1, T, head_dim]
-        sin = self.sin[rows.positions][:, None]
+        ropes = self._rope_at(rows.positions)  # [N, 1, T, head_dim] each
         dims, windows = self.shape.dims, self.shape.windows
         if spans is not None:
             placed = _placed_tokens(spans, x.shape[1])
             for index, block in enumerate(self.blocks):
                 kv = (k_cache[index], v_cache[index])
                 where = (rows.write_slots, rows.positions, placed, windows[index])
-                h = pre_norm(x, block.norm1, dims.eps)
+                h, (cos, sin) = pre_norm(x, block.norm1, dims.eps), ropes[self.layer_ropes[index]]
                 out = tokens_attention(h, block, kv, cos, sin, where, dims, self.kernel)
                 x = mlp(add_branch(x, out, block.attn_out_norm, dims.eps), block, dims)
             return x
@@ -334,7 +338,7 @@ class CompactLlama(nn.Module):
         distance = rows.positions[:, :, None] - key_pos[None, None, :]  # [N, T, W]
         masks = {w: self._grouped((distance >= 0) & (distance < w)) for w in set(windows)}
         for index, block in enumerate(self.blocks):
-            mask = masks[windows[index]]
+            mask, (cos, sin) = masks[windows[index]], ropes[self.layer_ropes[index]]
             kv = (k_cache[index], v_cache[index])
             x = layer(
                 x,
@@ -374,14 +378,14 @@ class CompactLlama(nn.Module):
         if self.native:
             x = self._native_layers(x.float(), k_cache, v_cache, Placed.of(list(rows)))
             return self.normed_logits(x)
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [N, 1, D]
+        ropes = self._rope_at(positions)  # [N, 1, D] each
         # the rows' places, for one indexed write of several rows' K/V (a lone row: a slice)
         placed = Placed.of(list(rows))
         places = placed.places.to(tokens.device) if len(rows) > 1 else None
         for number, block in enumerate(self.blocks):
             kv = (k_cache[number], v_cache[number])
             where = (places, positions, placed, self.shape.windows[number])
-            h = pre_norm(x, block.norm1, dims.eps)
+            h, (cos, sin) = pre_norm(x, block.norm1, dims.eps), ropes[self.layer_ropes[number]]
             out = rows_attention(h, block, kv, cos, sin, where, dims, self.kernel)
             x = mlp(add_branch(x, out, block.attn_out_norm, dims.eps), block, dims)
         x = rms_norm(x, self.final_norm, self.shape.eps)
@@ -402,9 +406,10 @@ class CompactLlama(nn.Module):
     def _native_layers(self, x, k_cache, v_cache, placed: Placed) -> torch.Tensor:
         """Every decoder layer on n tokens (x [n, hidden] float32, contiguous; placed: where
         each attends) through native_layer -> the last layer's output [n, hidden] float32."""
-        rope, windows, dims = self.native_rope, self.shape.windows, self.shape.dims
+        windows, dims = self.shape.windows, self.shape.dims
         for number, block in enumerate(self.native_blocks):
             kv = (k_cache[number], v_cache[number])
+            rope = self.native_ropes[self.layer_ropes[number]]
             x = native_layer(x, block, kv, (placed, windows[number]), dims, self.kernel, rope)
         return x
 
@@ -420,6 +425,11 @@ class CompactLlama(nn.Module):
         out = x.new_zeros(n, t, x.shape[-1])
         out[index[0], index[1]] = self._native_layers(x, k_cache, v_cache, placed)
         return out
+
+    def _rope_at(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each RoPE table's cos and sin at `positions` [...] -> [..., 1, ..., head_dim]: a
+        head axis after the first."""
+        return [(cos[positions][:, None], sin[positions][:, None]) for cos, sin in self.ropes]
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings (times the family's embedding multiplier)."""
@@ -492,14 +502,24 @@ def _float_params(block: Block) -> Block:
     return block._replace(**floats)
 
 
+def _layer_ropes(config: Any, family: Family) -> tuple[int, ...]:
+    """Which of `_rope_tables` each layer applies: SmolLM3's layers without RoPE (its config's
+    no_rope_layers: 0) take the last, which turns nothing."""
+    if not family.rope_layers:
+        return (0,) * config.num_hidden_layers
+    return tuple(0 if uses else 1 for uses in config.no_rope_layers)
+
+
 def _rope_tables(rotary: Any, shape: LlamaShape, dtype: torch.dtype):
-    """cos, sin [max_positions, head_dim], computed as Hugging Face does (fp32, then cast)."""
+    """RoPE's (cos, sin) tables [max_positions, head_dim], computed as Hugging Face does (fp32,
+    then cast): the model's, then one that turns nothing (cos 1, sin 0: q * 1 + r * 0 is q)."""
     inv_freq = rotary.inv_freq.float()  # [head_dim / 2]
     positions = torch.arange(shape.max_positions, device=inv_freq.device).float()
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     scale = rotary.attention_scaling
-    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+    still = (torch.ones_like(emb).to(dtype), torch.zeros_like(emb).to(dtype))
+    return [((emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)), still]
 
 
 def decoder_layer(
