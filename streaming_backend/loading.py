@@ -143,7 +143,17 @@ def _context_length(model: Any, tokenizer: Any) -> int:
     length = getattr(model.config, "max_position_embeddings", None)
     if not length:
         length = tokenizer.model_max_length
-    return int(min(length, 1_000_000))
+    return int(min(length, rope_context(model.config) or length, 1_000_000))
+
+
+def rope_context(config: Any) -> int | None:
+    """The positions a model's RoPE serves with fixed tables, where that bounds its context:
+    LongRoPE's (Phi-3/4) original context, before it switches every position to its long
+    factors; None for any other."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") != "longrope":
+        return None
+    return rope["original_max_position_embeddings"]
 
 
 def convert_gguf(gguf_path: Path) -> Path:

@@ -19,6 +19,16 @@ DIFFERENCES = {
     },
     "smollm3": {"no_rope_layer_interval": 2},
 }
+# Phi-3's LongRoPE, of 64 positions in its original context (the tiny head_dim 16: 8 factors)
+LONGROPE = {
+    "rope_parameters": {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+        "long_factor": [4.0] * 8,
+    },
+    "original_max_position_embeddings": 64,
+}
 
 
 def family_classes(kind: str) -> tuple[type, type]:
@@ -33,6 +43,7 @@ def family_classes(kind: str) -> tuple[type, type]:
         "olmo2": "Olmo2",
         "granite": "Granite",
         "smollm3": "SmolLM3",
+        "phi3": "Phi3",
         "stablelm": "StableLm",  # not on the compact forward: LayerNorm, partial RoPE
     }
     name = names[kind]

@@ -1,15 +1,12 @@
 """A compact forward pass for the Llama family over a per-slot KV cache.
 
-Supported (FAMILIES): `llama` (Llama 2/3, SmolLM, SmolLM2, TinyLlama), `mistral` (sliding window
-as a mask), `qwen2` (q/k/v biases, per-layer sliding window), `qwen3` (an RMS norm on each head's
-queries and keys before RoPE), `granite` (multipliers on the embeddings, the residual branches,
-the attention scores and the logits), `olmo2` (norms on the attention's and the MLP's outputs
-instead of their inputs, norms on all queries and keys) and `smollm3` (layers without RoPE).
-What a family does differently is data
-(`Family`), read by the one forward. Anything else raises UnsupportedModel and the caller keeps
-the Hugging Face forward. The weights are the Hugging Face model's own tensors
-(q/k/v and gate/up fused into one matmul each; the model's parameters are re-pointed at views of
-the fused tensors, so the weights are held once; Granite's output projections are scaled copies).
+Supported (FAMILIES, docs/configuration.md#model-families): Llama and the families that differ
+from it in ways declared as data (`Family`), read by the one forward: q/k/v biases, sliding
+windows, norms on the queries and keys, norms after the attention and the MLP, multipliers,
+layers without RoPE, weights stored fused. Anything else raises UnsupportedModel and the caller
+keeps the Hugging Face forward. The weights are the Hugging Face model's own tensors (q/k/v and
+gate/up fused into one matmul each; the model's parameters are re-pointed at views of the fused
+tensors, so the weights are held once; Granite's output projections are scaled copies).
 
 One `forward` serves prefill and decode: N rows of T tokens each (decode is T = 1). Each row's
 new keys and values are written into the cache at their positions first, then every row attends
@@ -39,6 +36,7 @@ from streaming_backend.forward.quant import (
     native_linear,
     quantize_weight,
 )
+from streaming_backend.loading import rope_context
 
 
 class Family(NamedTuple):
@@ -58,6 +56,7 @@ class Family(NamedTuple):
     # and logits_scaling (the logits divided by it)
     multipliers: bool = False
     rope_layers: bool = False  # some layers without RoPE: the config's no_rope_layers (SmolLM3)
+    fused: bool = False  # q/k/v and gate/up stored fused (qkv_proj, gate_up_proj: Phi-3)
 
 
 FAMILIES = {  # Hugging Face model_type -> its differences
@@ -68,10 +67,12 @@ FAMILIES = {  # Hugging Face model_type -> its differences
     "granite": Family(multipliers=True),
     "olmo2": Family(head_norms=True, pre_norms=False, post_norms=True, float_norms=True),
     "smollm3": Family(rope_layers=True),
+    "phi3": Family(fused=True),
 }
 SUPPORTED_TYPES = tuple(FAMILIES)
-# RoPE variants whose inverse frequencies are fixed at load (no position-dependent rescaling).
-STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+# RoPE variants whose inverse frequencies are fixed at load (no position-dependent rescaling);
+# LongRoPE (Phi-3/4) is too within its original context (loading.rope_context bounds the model's).
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 NO_WINDOW = 1 << 62  # "sliding window" of a full-attention layer
 
 
@@ -177,8 +178,15 @@ def model_shape(model: Any) -> LlamaShape:
     if getattr(config, "hidden_act", "silu") != "silu":
         raise UnsupportedModel(f"activation {config.hidden_act!r} is not silu")
     rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") not in STATIC_ROPE_TYPES:
-        raise UnsupportedModel(f"RoPE type {rope.get('rope_type')!r} is not supported")
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise UnsupportedModel(f"RoPE type {rope_type!r} is not supported")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModel(
+            f"RoPE on part of each head (partial_rotary_factor {rope['partial_rotary_factor']})"
+            " is not supported"
+        )
+    max_positions = rope_context(config) or config.max_position_embeddings
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     scale = config.attention_multiplier if FAMILIES[kind].multipliers else None
@@ -189,7 +197,7 @@ def model_shape(model: Any) -> LlamaShape:
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
         vocab=config.vocab_size,
-        max_positions=config.max_position_embeddings,
+        max_positions=max_positions,
         eps=config.rms_norm_eps,
         windows=_layer_windows(config),
         scale=scale,
@@ -449,8 +457,12 @@ def _block(layer: Any, family: Family) -> Block:
     if family.head_norms:
         modules |= {"q_norm": attn.q_norm, "k_norm": attn.k_norm}
     norms = {name: _norm_weight(module, family) for name, module in modules.items()}
-    qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-    gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
+    if family.fused:
+        qkv, qkv_bias = attn.qkv_proj.weight.detach(), _param(attn.qkv_proj.bias)
+        gate_up, gate_up_bias = mlp.gate_up_proj.weight.detach(), _param(mlp.gate_up_proj.bias)
+    else:
+        qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
     return Block(
         qkv=qkv,
         qkv_bias=qkv_bias,

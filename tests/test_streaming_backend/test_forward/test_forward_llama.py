@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
 import torch
-from families import tiny_config_model
+from families import LONGROPE, tiny_config_model
 
 from streaming_backend.forward.llama import UnsupportedModel
 from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
 from streaming_backend.forward.slots import CacheBudget
-from streaming_backend.loading import LoadedModel, load_model
+from streaming_backend.loading import LoadedModel, _context_length, load_model
 
 # bf16 logits of the default model are 17-36 in size, where bf16 steps by 0.125-0.25; measured
 # differences from Hugging Face reached 0.72 (3 prompts x 9 steps, 2025-11-30)
@@ -99,7 +100,7 @@ def test_freed_slot_is_reused_without_its_old_keys(tiny):
         torch.testing.assert_close(logits[0], reference[4 + step], atol=FP32_ATOL, rtol=0)
 
 
-@pytest.fixture(params=["llama", "qwen3", "granite", "olmo2", "smollm3"])
+@pytest.fixture(params=["llama", "qwen3", "granite", "olmo2", "smollm3", "phi3"])
 def family_model(request, tiny) -> LoadedModel:
     """The tiny Llama, and tiny models of the families beyond it that change most."""
     return tiny if request.param == "llama" else tiny_config_model(request.param)
@@ -148,11 +149,13 @@ def test_prefill_after_a_copied_prefix_equals_whole_prefill(family_model):
         ("granite", {}),
         ("olmo2", {}),
         ("smollm3", {}),
+        ("phi3", {"sliding_window": 8}),
+        ("phi3", LONGROPE),
     ],
 )
 def test_other_families_match_hf(kind, overrides):
-    """Qwen2 (q/k/v biases, sliding layers), Mistral (sliding window), Qwen3 (norms on each
-    head's queries and keys) and Granite (multipliers) match Hugging Face."""
+    """Every family's differences from Llama (FAMILIES; tests/families.py makes each visible in
+    a tiny model), and sliding windows, LongRoPE, match Hugging Face."""
     loaded = tiny_config_model(kind, **overrides)
     forward = SlotForward.create(loaded, CONFIG)
     rows = prompts([20, 6], seed=5)
@@ -177,6 +180,7 @@ def test_other_families_match_hf(kind, overrides):
         ("granite", {}),
         ("olmo2", {}),
         ("smollm3", {}),
+        ("phi3", LONGROPE),
     ],
 )
 def test_one_stream_decodes_as_hf_and_as_a_batch_row(kind, overrides, tiny):
@@ -229,11 +233,28 @@ def test_decode_of_scattered_slots_matches_hf(kind, overrides, tiny):
             torch.testing.assert_close(logits[column], expected, atol=FP32_ATOL, rtol=0)
 
 
+def test_longrope_bounds_the_context_to_its_original_one():
+    """A LongRoPE model (Phi-3/4) serves the positions of its original context, where its
+    tables are fixed; its forward, its cache and the engine's context all stop there."""
+    loaded = tiny_config_model("phi3", **LONGROPE)
+    forward = SlotForward.create(loaded, dataclasses.replace(CONFIG, max_len=None))
+    assert forward.model.shape.max_positions == forward.cache.max_len == 64
+    assert _context_length(loaded.model, None) == 64
+    assert _context_length(tiny_config_model("phi3").model, None) == 256
+
+
 def test_unsupported_family_is_refused_with_its_name():
     """A family the compact forward does not run (StableLM: LayerNorm, partial RoPE) is
     refused, naming it and what is supported."""
     with pytest.raises(UnsupportedModel, match=r"qwen3, granite, .*not 'stablelm'"):
         SlotForward.create(tiny_config_model("stablelm"), CONFIG)
+
+
+def test_rope_on_part_of_each_head_is_refused_with_the_reason():
+    """Phi-4-mini turns only part of each head (partial_rotary_factor): not on this forward."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+    with pytest.raises(UnsupportedModel, match=r"partial_rotary_factor 0\.75"):
+        SlotForward.create(tiny_config_model("phi3", rope_parameters=rope), CONFIG)
 
 
 def test_bad_calls_are_refused(tiny):
