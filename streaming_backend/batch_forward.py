@@ -10,7 +10,6 @@ chat model's engine does (`forward` auto, compact or hf).
 from __future__ import annotations
 
 import inspect
-import logging
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -18,9 +17,8 @@ import torch
 
 from streaming_backend import kvcache
 from streaming_backend.batch import CacheRows, DecodeInputs, Prefill, RowState, SlotRows
+from streaming_backend.forward_choice import fall_back
 from streaming_backend.loading import LoadedModel, resolve_quantize
-
-log = logging.getLogger(__name__)
 
 
 class BatchForward(Protocol):
@@ -121,9 +119,7 @@ def build_batch_forward(
     try:
         return CompactBatchForward(loaded, resolve_quantize(quantize, loaded))
     except UnsupportedModel as exc:
-        if forward == "compact":
-            raise
-        log.warning("the Hugging Face forward runs this model: %s", exc)
+        fall_back(exc, forward)  # raises for forward compact
         return HfBatchForward(loaded)
 
 

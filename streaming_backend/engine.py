@@ -30,6 +30,7 @@ from streaming_backend.errors import (
     StreamingError,
 )
 from streaming_backend.events import FinishReason, LogprobDetail, TokenEvent, TokenLogprob
+from streaming_backend.forward_choice import ForwardChoice
 from streaming_backend.grammar import GrammarCompiler, GrammarMatcher, compute_masks_ahead
 from streaming_backend.loading import LoadedModel
 from streaming_backend.logits import NextTokenChooser
@@ -171,6 +172,8 @@ class Engine:
         self._steps: Steps[_Stream] = build_steps(self.loaded, self.config, self._prefill_failed)
         # what decides every answer's numbers, and its system_fingerprint (reads the weights)
         self.numerics: Numerics = describe(self.loaded, self._steps)
+        # which forward that is and why (the health answer's, so /status shows it)
+        self.forward_choice = ForwardChoice.of(self._steps)
         # the decode steps' torch threads on a CPU: fewer while fewer measure faster
         adaptive = self.config.adaptive_threads and self.loaded.device.type == "cpu"
         self._threads = StepThreads(self._torch_threads) if adaptive else None

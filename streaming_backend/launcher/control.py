@@ -14,6 +14,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+from streaming_backend.forward_choice import FORWARD
 from streaming_backend.wire import (
     ADMIN_HEADER,
     CONTROL,
@@ -46,6 +47,7 @@ class ModelHealth:
     system_fingerprint: str | None = None  # what decides its numbers, in one value
     numerics: dict[str, Any] | None = None  # the facts it names (streaming_backend/numerics.py)
     steps: dict[str, Any] | None = None  # decode threads and pace (step_threads.StepReport)
+    forward: dict[str, Any] | None = None  # which forward runs and why (forward_choice.py)
 
 
 def control(http_url: str, model: str, key: str, action: str, timeout: float) -> ModelHealth:
@@ -65,6 +67,7 @@ def control(http_url: str, model: str, key: str, action: str, timeout: float) ->
             system_fingerprint=state.get(SYSTEM_FINGERPRINT),
             numerics=state.get(NUMERICS),
             steps=state.get(STEPS),
+            forward=state.get(FORWARD),
         )
     raise ControlError(f"{model} answered a control request with no response")
 

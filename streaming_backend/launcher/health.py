@@ -7,7 +7,7 @@ with it; these endpoints live in the supervising process and tell the truth acro
 | --- | --- |
 | GET /ready | 200 when the models serve; 503 while starting, recovering, draining or failed |
 | GET /live | 200 while the supervising loop turns; 503 when it is stuck (restart the pod) |
-| GET /status | JSON: state, reason, restarts, reloads, model, dtype (and why), numerics, steps |
+| GET /status | JSON: state, reason, counters, model, dtype and forward (and why), numerics, steps |
 | GET /metrics | Prometheus text: restarts, reloads, readiness, state |
 | POST /reload | header `tokenstream-admin-key`; JSON body {"model": optional, "name": optional} |
 """

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from streaming_backend.forward_choice import FORWARD
 from streaming_backend.hardware import AUTO, DtypeChoice, host_dtype, host_quantize
 from streaming_backend.launcher.control import ControlError, control, load_model, model_ready
 from streaming_backend.launcher.repository import patch_parameters, read_parameters
@@ -140,7 +141,8 @@ class Supervisor:
 
     def status(self) -> dict:
         """State, reason, counters and endpoints, as /status shows them; the chat model's
-        numerics and system fingerprint as its latest canary told them (None before one did)."""
+        numerics, system fingerprint, steps and forward as its latest canary told them (None
+        before one did)."""
         server = self.server
         watch = self._watch
         health = watch.answers.get(CHAT_MODEL) if watch is not None else None
@@ -157,6 +159,7 @@ class Supervisor:
             SYSTEM_FINGERPRINT: health.system_fingerprint if health else None,
             NUMERICS: health.numerics if health else None,
             STEPS: health.steps if health else None,
+            FORWARD: health.forward if health else None,
         }
 
     # ---- run --------------------------------------------------------------------------------

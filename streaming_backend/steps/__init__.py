@@ -51,6 +51,7 @@ class Steps(Protocol[S]):
     """A forward path's stream bookkeeping (see the module docstring)."""
 
     name: str
+    why: str | None  # why the Hugging Face forward runs (steps/build.py); None on the compact one
     quantize: str  # the linear weights' format: none, int8, int4 (forward/quant.py)
     decode_path: str  # how a decode step runs: eager, compiled (torch.compile) or cuda_graphs
     attention: str  # what computes attention: c-avx2, c-generic, torch (compact) or hf

@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 
 from streaming_backend.config import EngineConfig, parse_memory
+from streaming_backend.forward_choice import fall_back
 from streaming_backend.loading import LoadedModel, resolve_quantize
 from streaming_backend.steps import OnFailure, Steps
-from streaming_backend.steps.hf import HfSteps
+from streaming_backend.steps.hf import ASKED_FOR, HfSteps
 
 log = logging.getLogger(__name__)
 
@@ -17,6 +18,7 @@ PREFIX_ENTRIES_PER_STREAM = 2  # KV cache slots per max_streams (the budget may 
 def build_steps(loaded: LoadedModel, config: EngineConfig, on_failure: OnFailure) -> Steps:
     """The compact forward's steps when asked for or possible ("auto"), else Hugging Face's."""
     if config.forward == "hf":
+        log.info("the Hugging Face forward runs this model: %s", ASKED_FOR)
         return HfSteps(loaded, config, on_failure)
     from streaming_backend.forward.llama import UnsupportedModel
     from streaming_backend.forward.runner import ForwardConfig, SlotForward
@@ -36,10 +38,7 @@ def build_steps(loaded: LoadedModel, config: EngineConfig, on_failure: OnFailure
     try:
         forward = SlotForward.create(loaded, forward_config)
     except UnsupportedModel as exc:
-        if config.forward == "compact":
-            raise
-        log.warning("the Hugging Face forward runs this model: %s", exc)
-        return HfSteps(loaded, config, on_failure)
+        return HfSteps(loaded, config, on_failure, why=fall_back(exc, config.forward))
     cache = forward.cache
     steps = SlotSteps(forward, config, on_failure, loaded.eos_ids)
     steps.calibrate()

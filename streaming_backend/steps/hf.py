@@ -20,6 +20,8 @@ from streaming_backend.steps import Decoded, OnFailure, Prefilled, S
 
 log = logging.getLogger(__name__)
 
+ASKED_FOR = "asked for with --forward hf"  # why it runs, unless the compact forward refused
+
 
 class HfSteps:
     """Streams on the Hugging Face forward."""
@@ -30,8 +32,12 @@ class HfSteps:
     attention = "hf"  # the Hugging Face modelling code's own
     matmul = "hf"
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, on_failure: OnFailure):
+    def __init__(
+        self, loaded: LoadedModel, config: EngineConfig, on_failure: OnFailure, why: str = ASKED_FOR
+    ):
+        """`why`: why this forward runs (the compact forward's UnsupportedModel, or ASKED_FOR)."""
         self.loaded = loaded
+        self.why = why
         self.config = config
         self.prompt_tokens_per_step = config.max_prefill_tokens
         self._on_failure = on_failure

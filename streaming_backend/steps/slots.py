@@ -34,6 +34,7 @@ class SlotSteps:
     """Streams on the compact forward's slot cache."""
 
     name = "compact"
+    why = None  # the compact forward runs wherever it can: no reason to give
     prompt_tokens_per_step = None  # admission is by slots; prefill is chunked
 
     def __init__(

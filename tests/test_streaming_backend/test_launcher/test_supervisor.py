@@ -18,6 +18,7 @@ from conftest import stub_pids, supervised_server, wait_for
 from tritonclient.utils import InferenceServerException
 
 from clients.grpc_client import GenerateRequest, stream_generate
+from streaming_backend.forward_choice import FORWARD
 from streaming_backend.launcher.control import ControlError, control
 from streaming_backend.launcher.health import metrics_text
 from streaming_backend.launcher.supervisor import (
@@ -94,14 +95,14 @@ def test_status_shows_an_unknown_dtype_as_such() -> None:
 
 
 def test_status_has_no_numerics_before_a_canary_answered() -> None:
-    """The system fingerprint and the numerics come from the chat model's canary answers: null
-    until one came."""
+    """The system fingerprint, the numerics, the steps and the forward come from the chat model's
+    canary answers: null until one came."""
     from streaming_backend.launcher.server import ServerConfig
     from streaming_backend.launcher.supervisor import Supervisor, SupervisorConfig
 
     status = Supervisor(SupervisorConfig(ServerConfig())).status()
     assert status[SYSTEM_FINGERPRINT] is None and status[NUMERICS] is None
-    assert status[STEPS] is None
+    assert status[STEPS] is None and status[FORWARD] is None
 
 
 class ScriptedServer:
@@ -298,6 +299,16 @@ def test_health_endpoints_tell_ready_live_status_and_metrics(supervised) -> None
     answer = list(stream_generate(supervisor.server.grpc_url, request))
     assert {c.system_fingerprint for c in answer} == {health.system_fingerprint}
     assert status_body[NUMERICS]["forward"] == "compact"
+    # which forward runs, with what (the same as the numerics name), and no reason on compact
+    assert status_body[FORWARD] == health.forward
+    numerics = status_body[NUMERICS]
+    assert status_body[FORWARD] == {
+        "forward": "compact",
+        "why": None,
+        "quantize": numerics["quantize"],
+        "matmul": numerics["matmul"],
+        "attention": numerics["attention"],
+    }
     assert status_body[NUMERICS]["dtype"] == supervisor.dtype.dtype == "float32"
     status, text = get(f"{url}/metrics")
     assert status == 200 and 'tokenstream_supervisor_restarts_total{cause="stub_died"}' in text

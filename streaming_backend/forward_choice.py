@@ -1,0 +1,58 @@
+"""Which forward a model runs on and why, as its health answer (the canary) reports it.
+
+    choice = ForwardChoice.of(steps)  # what steps/build.py picked
+    choice.as_dict()                  # under FORWARD in the health answer and in /status
+
+The compact forward runs every model it can; a model it refuses (a family outside
+forward/llama.py's FAMILIES, or a feature it lacks) runs on the Hugging Face forward, and `why`
+says which refusal, or that `--forward hf` asked for it; with `--forward compact` the refusal
+fails the load instead (fall_back, for the chat model's steps/build.py and the dialogue model's
+batch_forward.py alike). Standard library only at import: the supervisor imports FORWARD.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from streaming_backend.forward.llama import UnsupportedModel
+    from streaming_backend.steps import Steps
+
+log = logging.getLogger(__name__)
+
+# its key in the model's health answer, after wire.HEALTH_KEYS, and in the supervisor's /status
+FORWARD = "forward"
+
+
+@dataclass(frozen=True)
+class ForwardChoice:
+    """The forward a model's streams run on, what runs its weights and attention, and why."""
+
+    forward: str  # compact or hf
+    why: str | None  # why the Hugging Face forward runs; None on the compact forward
+    quantize: str  # the linear weights' format: none, int8, int4 (forward/quant.py)
+    matmul: str  # what runs the linear weights: c-avx512, c-avx2, c-generic, aten, dense; or hf
+    attention: str  # what computes attention: c-avx512, c-avx2, c-generic, torch; or hf
+
+    @classmethod
+    def of(cls, steps: Steps) -> ForwardChoice:
+        """The choice the steps embody (steps/build.py's build_steps)."""
+        return cls(steps.name, steps.why, steps.quantize, steps.matmul, steps.attention)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The choice by name."""
+        return dataclasses.asdict(self)
+
+
+def fall_back(refusal: UnsupportedModel, forward: str) -> str:
+    """Why the Hugging Face forward runs a model the compact forward refused (logged); raise
+    UnsupportedModel with that reason instead when `forward` is "compact" (no fallback asked)."""
+    from streaming_backend.forward.llama import UnsupportedModel
+
+    if forward == "compact":
+        raise UnsupportedModel(f"forward compact was asked for, but {refusal}") from refusal
+    log.warning("the Hugging Face forward runs this model: %s", refusal)
+    return str(refusal)

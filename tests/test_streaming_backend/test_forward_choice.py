@@ -1,0 +1,73 @@
+"""Which forward a model runs on and why (streaming_backend/forward_choice.py), as steps/build.py
+picks it: the compact forward with its kernels, else Hugging Face's with the reason."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from families import tiny_config_model
+
+from streaming_backend.batch_forward import build_batch_forward
+from streaming_backend.config import EngineConfig
+from streaming_backend.forward.llama import FAMILIES, UnsupportedModel
+from streaming_backend.forward_choice import ForwardChoice
+from streaming_backend.loading import LoadedModel
+from streaming_backend.steps.build import build_steps
+from streaming_backend.steps.hf import ASKED_FOR
+
+OUTSIDE = "stablelm"  # a family the compact forward does not run (LayerNorm, partial RoPE)
+
+
+def no_failures(streams, error):
+    """on_failure for steps that never prefill here."""
+    raise AssertionError(error)
+
+
+@pytest.fixture(scope="module")
+def outside_loaded() -> LoadedModel:
+    """A tiny random model of a family outside forward/llama.py's FAMILIES, on the CPU."""
+    assert OUTSIDE not in FAMILIES  # else pick another family for these tests
+    return tiny_config_model(OUTSIDE)
+
+
+def test_the_compact_forward_names_its_weights_and_kernels(tiny_loaded):
+    """A family of the compact forward runs on it: no reason to give, and the weight format,
+    matmul and attention it runs with, as JSON."""
+    steps = build_steps(tiny_loaded, EngineConfig(quantize="int4"), no_failures)
+    choice = ForwardChoice.of(steps)
+    assert choice == ForwardChoice("compact", None, "int4", steps.matmul, steps.attention)
+    assert choice.matmul not in ("hf", "dense") and choice.attention != "hf"
+    assert json.loads(json.dumps(choice.as_dict())) == {
+        "forward": "compact",
+        "why": None,
+        "quantize": "int4",
+        "matmul": steps.matmul,
+        "attention": steps.attention,
+    }
+
+
+def test_a_family_outside_the_compact_forward_runs_on_hf_and_says_why(outside_loaded):
+    """forward auto: a family the compact forward refuses runs on Hugging Face's, and the choice
+    carries the refusal, which names the family."""
+    choice = ForwardChoice.of(build_steps(outside_loaded, EngineConfig(), no_failures))
+    assert choice.forward == "hf" and choice.quantize == "none"
+    assert choice.matmul == choice.attention == "hf"
+    assert choice.why.startswith("the compact forward supports llama")
+    assert choice.why.endswith(f"not {OUTSIDE!r}")
+
+
+def test_forward_hf_says_it_was_asked_for(tiny_loaded):
+    """forward hf runs Hugging Face's forward even for a compact family, and says it was asked."""
+    choice = ForwardChoice.of(build_steps(tiny_loaded, EngineConfig(forward="hf"), no_failures))
+    assert (choice.forward, choice.why) == ("hf", ASKED_FOR)
+
+
+def test_forward_compact_refuses_a_family_outside_it_with_the_reason(outside_loaded):
+    """forward compact asks for no fallback: both models' loads fail, naming the family."""
+    expected = rf"forward compact was asked for, but the compact .* not {OUTSIDE!r}"
+    with pytest.raises(UnsupportedModel, match=expected):
+        build_steps(outside_loaded, EngineConfig(forward="compact"), no_failures)
+    with pytest.raises(UnsupportedModel, match=expected):  # the dialogue model's
+        build_batch_forward(outside_loaded, "compact")
+    assert build_batch_forward(outside_loaded, "auto").name == "hf"
