@@ -29,7 +29,7 @@ from clients.grpc_client import (
 from clients.prompt import InterruptiblePrompt
 from clients.targets import TARGET_HELP, target_option
 from streaming_backend import endpoints
-from streaming_backend.wire import SAMPLING_KEYS
+from streaming_backend.request_keys import SAMPLING_KEYS
 
 PROMPT = "you> "
 

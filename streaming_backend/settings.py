@@ -1,49 +1,45 @@
-"""Sampling settings: one frozen value, validated once where a request enters."""
+"""Sampling settings: one frozen value, validated once where a request enters.
+
+SamplingSettings has a field per row of the request keys' table (streaming_backend/request_keys.py),
+with the row's type and default; `parse` reads each value as its row says (its kind, its range).
+"""
 
 from __future__ import annotations
 
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import field, make_dataclass
 from typing import Any
 
-from streaming_backend import wire
 from streaming_backend.errors import InvalidRequest
+from streaming_backend.request_keys import (
+    BOOLEAN,
+    CHOICE,
+    GUIDED_KEYS,
+    INTEGER,
+    NUMBER,
+    REQUEST_KEYS,
+    ROWS,
+    SCHEMA,
+    STRINGS,
+    TEXT,
+    RequestKey,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
-MAX_SEED = 2**63 - 1
-MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
 MAX_GRAMMAR_CHARS = 100_000  # the text of one guided_* value (a schema, a regex, a grammar)
 MAX_CHOICES = 1024
 
 
-@dataclass(frozen=True)
-class SamplingSettings:
-    """Per-request sampling settings; `SamplingSettings.parse` builds one from client input."""
-
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0  # cumulative-probability cut; always keeps at least one token
-    top_k: int = 0  # 0 = off
-    repetition_penalty: float = 1.0  # 1 = off
-    max_tokens: int | None = None  # None = engine default, bounded by the context
-    min_tokens: int = 0  # EOS is suppressed until this many tokens exist
-    seed: int | None = None  # None = a fresh random seed
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    top_logprobs: int = 0  # alternatives per token when logprobs are returned
-    # constrained decoding (at most one): streaming_backend.grammar turns it into a token mask
-    guided_json: str | None = None  # a JSON schema, as canonical JSON text
-    guided_json_object: bool = False
-    guided_regex: str | None = None
-    guided_choice: tuple[str, ...] | None = None
-    guided_grammar: str | None = None
+class _SettingsMethods:
+    """What SamplingSettings does beyond holding its fields (those come from the table)."""
 
     @property
     def constrained(self) -> bool:
         """True when a guided_* key constrains the output."""
-        return any(getattr(self, key) for key in wire.GUIDED_KEYS)
+        return any(getattr(self, key) for key in GUIDED_KEYS)
 
     @property
     def greedy(self) -> bool:
@@ -59,19 +55,17 @@ class SamplingSettings:
             values = _parse_json_object(values)
         if not isinstance(values, Mapping):
             raise InvalidRequest("sampling_parameters must be a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(k for k in values if k not in known)
+        unknown = sorted(k for k in values if k not in ROWS)
         if unknown:
             raise InvalidRequest(
                 f"sampling_parameters: unknown key(s) {', '.join(map(repr, unknown))}; "
-                f"allowed: {', '.join(sorted(known))}"
+                f"allowed: {', '.join(sorted(ROWS))}"
             )
-        parsed = {key: _PARSERS[key](key, value) for key, value in values.items()}
-        settings = cls(**parsed)
-        guided = [key for key in wire.GUIDED_KEYS if getattr(settings, key)]
+        settings = cls(**{key: _read(ROWS[key], value) for key, value in values.items()})
+        guided = [key for key in GUIDED_KEYS if getattr(settings, key)]
         if len(guided) > 1:
             raise InvalidRequest(
-                f"sampling_parameters: give at most one of {', '.join(wire.GUIDED_KEYS)}; "
+                f"sampling_parameters: give at most one of {', '.join(GUIDED_KEYS)}; "
                 f"got {', '.join(guided)}"
             )
         if settings.max_tokens is not None and settings.min_tokens > settings.max_tokens:
@@ -80,6 +74,34 @@ class SamplingSettings:
                 f"max_tokens ({settings.max_tokens})"
             )
         return settings
+
+
+def _field(row: RequestKey) -> tuple[str, Any, Any]:
+    """A row as a dataclass field: its key, its type (optional when the default is None)."""
+    kind_type = row.kind.type if row.default is not None else row.kind.type | None
+    return row.key, kind_type, field(default=row.default)
+
+
+SamplingSettings = make_dataclass(
+    "SamplingSettings",
+    [_field(row) for row in REQUEST_KEYS],
+    bases=(_SettingsMethods,),
+    frozen=True,
+    namespace={
+        "__doc__": "Per-request sampling settings, a field per request key; `parse` builds one.",
+        "__module__": __name__,
+    },
+)
+
+
+def _read(row: RequestKey, value: Any) -> Any:
+    """One client value as its row says: read as its kind, its "off" value mapped, range checked."""
+    value = _READERS[row.kind](row.key, value)
+    if row.off is not None and value == row.off:
+        return row.default
+    if row.range is not None:
+        row.range.check(f"sampling_parameters.{row.key}", value)
+    return value
 
 
 def _parse_json_object(text: str | bytes) -> Any:
@@ -113,47 +135,6 @@ def _integer(key: str, value: Any) -> int:
     return int(number)
 
 
-def _in_range(key: str, value: float, low: float, high: float, *, low_open: bool = False):
-    below = value <= low if low_open else value < low
-    if below or value > high:
-        bracket = "(" if low_open else "["
-        raise InvalidRequest(
-            f"sampling_parameters.{key} must be in {bracket}{low:g}, {high:g}], got {value:g}"
-        )
-    return value
-
-
-def _temperature(key: str, value: Any) -> float:
-    return _in_range(key, _number(key, value), 0.0, 100.0)
-
-
-def _top_p(key: str, value: Any) -> float:
-    return _in_range(key, _number(key, value), 0.0, 1.0, low_open=True)
-
-
-def _top_k(key: str, value: Any) -> int:
-    k = _integer(key, value)
-    if k == -1:  # the vLLM dialect's "off"
-        return 0
-    return int(_in_range(key, k, 0, 1_000_000))
-
-
-def _repetition_penalty(key: str, value: Any) -> float:
-    return _in_range(key, _number(key, value), 0.0, 100.0, low_open=True)
-
-
-def _max_tokens(key: str, value: Any) -> int:
-    return int(_in_range(key, _integer(key, value), 1, 1_000_000))
-
-
-def _min_tokens(key: str, value: Any) -> int:
-    return int(_in_range(key, _integer(key, value), 0, 1_000_000))
-
-
-def _seed(key: str, value: Any) -> int:
-    return int(_in_range(key, _integer(key, value), 0, MAX_SEED))
-
-
 def _stop(key: str, value: Any) -> tuple[str, ...]:
     """A string or a list of strings (a JSON list inside a string is accepted too)."""
     if isinstance(value, str) and value.startswith("["):
@@ -183,10 +164,6 @@ def _boolean(key: str, value: Any) -> bool:
     if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
         return value.strip().lower() in ("true", "1")
     raise InvalidRequest(f"sampling_parameters.{key} must be true or false, got {value!r}")
-
-
-def _top_logprobs(key: str, value: Any) -> int:
-    return int(_in_range(key, _integer(key, value), 0, MAX_TOP_LOGPROBS))
 
 
 def _text(key: str, value: Any) -> str:
@@ -228,20 +205,13 @@ def _choice(key: str, value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-_PARSERS = {
-    wire.TEMPERATURE: _temperature,
-    wire.TOP_P: _top_p,
-    wire.TOP_K: _top_k,
-    wire.REPETITION_PENALTY: _repetition_penalty,
-    wire.MAX_TOKENS: _max_tokens,
-    wire.MIN_TOKENS: _min_tokens,
-    wire.SEED: _seed,
-    wire.STOP: _stop,
-    wire.IGNORE_EOS: _boolean,
-    wire.TOP_LOGPROBS: _top_logprobs,
-    wire.GUIDED_JSON: _json_schema,
-    wire.GUIDED_JSON_OBJECT: _boolean,
-    wire.GUIDED_REGEX: _text,
-    wire.GUIDED_CHOICE: _choice,
-    wire.GUIDED_GRAMMAR: _text,
+# How a value of each kind is read from client JSON (numbers and booleans may arrive as strings)
+_READERS = {
+    NUMBER: _number,
+    INTEGER: _integer,
+    BOOLEAN: _boolean,
+    TEXT: _text,
+    STRINGS: _stop,
+    CHOICE: _choice,
+    SCHEMA: _json_schema,
 }

@@ -3,6 +3,7 @@
 library only, so the clients, the bridge, the benchmark and the models all import it without
 paying for torch (docs/interface.md and docs/dialogue_model.md document the same facts).
 
+The keys of `sampling_parameters` have a table of their own, streaming_backend/request_keys.py.
 tests/test_layout.py checks that no other product file spells a tensor name, a timing key or an
 error code, and that no other file of the core spells a sampling key. Finish reasons are
 FinishReason's values; their words ("stop", "error") are too common to check as literals.
@@ -21,7 +22,8 @@ CHAT_MODEL = "chat"  # the decoupled streaming model's name in repository/
 # ---- input tensors (the vLLM backend's dialect, then ours) --------------------------------------
 TEXT_INPUT = "text_input"  # STRING [1]: a raw prompt
 STREAM = "stream"  # BOOL [1]: false (default) = one response holding the whole answer
-SAMPLING_PARAMETERS = "sampling_parameters"  # STRING [1]: a JSON object of SAMPLING_KEYS
+# STRING [1]: a JSON object of request keys (streaming_backend/request_keys.py, SAMPLING_KEYS)
+SAMPLING_PARAMETERS = "sampling_parameters"
 EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"  # BOOL [1]
 MESSAGES = "messages"  # STRING [1]: chat messages as JSON (ours)
 INPUT_IDS = "input_ids"  # INT64 [-1]: prompt token ids (ours)
@@ -95,38 +97,6 @@ ADMIN_HEADER = "tokenstream-admin-key"  # the header Triton's restricted reposit
 # ---- Triton's decoupled streaming parameters ----------------------------------------------------
 ENABLE_EMPTY_FINAL = "triton_enable_empty_final_response"  # request parameter
 FINAL_RESPONSE = "triton_final_response"  # response parameter: this response carries FINAL
-
-# ---- sampling_parameters keys (streaming_backend.settings.SamplingSettings has these fields) ----
-TEMPERATURE = "temperature"
-TOP_P = "top_p"
-TOP_K = "top_k"
-REPETITION_PENALTY = "repetition_penalty"
-MAX_TOKENS = "max_tokens"
-MIN_TOKENS = "min_tokens"
-SEED = "seed"
-STOP = "stop"
-IGNORE_EOS = "ignore_eos"
-TOP_LOGPROBS = "top_logprobs"  # 0-20 alternatives per token in LOGPROBS (with return_logprobs)
-# constrained decoding as vLLM names it; at most one per request (streaming_backend.grammar)
-GUIDED_JSON = "guided_json"  # a JSON schema (an object or its JSON text)
-GUIDED_JSON_OBJECT = "guided_json_object"  # true: any JSON object
-GUIDED_REGEX = "guided_regex"  # a regular expression the whole output matches
-GUIDED_CHOICE = "guided_choice"  # a list of strings: the output is one of them
-GUIDED_GRAMMAR = "guided_grammar"  # a Lark grammar (llguidance's dialect; GBNF is converted)
-GUIDED_KEYS = (GUIDED_JSON, GUIDED_JSON_OBJECT, GUIDED_REGEX, GUIDED_CHOICE, GUIDED_GRAMMAR)
-SAMPLING_KEYS = (
-    TEMPERATURE,
-    TOP_P,
-    TOP_K,
-    REPETITION_PENALTY,
-    MAX_TOKENS,
-    MIN_TOKENS,
-    SEED,
-    STOP,
-    IGNORE_EOS,
-    TOP_LOGPROBS,
-    *GUIDED_KEYS,
-)
 
 # ---- chat messages ------------------------------------------------------------------------------
 ROLES = ("system", "user", "assistant", "tool")

@@ -1,9 +1,9 @@
 """Client -> bridge: one websocket text frame in, one message value (or a ProtocolError) out.
 
 No I/O here; the protocol's words are clients/bridge/protocol.py's. A `generate` becomes a
-GenerateRequest; roles and sampling keys come from the wire
-contract, so the bridge accepts exactly what the model accepts. Only shapes are checked: the model
-validates values and its message goes back to the client as is.
+GenerateRequest; roles come from the wire contract and sampling keys from the request keys' table
+(streaming_backend/request_keys.py), so the bridge accepts exactly what the model accepts. Only
+shapes are checked: the model validates values and its message goes back to the client as is.
 """
 
 from __future__ import annotations
@@ -14,15 +14,8 @@ from typing import Any
 
 from clients.bridge import protocol as p
 from clients.grpc_client import GenerateRequest
-from streaming_backend.wire import (
-    GUIDED_CHOICE,
-    GUIDED_JSON,
-    INVALID_REQUEST,
-    MESSAGES,
-    ROLES,
-    SAMPLING_KEYS,
-    STOP,
-)
+from streaming_backend.request_keys import ROWS, SAMPLING_KEYS
+from streaming_backend.wire import INVALID_REQUEST, MESSAGES, ROLES
 
 MAX_ID_LENGTH = 128
 
@@ -176,8 +169,9 @@ def _parse_params(params: Any, gen_id: str) -> dict[str, Any]:
         raise ProtocolError(p.BAD_PARAMS, f"unknown params {unknown}; allowed: {allowed}", gen_id)
     for key, value in params.items():
         scalar = isinstance(value, (str, int, float, bool))
-        strings = key in (STOP, GUIDED_CHOICE) and isinstance(value, list)
-        schema = key == GUIDED_JSON and isinstance(value, dict)  # or its JSON text
+        container = ROWS[key].kind.container  # a list (of strings) or an object, for some kinds
+        strings = container is list and isinstance(value, list)
+        schema = container is dict and isinstance(value, dict)  # or its JSON text
         if not (scalar or schema or (strings and all(isinstance(s, str) for s in value))):
             raise ProtocolError(p.BAD_PARAMS, f"params.{key} has an unsupported type", gen_id)
     return dict(params)

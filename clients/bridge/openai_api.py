@@ -47,7 +47,8 @@ from clients.bridge.openai_response import (
 )
 from clients.bridge.openai_tools import ToolCallParser
 from clients.chunk import Chunk, GenerationError
-from streaming_backend.wire import GUIDED_KEYS, INTERNAL, UNAVAILABLE
+from streaming_backend.request_keys import GUIDED_KEYS
+from streaming_backend.wire import INTERNAL, UNAVAILABLE
 
 if TYPE_CHECKING:
     from clients.bridge.server import Bridge

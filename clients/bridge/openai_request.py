@@ -14,29 +14,32 @@ from typing import Any
 from clients.bridge.openai_errors import ApiError, invalid
 from clients.bridge.openai_tools import Tools, parse_tool_calls, parse_tools
 from clients.request import GenerateRequest
-from streaming_backend.wire import (
+from streaming_backend.request_keys import (
     GUIDED_GRAMMAR,
     GUIDED_JSON,
     GUIDED_JSON_OBJECT,
     GUIDED_KEYS,
-    IGNORE_EOS,
     MAX_TOKENS,
-    MIN_TOKENS,
-    REPETITION_PENALTY,
-    ROLES,
+    MAX_TOP_LOGPROBS,
+    REQUEST_KEYS,
+    ROWS,
     SEED,
     STOP,
-    TEMPERATURE,
-    TOP_K,
     TOP_LOGPROBS,
-    TOP_P,
 )
+from streaming_backend.wire import ROLES
 
 CHAT, COMPLETION = "chat", "completion"
-# OpenAI keys passed to the model under the same name (values checked by the model); the last
-# four are extras that vLLM accepts and the benchmark tools (genai-perf, AIPerf) send.
-SAMPLING_SAME_NAME = (TEMPERATURE, TOP_P, SEED, TOP_K, MIN_TOKENS, IGNORE_EOS, REPETITION_PENALTY)
-TOKEN_LIMITS = (MAX_TOKENS, "max_completion_tokens")
+# Request keys this module reads itself: stop (a string or a list), guided_* (against
+# response_format and tool_choice), and those OpenAI names otherwise (the table's `openai`).
+READ_HERE = (STOP, *GUIDED_KEYS)
+# Every other request key passes to the model under the same name, its value checked there: the
+# OpenAI ones (temperature, top_p, seed) and the extras that vLLM accepts and the benchmark tools
+# (genai-perf, AIPerf) send (top_k, min_tokens, ignore_eos, repetition_penalty).
+SAMPLING_SAME_NAME = tuple(
+    row.key for row in REQUEST_KEYS if not row.openai and row.key not in READ_HERE
+)
+TOKEN_LIMITS = (MAX_TOKENS, ROWS[MAX_TOKENS].openai)  # the old name and max_completion_tokens
 # Keys that would change the answer, with the only values we can honour (None: absent).
 ONLY_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (None, 0, 0.0),
@@ -56,7 +59,6 @@ CHAT_FEATURES = ("n", "logprobs", "top_logprobs", "response_format", "tools", "t
 CHAT_FEATURES += ("parallel_tool_calls",)
 COMPLETION_FEATURES = ("n", "logprobs")
 MAX_N = 16  # choices per request
-MAX_TOP_LOGPROBS = 20
 # Keys that do not change the answer (who asked, what to store): accepted and not used.
 METADATA_KEYS = ("user", "metadata", "store", "service_tier")
 COMMON_KEYS = ("model", "stream", "stream_options", STOP, *TOKEN_LIMITS, *SAMPLING_SAME_NAME)
@@ -274,7 +276,7 @@ def _sampling(body: Mapping) -> dict[str, Any]:
         if stop:
             sampling[STOP] = stop
     for key, value in sampling.items():
-        if key != STOP and not isinstance(value, (int, float, bool, str)):
+        if ROWS[key].kind.container is None and not isinstance(value, (int, float, bool, str)):
             raise invalid(f"{key} must be a number", key)
     return sampling
 

@@ -33,7 +33,7 @@ PROMPT = "prompt"  # generate: plain text
 # MESSAGES (generate: a chat, [{ROLE, CONTENT}]) is the wire contract's word
 ROLE = "role"
 CONTENT = "content"
-PARAMS = "params"  # generate: sampling parameters, wire.SAMPLING_KEYS
+PARAMS = "params"  # generate: sampling parameters, request_keys.SAMPLING_KEYS
 AUTH_TOKEN = "token"  # auth: the bearer token
 CLIENT_FIELDS = (TYPE, ID, PROMPT, MESSAGES, PARAMS, AUTH_TOKEN)
 

@@ -15,7 +15,8 @@ import numpy as np
 
 from streaming_backend.batch_generation import GenerationRequest, GenerationResult
 from streaming_backend.errors import InvalidRequest
-from streaming_backend.settings import MAX_SEED, SamplingSettings
+from streaming_backend.request_keys import MAX_SEED
+from streaming_backend.settings import SamplingSettings
 from streaming_backend.wire import (
     BEAM_WIDTH,
     CUM_LOG_PROBS,

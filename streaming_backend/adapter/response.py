@@ -11,6 +11,7 @@ import numpy as np
 
 from streaming_backend.adapter.request import ModelRequest
 from streaming_backend.events import LogprobDetail, TokenEvent
+from streaming_backend.request_keys import TOP_LOGPROBS  # it names the entries' alternatives too
 from streaming_backend.wire import (
     CUMULATIVE_LOGPROB,
     FINISH_REASON,
@@ -29,7 +30,6 @@ from streaming_backend.wire import (
     SYSTEM_FINGERPRINT,
     TEXT_OUTPUT,
     TIMING,
-    TOP_LOGPROBS,  # the sampling key names the entries' alternatives too
     ServerTiming,
 )
 

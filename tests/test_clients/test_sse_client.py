@@ -21,7 +21,7 @@ from clients.sse_client import (
     refusal_message,
     request_body,
 )
-from streaming_backend import wire
+from streaming_backend import request_keys, wire
 from streaming_backend.wire import ServerTiming
 
 TIMING = ServerTiming(1, 2, 3, 4, 5)
@@ -83,9 +83,9 @@ def test_error_event_raises_with_the_servers_category(message, code):
 
 def test_request_body_uses_the_wire_names():
     """The JSON body holds the same inputs as the gRPC tensors, by wire name."""
-    body = request_body(GenerateRequest(prompt="hi", sampling={wire.MAX_TOKENS: 4}))
+    body = request_body(GenerateRequest(prompt="hi", sampling={request_keys.MAX_TOKENS: 4}))
     assert body[wire.TEXT_INPUT] == "hi" and body[wire.STREAM] is True
-    assert json.loads(body[wire.SAMPLING_PARAMETERS]) == {wire.MAX_TOKENS: 4}
+    assert json.loads(body[wire.SAMPLING_PARAMETERS]) == {request_keys.MAX_TOKENS: 4}
     assert set(body) <= set(wire.INPUT_NAMES)
     ids = request_body(GenerateRequest(input_ids=(1, 2)))
     assert ids[wire.INPUT_IDS] == [1, 2] and json.dumps(ids)

@@ -2,12 +2,10 @@
 
 import json
 import re
-from dataclasses import fields
 
 import pytest
 from conftest import REPO_ROOT
 
-from streaming_backend import settings as settings_module
 from streaming_backend import wire
 from streaming_backend.errors import (
     Cancelled,
@@ -18,7 +16,6 @@ from streaming_backend.errors import (
     Overloaded,
     StreamingError,
 )
-from streaming_backend.settings import SamplingSettings
 
 # pb_utils.TritonError's codes (triton_python_backend_utils is only importable inside the stub).
 TRITON_CODES = {"UNKNOWN", "INTERNAL", "NOT_FOUND", "INVALID_ARG", "UNAVAILABLE", "UNSUPPORTED"}
@@ -30,12 +27,6 @@ def _config_names(section: str) -> list[str]:
     text = (REPO_ROOT / "repository" / "chat" / "config.pbtxt").read_text()
     body = re.search(rf"^{section} \[(.*?)^\]", text, re.M | re.S).group(1)
     return re.findall(r'name: "([^"]+)"', body)
-
-
-def test_sampling_keys_are_the_settings_fields():
-    """SAMPLING_KEYS name SamplingSettings' fields, in order, each with a parser."""
-    assert wire.SAMPLING_KEYS == tuple(f.name for f in fields(SamplingSettings))
-    assert tuple(settings_module._PARSERS) == wire.SAMPLING_KEYS
 
 
 def test_tensor_names_match_the_model_config():

@@ -6,7 +6,8 @@ import pytest
 from bridge_support import frame
 
 from clients.bridge.messages import Auth, Cancel, Generate, ProtocolError, parse_message
-from streaming_backend.wire import ROLES, SAMPLING_KEYS
+from streaming_backend.request_keys import SAMPLING_KEYS
+from streaming_backend.wire import ROLES
 
 
 def test_parse_generate_with_messages_and_params():
@@ -21,8 +22,8 @@ def test_parse_generate_with_messages_and_params():
     assert msg.request.return_timing and msg.request.stream
 
 
-def test_every_role_and_sampling_key_of_the_wire_contract_is_accepted():
-    """The bridge accepts what the model accepts: each wire role (tool too) and sampling key."""
+def test_every_role_and_sampling_key_is_accepted():
+    """The bridge accepts what the model accepts: each wire role (tool too) and request key."""
     messages = [{"role": role, "content": "x"} for role in ROLES]
     params = {key: ["s"] if key == "stop" else 1 for key in SAMPLING_KEYS}
     msg = parse_message(frame(type="generate", id="a", messages=messages, params=params))

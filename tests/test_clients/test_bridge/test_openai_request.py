@@ -6,7 +6,16 @@ from __future__ import annotations
 import pytest
 
 from clients.bridge.openai_errors import ApiError, from_generation_error
-from clients.bridge.openai_request import CHAT, COMPLETION, parse_chat, parse_completion
+from clients.bridge.openai_request import (
+    CHAT,
+    CHAT_KEYS,
+    COMPLETION,
+    COMPLETION_KEYS,
+    SAMPLING_SAME_NAME,
+    parse_chat,
+    parse_completion,
+)
+from streaming_backend.request_keys import NUMBER, REQUEST_KEYS, ROWS
 
 MODEL = "chat"
 
@@ -75,6 +84,25 @@ def test_chat_body_becomes_a_generate_request():
         "max_tokens": 7,
         "stop": ["END"],
     }
+
+
+@pytest.mark.parametrize("row", REQUEST_KEYS, ids=lambda row: row.key)
+def test_every_request_key_has_its_openai_name(row):
+    """Both endpoints take each request key: by OpenAI's own name where the table gives one,
+    else by the key itself."""
+    name = row.openai or row.key
+    assert name in CHAT_KEYS and name in COMPLETION_KEYS
+
+
+@pytest.mark.parametrize("key", SAMPLING_SAME_NAME)
+def test_keys_of_the_same_name_pass_as_they_are(key):
+    """A request key that OpenAI spells the same reaches the model as given (the model checks
+    it); a value that is not a scalar is refused here."""
+    value = 0.5 if ROWS[key].kind is NUMBER else 1
+    completion = {"model": MODEL, "prompt": "Once", key: value}
+    assert parse_chat(chat(**{key: value}), MODEL).request.sampling == {key: value}
+    assert parse_completion(completion, MODEL).request.sampling == {key: value}
+    assert refusal(parse_chat, chat(**{key: [value]})).param == key
 
 
 def test_defaults_send_no_sampling_and_no_stream():

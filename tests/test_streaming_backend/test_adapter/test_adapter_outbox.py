@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import wait_for
 
-from streaming_backend import wire
+from streaming_backend import request_keys, wire
 from streaming_backend.adapter.control import Control
 from streaming_backend.adapter.metrics import Metrics
 from streaming_backend.adapter.outbox import Outbox
@@ -41,7 +41,11 @@ class Model:
 
     def submit(self, sender, max_tokens: int = 6, stream: bool = True):
         """What execute() does for one text request."""
-        sampling = {wire.MAX_TOKENS: max_tokens, wire.TEMPERATURE: 0, wire.IGNORE_EOS: True}
+        sampling = {
+            request_keys.MAX_TOKENS: max_tokens,
+            request_keys.TEMPERATURE: 0,
+            request_keys.IGNORE_EOS: True,
+        }
         inputs = {
             wire.TEXT_INPUT: np.array([b"Hello"], dtype=np.object_),
             wire.STREAM: np.array([stream]),
