@@ -2,20 +2,33 @@
 GenerationResult -> output arrays. No Triton import (repository/dialogue_model/1/model.py moves
 the arrays in and out of pb_utils), so both are tested in-process.
 
-Every input carries Triton's batch dimension first: input_ids [1, L], each scalar [1, 1].
+Every input carries Triton's batch dimension first: input_ids [1, L], each scalar [1, 1]. The
+inputs that carry request keys (max_tokens, temperature, ...: request_keys.DIALOGUE_KEYS) are
+checked against the table's ranges, as the chat model checks the same keys.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
 from streaming_backend.batch_generation import GenerationRequest, GenerationResult
 from streaming_backend.errors import InvalidRequest
-from streaming_backend.request_keys import MAX_SEED
+from streaming_backend.request_keys import (
+    DIALOGUE_KEYS,
+    MAX_SEED,
+    MAX_TOKENS,
+    NUMBER,
+    SEED,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    RequestKey,
+)
 from streaming_backend.settings import SamplingSettings
 from streaming_backend.wire import (
     BEAM_WIDTH,
@@ -23,15 +36,9 @@ from streaming_backend.wire import (
     DIALOGUE_INPUT_IDS,
     DIALOGUE_INPUT_NAMES,
     DIALOGUE_OUTPUT_IDS,
-    DIALOGUE_REPETITION_PENALTY,
-    DIALOGUE_TEMPERATURE,
     END_ID,
     LEN_PENALTY,
     PAD_ID,
-    RANDOM_SEED,
-    REQUEST_OUTPUT_LEN,
-    RUNTIME_TOP_K,
-    RUNTIME_TOP_P,
     SEQUENCE_LENGTH,
 )
 
@@ -56,11 +63,12 @@ def parse_dialogue_request(
         name: _scalar(name, array) for name, array in inputs.items() if name != DIALOGUE_INPUT_IDS
     }
     end_id = _integer(scalar, END_ID, None, low=0)
+    keys = _request_keys(scalar)
     generation = GenerationRequest(
         prompt_ids=ids,
-        max_new_tokens=_integer(scalar, REQUEST_OUTPUT_LEN, default_output_len, low=1),
+        max_new_tokens=keys.pop(MAX_TOKENS, default_output_len),
         beam_width=_integer(scalar, BEAM_WIDTH, 1, low=1),
-        settings=_sampling(scalar),
+        settings=_sampling(keys),
         end_ids=frozenset({end_id}) if end_id is not None else None,
         length_penalty=_finite(scalar, LEN_PENALTY, 1.0),
     )
@@ -126,26 +134,31 @@ def _finite(scalar, name: str, default: float) -> float:
     return value
 
 
-def _in(name: str, value: float, low: float, high: float, low_open: bool = False) -> float:
-    if value < low or value > high or (low_open and value == low):
-        bracket = "(" if low_open else "["
-        raise InvalidRequest(f"{name} must be in {bracket}{low:g}, {high:g}], got {value:g}")
-    return value
+def _request_keys(scalar) -> dict[str, Any]:
+    """Request key -> value of each input given that carries one, in our terms and checked
+    against the table's range under the input's name; an "off" value is left out."""
+    keys = {}
+    for row in DIALOGUE_KEYS:
+        if row.dialogue in scalar:
+            read = _finite if row.kind is NUMBER else _integer
+            value = _checked(row, read(scalar, row.dialogue, 0))
+            if value is not None:
+                keys[row.key] = value
+    return keys
 
 
-def _sampling(scalar) -> SamplingSettings:
-    """Greedy unless temperature > 0, runtime_top_p > 0 or runtime_top_k > 0 asks to sample."""
-    temperature = _in(DIALOGUE_TEMPERATURE, _finite(scalar, DIALOGUE_TEMPERATURE, 1.0), 0, 100)
-    top_p = _in(RUNTIME_TOP_P, _finite(scalar, RUNTIME_TOP_P, 0.0), 0, 1)  # 0 = off
-    top_k = _integer(scalar, RUNTIME_TOP_K, 0, low=0)
-    penalty = _finite(scalar, DIALOGUE_REPETITION_PENALTY, 1.0)
-    _in(DIALOGUE_REPETITION_PENALTY, penalty, 0, 100, low_open=True)
-    seed = _integer(scalar, RANDOM_SEED, None, low=0)
-    asked = DIALOGUE_TEMPERATURE in scalar or top_p > 0 or top_k > 0
-    return SamplingSettings(
-        temperature=temperature if asked else 0.0,
-        top_p=top_p or 1.0,
-        top_k=top_k,
-        repetition_penalty=penalty,
-        seed=None if seed is None else seed % (MAX_SEED + 1),  # random_seed is UINT64
-    )
+def _checked(row: RequestKey, value: float | int) -> float | int | None:
+    """A value in TensorRT-LLM's terms -> ours, checked against the row's range; None: off."""
+    if row.key == TOP_P:  # runtime_top_p 0 = off (ours: 1.0), so the input takes [0, 1]
+        value = replace(row.range, low_open=False).check(row.dialogue, value)
+        return value if value > 0 else None
+    if row.key == SEED and value > MAX_SEED:  # random_seed is UINT64: past our range it wraps
+        value %= MAX_SEED + 1
+    return row.range.check(row.dialogue, value)
+
+
+def _sampling(keys: dict[str, Any]) -> SamplingSettings:
+    """Greedy unless temperature is given, or runtime_top_p > 0 or runtime_top_k > 0 asks to
+    sample (then temperature 1.0 unless given)."""
+    asked = TEMPERATURE in keys or TOP_P in keys or keys.get(TOP_K, 0) > 0
+    return SamplingSettings(**keys) if asked else SamplingSettings(**{**keys, TEMPERATURE: 0.0})
