@@ -40,8 +40,8 @@ INT4_INNER_K_TILES = 1  # the CPU packing ignores it; the op still takes it
 # path (16 rows: int4 [576 -> 3072] 23 ms with float32 activations against 0.3-0.5 ms through
 # bfloat16; the int8 head [576 -> 49152] 167 ms against 4-10 ms; with or without AVX-512)
 COMPUTE_DTYPE = {torch.float32: torch.bfloat16}
-# A dense CPU matmul's rows go through one kernel only when they come in fours (`dense`)
-DENSE_ROW_MULTIPLE = 4
+# A dense CPU matmul computes a row the same way only in calls of one size (`dense`)
+DENSE_ROWS = 16
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -249,21 +249,26 @@ def _native_linear(flat: torch.Tensor, weight: NativeInt8Weight | NativeInt4Weig
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear on a CPU with the rows padded to a multiple of DENSE_ROW_MULTIPLE.
+    """F.linear on a CPU in calls of exactly DENSE_ROWS rows (the last one padded with zeros).
 
-    torch's CPU matmuls compute rows that come in whole panels of four one way and the rest
-    (a call of 1-3 rows, the last rows of 5-11) another: float32 results then differ in the
-    last bits with the call's size, which flips a sampled token now and then. Padded, every
-    row goes through the same panel kernel (docs/performance.md, "One model whatever the
-    load").
+    torch's CPU matmuls pick their kernel and blocking by the call's row count, so a row's
+    float32 or bfloat16 result differs in the last bits with the call's size, which flips a
+    sampled token now and then. On a Zen 5 CPU, calls padded to a multiple of four rows were
+    enough; on an Intel Xeon with AMX (MKL and oneDNN) a multiple of 4 or 16 was not, and calls
+    of one fixed size were (tests/.../test_forward_invariance.py; docs/performance.md, "One
+    model whatever the load"). Sixteen rows: a batch of 16 streams in one call, a lone stream's
+    step at little more than one row's cost (the weights are read once either way).
     """
+    if x.device.type != "cpu":
+        return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    short = -rows % DENSE_ROW_MULTIPLE
-    if not short or x.device.type != "cpu":
+    if rows == DENSE_ROWS:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
-    padded = torch.cat([flat, flat.new_zeros(short, flat.shape[1])])
-    y = F.linear(padded, weight, bias)[:rows]
+    short = -rows % DENSE_ROWS
+    if short:
+        flat = torch.cat([flat, flat.new_zeros(short, flat.shape[1])])
+    y = torch.cat([F.linear(chunk, weight, bias) for chunk in flat.split(DENSE_ROWS)])[:rows]
     return y.view(*x.shape[:-1], y.shape[-1])
 
 

@@ -48,15 +48,26 @@ def test_a_linear_row_is_the_same_in_a_call_of_any_size(kind, dtype):
                 assert torch.equal(alone[0], whole[rows - 1]), (inputs, outputs, rows)
 
 
-def test_dense_pads_a_short_call_to_whole_panels():
-    """A call of 1-3 rows (and the tail of 5-11) runs padded to a multiple of four rows, shaped
-    as it came, bias included."""
+def test_dense_runs_calls_of_one_size():
+    """quant.dense runs every CPU call as F.linear calls of exactly DENSE_ROWS rows (the last
+    padded), shaped as it came, bias included; no rows, no call."""
     w, bias = torch.randn(40, 24), torch.randn(40)
-    x = torch.randn(2, 3, 24)
-    y = quant.dense(x, w, bias)
-    assert y.shape == (2, 3, 40)
-    torch.testing.assert_close(y, torch.nn.functional.linear(x, w, bias))
-    assert quant.dense(x[:0], w).shape == (0, 3, 40)
+    sizes = []
+    real = torch.nn.functional.linear
+
+    def spy(x, *args):
+        sizes.append(x.shape[0])
+        return real(x, *args)
+
+    for shape in ((2, 3, 24), (quant.DENSE_ROWS, 24), (5, 7, 24)):
+        x = torch.randn(*shape)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(quant.F, "linear", spy)
+            y = quant.dense(x, w, bias)
+        assert y.shape == (*shape[:-1], 40)
+        torch.testing.assert_close(y, real(x, w, bias))
+    assert set(sizes) == {quant.DENSE_ROWS} and len(sizes) == 1 + 1 + 3
+    assert quant.dense(torch.randn(0, 3, 24), w).shape == (0, 3, 40)
 
 
 class Probe:
