@@ -9,7 +9,8 @@ from streaming_backend.loading import LoadedModel
 
 # What a family's tiny model sets beyond the sizes, so that a forward which skips the family's
 # difference fails its test: Granite's multipliers far from 1, SmolLM3's layers without RoPE
-# (every second one; its default, every fourth, leaves both tiny layers with RoPE)
+# (every second one; its default, every fourth, leaves both tiny layers with RoPE), Gemma 3's
+# layer types
 DIFFERENCES = {
     "granite": {
         "embedding_multiplier": 6.0,
@@ -18,6 +19,14 @@ DIFFERENCES = {
         "logits_scaling": 4.0,
     },
     "smollm3": {"no_rope_layer_interval": 2},
+    # a sliding layer (a window shorter than the tests' prompts) and a full one, the logits
+    # capped where it shows (they are O(1)); its default head_dim is 256
+    "gemma3_text": {
+        "head_dim": 16,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "final_logit_softcapping": 2.0,
+    },
 }
 # Phi-3's LongRoPE, of 64 positions in its original context (the tiny head_dim 16: 8 factors)
 LONGROPE = {
@@ -44,10 +53,12 @@ def family_classes(kind: str) -> tuple[type, type]:
         "granite": "Granite",
         "smollm3": "SmolLM3",
         "phi3": "Phi3",
+        "gemma3_text": "Gemma3Text",
         "stablelm": "StableLm",  # not on the compact forward: LayerNorm, partial RoPE
     }
     name = names[kind]
-    return getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM")
+    model = getattr(transformers, f"{name.removesuffix('Text')}ForCausalLM")
+    return getattr(transformers, f"{name}Config"), model
 
 
 def tiny_config_model(kind: str, dtype: torch.dtype = torch.float32, **overrides) -> LoadedModel:

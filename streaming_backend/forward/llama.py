@@ -57,6 +57,9 @@ class Family(NamedTuple):
     multipliers: bool = False
     rope_layers: bool = False  # some layers without RoPE: the config's no_rope_layers (SmolLM3)
     fused: bool = False  # q/k/v and gate/up stored fused (qkv_proj, gate_up_proj: Phi-3)
+    norm_offset: float = 0.0  # norms scale by offset + weight (Gemma: 1 + weight)
+    # the final logits soft-capped: cap * tanh(logits / cap), by final_logit_softcapping (Gemma)
+    logit_cap: bool = False
 
 
 FAMILIES = {  # Hugging Face model_type -> its differences
@@ -68,12 +71,19 @@ FAMILIES = {  # Hugging Face model_type -> its differences
     "olmo2": Family(head_norms=True, pre_norms=False, post_norms=True, float_norms=True),
     "smollm3": Family(rope_layers=True),
     "phi3": Family(fused=True),
+    # RoPE tables per layer type, the embedding scale, GELU and the scores' scale follow from
+    # the config and the modules (model_shape, CompactLlama)
+    "gemma3_text": Family(
+        head_norms=True, post_norms=True, float_norms=True, norm_offset=1.0, logit_cap=True
+    ),
 }
 SUPPORTED_TYPES = tuple(FAMILIES)
 # RoPE variants whose inverse frequencies are fixed at load (no position-dependent rescaling);
 # LongRoPE (Phi-3/4) is too within its original context (loading.rope_context bounds the model's).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 NO_WINDOW = 1 << 62  # "sliding window" of a full-attention layer
+# Hugging Face's activation name -> ours (Dims.activation; native.MatmulKernel's `{ours}_mul`)
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 class Rows(NamedTuple):
@@ -131,6 +141,7 @@ class Dims(NamedTuple):
     head_dim: int
     eps: float
     scale: float  # of the attention scores: 1/sqrt(head_dim) unless the family sets it
+    activation: str = "silu"  # of the MLP's gate: a key of ACTIVATIONS
 
 
 class UnsupportedModel(ValueError):
@@ -151,6 +162,7 @@ class LlamaShape:
     eps: float
     windows: tuple[int, ...]  # per layer: sliding window length, NO_WINDOW for full attention
     scale: float | None = None  # of the attention scores; None: 1/sqrt(head_dim)
+    activation: str = "silu"
 
     @property
     def groups(self) -> int:
@@ -161,7 +173,7 @@ class LlamaShape:
     def dims(self) -> Dims:
         """What `decoder_layer` needs to know."""
         scale = self.head_dim**-0.5 if self.scale is None else self.scale
-        return Dims(self.heads, self.kv_heads, self.head_dim, self.eps, scale)
+        return Dims(self.heads, self.kv_heads, self.head_dim, self.eps, scale, self.activation)
 
 
 def model_shape(model: Any) -> LlamaShape:
@@ -175,21 +187,28 @@ def model_shape(model: Any) -> LlamaShape:
     hooked = [name for name, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
     if hooked:
         raise UnsupportedModel(f"forward hooks on {hooked[:3]} would be skipped")
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise UnsupportedModel(f"activation {config.hidden_act!r} is not silu")
+    activation = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+    if activation not in ACTIVATIONS:
+        raise UnsupportedModel(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise UnsupportedModel("soft-capped attention scores (attn_logit_softcapping)")
     rope = getattr(config, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type", "default")
-    if rope_type not in STATIC_ROPE_TYPES:
-        raise UnsupportedModel(f"RoPE type {rope_type!r} is not supported")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedModel(
-            f"RoPE on part of each head (partial_rotary_factor {rope['partial_rotary_factor']})"
-            " is not supported"
-        )
+    # one RoPE for every layer, or one per layer type (Gemma 3: {layer type: its parameters})
+    for params in rope.values() if all(isinstance(v, dict) for v in rope.values()) else [rope]:
+        rope_type = params.get("rope_type", "default")
+        if rope_type not in STATIC_ROPE_TYPES:
+            raise UnsupportedModel(f"RoPE type {rope_type!r} is not supported")
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise UnsupportedModel(
+                "RoPE on part of each head (partial_rotary_factor "
+                f"{params['partial_rotary_factor']}) is not supported"
+            )
     max_positions = rope_context(config) or config.max_position_embeddings
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     scale = config.attention_multiplier if FAMILIES[kind].multipliers else None
+    if getattr(config, "query_pre_attn_scalar", None):  # Gemma: the scores' scale
+        scale = config.query_pre_attn_scalar**-0.5
     return LlamaShape(
         layers=config.num_hidden_layers,
         hidden=config.hidden_size,
@@ -201,6 +220,7 @@ def model_shape(model: Any) -> LlamaShape:
         eps=config.rms_norm_eps,
         windows=_layer_windows(config),
         scale=scale,
+        activation=ACTIVATIONS[activation],
     )
 
 
@@ -259,7 +279,10 @@ class CompactLlama(nn.Module):
         family, config = FAMILIES[model.config.model_type], model.config
         self.final_norm = _norm_weight(inner.norm, family)
         blocks = [_block(layer, family) for layer in inner.layers]
-        self.embed_scale = 1.0
+        # the looked-up rows' scale: Gemma's embedding module holds one (rounded to the dtype)
+        scale = getattr(inner.embed_tokens, "embed_scale", None)
+        self.embed_scale = 1.0 if scale is None else float(scale.to(self.embed.dtype))
+        self.logit_cap = config.final_logit_softcapping if family.logit_cap else None
         if family.multipliers:
             # folded into the weights: the residual branches' output projections (copies) and the
             # final norm, so that every path, the C layers' included, runs them unchanged
@@ -268,7 +291,7 @@ class CompactLlama(nn.Module):
             self.final_norm = self.final_norm / config.logits_scaling
         self.blocks = [block.quantized(quantize, matmul) for block in blocks]
         # RoPE's cos and sin tables, and which one each layer applies (Family.rope_layers)
-        self.layer_ropes = _layer_ropes(config, family)
+        self.layer_ropes = _layer_ropes(config, family, inner.rotary_emb)
         self.ropes = _rope_tables(inner.rotary_emb, self.shape, self.embed.dtype)
         # exact attention: the C kernel on the CPU for the dtypes it takes, else torch per token
         on_cpu = self.embed.device.type == "cpu" and self.embed.dtype in native.DTYPES
@@ -401,15 +424,21 @@ class CompactLlama(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The head: normalised hidden states [..., hidden] -> fp32 logits [..., V]."""
-        return linear(x, self.head).float()
+        return self._capped(linear(x, self.head).float())
 
     def normed_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm and the head: hidden states [N, hidden] -> fp32 logits [N, V] (native:
         one call, the norm as the head's prologue)."""
         if self.native:
             norm = {"prologue": "rms_norm", "norm": self.native_final_norm, "eps": self.shape.eps}
-            return native_linear(x.float().contiguous(), self.head, **norm)
+            return self._capped(native_linear(x.float().contiguous(), self.head, **norm))
         return self.logits(rms_norm(x, self.final_norm, self.shape.eps))
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """fp32 logits soft-capped where the family does (Family.logit_cap), else as they are."""
+        if self.logit_cap is None:
+            return logits
+        return torch.tanh(logits / self.logit_cap) * self.logit_cap
 
     def _native_layers(self, x, k_cache, v_cache, placed: Placed) -> torch.Tensor:
         """Every decoder layer on n tokens (x [n, hidden] float32, contiguous; placed: where
@@ -480,17 +509,21 @@ def _norm_modules(layer: Any, family: Family) -> dict[str, Any]:
     """A layer's norms by Block field (Hugging Face names them by place, per family)."""
     if not family.post_norms:  # Llama: before the attention and before the MLP
         return {"norm1": layer.input_layernorm, "norm2": layer.post_attention_layernorm}
-    # OLMo 2: on the attention's and the MLP's outputs
-    return {
+    # on the attention's and the MLP's outputs (OLMo 2), and before them too (Gemma)
+    norms = {
         "attn_out_norm": layer.post_attention_layernorm,
         "mlp_out_norm": layer.post_feedforward_layernorm,
     }
+    if family.pre_norms:
+        norms |= {"norm1": layer.input_layernorm, "norm2": layer.pre_feedforward_layernorm}
+    return norms
 
 
 def _norm_weight(module: Any, family: Family) -> torch.Tensor:
-    """A norm's weight as rms_norm applies it (Family.float_norms: held in float32)."""
+    """A norm's weight as rms_norm applies it (Family.float_norms: held in float32, the
+    family's offset added there)."""
     weight = module.weight.detach()
-    return weight.float() if family.float_norms else weight
+    return weight.float() + family.norm_offset if family.float_norms else weight
 
 
 def _scaled_outputs(block: Block, by: float) -> Block:
@@ -514,24 +547,37 @@ def _float_params(block: Block) -> Block:
     return block._replace(**floats)
 
 
-def _layer_ropes(config: Any, family: Family) -> tuple[int, ...]:
-    """Which of `_rope_tables` each layer applies: SmolLM3's layers without RoPE (its config's
-    no_rope_layers: 0) take the last, which turns nothing."""
-    if not family.rope_layers:
+def _layer_ropes(config: Any, family: Family, rotary: Any) -> tuple[int, ...]:
+    """Which of `_rope_tables` each layer applies: Gemma 3's by its layer type, SmolLM3's
+    layers without RoPE (its config's no_rope_layers: 0) the last, which turns nothing."""
+    kinds = getattr(rotary, "layer_types", None)
+    if family.rope_layers:
+        return tuple(0 if uses else 1 for uses in config.no_rope_layers)
+    if kinds is None:
         return (0,) * config.num_hidden_layers
-    return tuple(0 if uses else 1 for uses in config.no_rope_layers)
+    return tuple(kinds.index(kind) for kind in config.layer_types)
 
 
 def _rope_tables(rotary: Any, shape: LlamaShape, dtype: torch.dtype):
     """RoPE's (cos, sin) tables [max_positions, head_dim], computed as Hugging Face does (fp32,
-    then cast): the model's, then one that turns nothing (cos 1, sin 0: q * 1 + r * 0 is q)."""
-    inv_freq = rotary.inv_freq.float()  # [head_dim / 2]
-    positions = torch.arange(shape.max_positions, device=inv_freq.device).float()
-    freqs = positions[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    scale = rotary.attention_scaling
+    then cast): the model's one, or one per layer type (the rotary module's layer_types), then
+    one that turns nothing (cos 1, sin 0: q * 1 + r * 0 is q)."""
+    kinds = getattr(rotary, "layer_types", None)
+    if kinds is None:
+        ropes = [(rotary.inv_freq, rotary.attention_scaling)]
+    else:
+        ropes = [
+            (getattr(rotary, f"{k}_inv_freq"), getattr(rotary, f"{k}_attention_scaling"))
+            for k in kinds
+        ]
+    positions = torch.arange(shape.max_positions, device=ropes[0][0].device).float()
+    tables = []
+    for inv_freq, scale in ropes:
+        freqs = positions[:, None] * inv_freq.float()[None, :]  # [positions, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        tables.append(((emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)))
     still = (torch.ones_like(emb).to(dtype), torch.zeros_like(emb).to(dtype))
-    return [((emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)), still]
+    return [*tables, still]
 
 
 def decoder_layer(
@@ -558,7 +604,8 @@ def mlp(x: torch.Tensor, block: Block, dims: Dims) -> torch.Tensor:
     """The second half of a decoder layer: x plus the MLP of its normalised self."""
     h = pre_norm(x, block.norm2, dims.eps)
     gate, up = linear(h, block.gate_up, block.gate_up_bias).chunk(2, dim=-1)
-    out = linear(F.silu(gate) * up, block.down, block.down_bias)
+    act = F.silu(gate) if dims.activation == "silu" else F.gelu(gate, approximate="tanh")
+    out = linear(act * up, block.down, block.down_bias)
     return add_branch(x, out, block.mlp_out_norm, dims.eps)
 
 
@@ -715,7 +762,7 @@ def native_layer(x, block: Block, kv, where, dims: Dims, kernel, rope) -> torch.
     x = _native_branch(x, out, block.o, block.o_bias, block.attn_out_norm, dims)
     h = native_linear(x, block.gate_up, bias=block.gate_up_bias, **_prologue(block.norm2, dims))
     down = (block.down, block.down_bias, block.mlp_out_norm)
-    return _native_branch(x, h, *down, dims, prologue="silu_mul")
+    return _native_branch(x, h, *down, dims, prologue=f"{dims.activation}_mul")
 
 
 def _prologue(norm: torch.Tensor | None, dims: Dims) -> dict[str, Any]:

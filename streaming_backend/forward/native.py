@@ -174,7 +174,8 @@ class MatmulKernel:
     is a few calls."""
 
     BLOCK = 32  # inputs per block (QK in the source): k must be a multiple
-    PROLOGUES = {None: 0, "rms_norm": 1, "silu_mul": 2}
+    PROLOGUES = {None: 0, "rms_norm": 1, "silu_mul": 2, "gelu_tanh_mul": 3}
+    GATED = ("silu_mul", "gelu_tanh_mul")  # prologues of an MLP's [gate, up]: x is [m, 2k]
 
     def __init__(self, library: ctypes.CDLL, variant: str):
         self.variant = variant
@@ -202,17 +203,18 @@ class MatmulKernel:
     def _run(
         self,
         fn,
-        x: torch.Tensor,  # [m, k] (silu_mul: [m, 2k]) float32 or bfloat16, contiguous
+        x: torch.Tensor,  # [m, k] (GATED: [m, 2k]) float32 or bfloat16, contiguous
         n: int,
         k: int,
         ptrs: tuple[int, ...],
-        prologue: str | None = None,  # "rms_norm" (with norm [k], eps) or "silu_mul"
+        # "rms_norm" (with norm [k], eps), "silu_mul" or "gelu_tanh_mul" (act(gate) * up)
+        prologue: str | None = None,
         norm: torch.Tensor | None = None,
         eps: float = 0.0,
         bias: torch.Tensor | None = None,  # [n]
         add_to: torch.Tensor | None = None,  # [m, n]: y = add_to + product, written into it
     ) -> torch.Tensor:
-        width = 2 * k if prologue == "silu_mul" else k
+        width = 2 * k if prologue in self.GATED else k
         if x.dim() != 2 or x.shape[1] != width or x.dtype not in DTYPES or not x.is_contiguous():
             raise ValueError(f"quantized matmul: x {tuple(x.shape)} {x.dtype} for k = {k}")
         m = x.shape[0]

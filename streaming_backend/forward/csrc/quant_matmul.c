@@ -28,12 +28,13 @@
  *   q4: packed [n, k / 2] uint8: byte j of a block holds input j in its low nibble and input
  *       j + 16 in its high one; steps, lows [n, k / 32] float16
  *   q8: weight [n, k] int8; scales [n] float32
- *   x [m, k] (silu_mul: [m, 2k]), y [m, n], norm [k], bias [n], residual [m, n]: one dtype,
+ *   x [m, k] (silu_mul, gelu_tanh_mul: [m, 2k]), y [m, n], norm [k], bias [n], residual [m, n]: one dtype,
  *   float32 or bfloat16 (codes as common.h)
  *
  * Around the product, so a decoder layer is a few calls (forward/llama.py, native_layer):
  *   before it, each row of x can be RMS-normalised (x / rms(x) * norm, in float32, the squares
- *   summed in an order fixed by k) or taken as silu(x[:, :k]) * x[:, k:] (an MLP's gate and up);
+ *   summed in an order fixed by k) or taken as act(x[:, :k]) * x[:, k:] (an MLP's gate and up;
+ *   act silu, or GELU's tanh approximation);
  *   after it, y = product + bias + residual, rounded once to the dtype (residual may be y).
  */
 #include <math.h>
@@ -137,7 +138,7 @@ static void quantize_row(int8_t *qs, int8_t *rs, float *ds, float *ss, const voi
 }
 
 /* What is done to a row of x before it is quantized. */
-enum { PRE_NONE = 0, PRE_RMS_NORM = 1, PRE_SILU_MUL = 2 };
+enum { PRE_NONE = 0, PRE_RMS_NORM = 1, PRE_SILU_MUL = 2, PRE_GELU_TANH_MUL = 3 };
 
 typedef struct {
     int kind;
@@ -167,8 +168,22 @@ static inline float silu_mul(float g, float u) {
     return g * (g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e)) * u;
 }
 
+/* gelu(g) * u with GELU's tanh approximation (Gemma's MLP): 0.5 g (1 + tanh(z)) u,
+ * z = sqrt(2 / pi) (g + 0.044715 g^3), tanh(z) = sign(z) (1 - e) / (1 + e), e = exp(-2 |z|). */
+static inline float gelu_tanh_mul(float g, float u) {
+    const float z = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+    const float e = exp_neg(-2.0f * fabsf(z));
+    const float t = (1.0f - e) / (1.0f + e);
+    return 0.5f * g * (1.0f + (z >= 0.0f ? t : -t)) * u;
+}
+
 /* Row r of what the matmul multiplies (k floats into a), from x by the prologue. */
 static void prologue_row(float *a, const void *x, int64_t r, int64_t k, int dtype, const Prologue *pre) {
+    if (pre->kind == PRE_GELU_TANH_MUL) {  /* scalar: Gemma's MLP, not the hot path of any other */
+        const int64_t at = r * 2 * k;
+        for (int64_t i = 0; i < k; i++) a[i] = gelu_tanh_mul(load1(x, at + i, dtype), load1(x, at + k + i, dtype));
+        return;
+    }
     if (pre->kind == PRE_SILU_MUL) {
         const int64_t at = r * 2 * k;
         int64_t i = 0;
@@ -532,7 +547,7 @@ static void columns(const Call *c, int q4, int64_t first, int64_t last) {
 static int matmul(Call *c, int q4, const void *x, const Prologue *pre, int threads) {
     const int64_t blocks = c->k / QK;
     if (c->m < 0 || c->n < 1 || c->k < QK || c->k % QK || threads < 1 ||
-        (c->dtype != TS_F32 && c->dtype != TS_BF16) || pre->kind < PRE_NONE || pre->kind > PRE_SILU_MUL ||
+        (c->dtype != TS_F32 && c->dtype != TS_BF16) || pre->kind < PRE_NONE || pre->kind > PRE_GELU_TANH_MUL ||
         (pre->kind == PRE_RMS_NORM && pre->norm == NULL))
         return TS_BAD_ARGS;
     if (c->m == 0) return TS_OK;

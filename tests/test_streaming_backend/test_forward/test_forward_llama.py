@@ -100,7 +100,7 @@ def test_freed_slot_is_reused_without_its_old_keys(tiny):
         torch.testing.assert_close(logits[0], reference[4 + step], atol=FP32_ATOL, rtol=0)
 
 
-@pytest.fixture(params=["llama", "qwen3", "granite", "olmo2", "smollm3", "phi3"])
+@pytest.fixture(params=["llama", "qwen3", "granite", "olmo2", "smollm3", "phi3", "gemma3_text"])
 def family_model(request, tiny) -> LoadedModel:
     """The tiny Llama, and tiny models of the families beyond it that change most."""
     return tiny if request.param == "llama" else tiny_config_model(request.param)
@@ -151,6 +151,7 @@ def test_prefill_after_a_copied_prefix_equals_whole_prefill(family_model):
         ("smollm3", {}),
         ("phi3", {"sliding_window": 8}),
         ("phi3", LONGROPE),
+        ("gemma3_text", {}),
     ],
 )
 def test_other_families_match_hf(kind, overrides):
@@ -181,6 +182,7 @@ def test_other_families_match_hf(kind, overrides):
         ("olmo2", {}),
         ("smollm3", {}),
         ("phi3", LONGROPE),
+        ("gemma3_text", {}),
     ],
 )
 def test_one_stream_decodes_as_hf_and_as_a_batch_row(kind, overrides, tiny):
