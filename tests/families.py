@@ -27,6 +27,14 @@ DIFFERENCES = {
         "layer_types": ["sliding_attention", "full_attention"],
         "final_logit_softcapping": 2.0,
     },
+    # a sparse layer of 4 experts, 2 per token, and a dense one
+    "qwen3_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [1],
+    },
 }
 # Phi-3's LongRoPE, of 64 positions in its original context (the tiny head_dim 16: 8 factors)
 LONGROPE = {
@@ -54,6 +62,7 @@ def family_classes(kind: str) -> tuple[type, type]:
         "smollm3": "SmolLM3",
         "phi3": "Phi3",
         "gemma3_text": "Gemma3Text",
+        "qwen3_moe": "Qwen3Moe",
         "stablelm": "StableLm",  # not on the compact forward: LayerNorm, partial RoPE
     }
     name = names[kind]

@@ -58,6 +58,7 @@ class Family(NamedTuple):
     rope_layers: bool = False  # some layers without RoPE: the config's no_rope_layers (SmolLM3)
     fused: bool = False  # q/k/v and gate/up stored fused (qkv_proj, gate_up_proj: Phi-3)
     norm_offset: float = 0.0  # norms scale by offset + weight (Gemma: 1 + weight)
+    experts: bool = False  # sparse layers: a mixture of experts with top-k routing (Experts)
     # the final logits soft-capped: cap * tanh(logits / cap), by final_logit_softcapping (Gemma)
     logit_cap: bool = False
 
@@ -71,6 +72,7 @@ FAMILIES = {  # Hugging Face model_type -> its differences
     "olmo2": Family(head_norms=True, pre_norms=False, post_norms=True, float_norms=True),
     "smollm3": Family(rope_layers=True),
     "phi3": Family(fused=True),
+    "qwen3_moe": Family(head_norms=True, experts=True),
     # RoPE tables per layer type, the embedding scale, GELU and the scores' scale follow from
     # the config and the modules (model_shape, CompactLlama)
     "gemma3_text": Family(
@@ -105,6 +107,24 @@ class Span(NamedTuple):
     count: int
 
 
+class Experts(NamedTuple):
+    """A mixture-of-experts MLP: each token's top `top_k` experts by the router, their outputs
+    weighted by the router's probabilities (renormalised over the top k where `renormalise`)."""
+
+    router: torch.Tensor  # [experts, hidden], as loaded
+    gate_up: tuple[Weight, ...]  # per expert: [2 * intermediate, hidden]
+    down: tuple[Weight, ...]  # per expert: [hidden, intermediate]
+    top_k: int
+    renormalise: bool
+
+    def quantized(self, kind: str, matmul: str = "auto") -> Experts:
+        """These experts with their weights quantized as `kind` (the router stays as loaded)."""
+        return self._replace(
+            gate_up=tuple(quantize_weight(w, kind, matmul) for w in self.gate_up),
+            down=tuple(quantize_weight(w, kind, matmul) for w in self.down),
+        )
+
+
 class Block(NamedTuple):
     """One decoder layer's weights (q/k/v and gate/up fused); biases are None when absent."""
 
@@ -114,20 +134,32 @@ class Block(NamedTuple):
     o: Weight  # [hidden, heads * head_dim]
     o_bias: torch.Tensor | None
     norm2: torch.Tensor | None  # [hidden]: before the MLP
-    gate_up: Weight  # [2 * intermediate, hidden]
+    gate_up: Weight | None  # [2 * intermediate, hidden]; None: the MLP is `experts`
     gate_up_bias: torch.Tensor | None
-    down: Weight  # [hidden, intermediate]
+    down: Weight | None  # [hidden, intermediate]
     down_bias: torch.Tensor | None
     q_norm: torch.Tensor | None = None  # [head_dim] or [heads * head_dim]: Family.head_norms
     k_norm: torch.Tensor | None = None  # [head_dim] or [kv_heads * head_dim]
     attn_out_norm: torch.Tensor | None = None  # [hidden]: Family.post_norms
     mlp_out_norm: torch.Tensor | None = None
+    experts: Experts | None = None  # a mixture-of-experts MLP instead of gate_up and down
 
     def quantized(self, kind: str, matmul: str = "auto") -> Block:
-        """This block with its four linear weights quantized as `kind` (forward/quant.py)."""
-        return self._replace(
-            **{name: quantize_weight(getattr(self, name), kind, matmul) for name in LINEAR_WEIGHTS}
-        )
+        """This block with its linear weights quantized as `kind` (forward/quant.py)."""
+        weights = {
+            name: quantize_weight(w, kind, matmul)
+            for name in LINEAR_WEIGHTS
+            if (w := getattr(self, name)) is not None
+        }
+        experts = self.experts and self.experts.quantized(kind, matmul)
+        return self._replace(**weights, experts=experts)
+
+    def weights(self) -> list[Weight]:
+        """Every linear weight of this block (the experts' included)."""
+        ours = [w for name in LINEAR_WEIGHTS if (w := getattr(self, name)) is not None]
+        if self.experts is not None:
+            ours += [*self.experts.gate_up, *self.experts.down]
+        return ours
 
 
 LINEAR_WEIGHTS = ("qkv", "o", "gate_up", "down")  # the Block fields a quantization replaces
@@ -298,7 +330,7 @@ class CompactLlama(nn.Module):
         self.kernel: AttentionKernel | None = native.attention_kernel() if on_cpu else None
         self.attention = f"c-{self.kernel.variant}" if self.kernel else "torch"
         # what runs the linear weights: c-avx2 / c-generic, aten, dense ("+" joins several)
-        weights = [self.head, *(getattr(b, name) for b in self.blocks for name in LINEAR_WEIGHTS)]
+        weights = [self.head, *(w for b in self.blocks for w in b.weights())]
         self.matmul = "+".join(sorted({kernel_name(w) for w in weights}))
         # every layer in a few C calls (native_layer), decode and prefill alike: our matmuls
         # for every weight and the attention kernel
@@ -488,21 +520,48 @@ def _block(layer: Any, family: Family) -> Block:
     norms = {name: _norm_weight(module, family) for name, module in modules.items()}
     if family.fused:
         qkv, qkv_bias = attn.qkv_proj.weight.detach(), _param(attn.qkv_proj.bias)
-        gate_up, gate_up_bias = mlp.gate_up_proj.weight.detach(), _param(mlp.gate_up_proj.bias)
     else:
         qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
     return Block(
         qkv=qkv,
         qkv_bias=qkv_bias,
         o=attn.o_proj.weight.detach(),
         o_bias=_param(attn.o_proj.bias),
-        gate_up=gate_up,
-        gate_up_bias=gate_up_bias,
-        down=mlp.down_proj.weight.detach(),
-        down_bias=_param(mlp.down_proj.bias),
-        **{"norm1": None, "norm2": None} | norms,
+        **{"norm1": None, "norm2": None} | norms | _mlp_weights(mlp, family),
     )
+
+
+def _mlp_weights(mlp: Any, family: Family) -> dict[str, Any]:
+    """A layer's MLP as Block fields: gate/up fused and down, or its experts (a sparse layer
+    of a mixture-of-experts family: the experts' weights stacked [experts, out, in])."""
+    if hasattr(mlp, "experts"):
+        if not family.experts:
+            raise UnsupportedModel("a mixture-of-experts layer in a family not declared so")
+        stacked = mlp.experts
+        experts = Experts(
+            router=mlp.gate.weight.detach(),
+            gate_up=tuple(stacked.gate_up_proj.detach().unbind(0)),
+            down=tuple(stacked.down_proj.detach().unbind(0)),
+            top_k=mlp.gate.top_k,
+            renormalise=bool(mlp.gate.norm_topk_prob),
+        )
+        return {
+            "gate_up": None,
+            "gate_up_bias": None,
+            "down": None,
+            "down_bias": None,
+            "experts": experts,
+        }
+    if family.fused:
+        gate_up, gate_up_bias = mlp.gate_up_proj.weight.detach(), _param(mlp.gate_up_proj.bias)
+    else:
+        gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
+    return {
+        "gate_up": gate_up,
+        "gate_up_bias": gate_up_bias,
+        "down": mlp.down_proj.weight.detach(),
+        "down_bias": _param(mlp.down_proj.bias),
+    }
 
 
 def _norm_modules(layer: Any, family: Family) -> dict[str, Any]:
@@ -538,12 +597,14 @@ def _scaled_outputs(block: Block, by: float) -> Block:
 
 
 def _float_params(block: Block) -> Block:
-    """A block with its norms and biases as float32 (the native layers' activations)."""
+    """A block with its norms, biases and router as float32 (the native layers' activations)."""
     floats = {
         name: None if value is None else value.float()
         for name, value in block._asdict().items()
-        if name not in LINEAR_WEIGHTS
+        if name not in (*LINEAR_WEIGHTS, "experts")
     }
+    if block.experts is not None:
+        floats["experts"] = block.experts._replace(router=block.experts.router.float())
     return block._replace(**floats)
 
 
@@ -603,10 +664,38 @@ def decoder_layer(
 def mlp(x: torch.Tensor, block: Block, dims: Dims) -> torch.Tensor:
     """The second half of a decoder layer: x plus the MLP of its normalised self."""
     h = pre_norm(x, block.norm2, dims.eps)
-    gate, up = linear(h, block.gate_up, block.gate_up_bias).chunk(2, dim=-1)
-    act = F.silu(gate) if dims.activation == "silu" else F.gelu(gate, approximate="tanh")
-    out = linear(act * up, block.down, block.down_bias)
+    if block.experts is not None:
+        return add_branch(x, mixture(h, block.experts, dims), block.mlp_out_norm, dims.eps)
+    out = gated_mlp(h, block.gate_up, block.gate_up_bias, block.down, block.down_bias, dims)
     return add_branch(x, out, block.mlp_out_norm, dims.eps)
+
+
+def gated_mlp(h, gate_up, gate_up_bias, down, down_bias, dims: Dims) -> torch.Tensor:
+    """down(act(gate) * up) of h [..., hidden], gate and up from one matmul."""
+    gate, up = linear(h, gate_up, gate_up_bias).chunk(2, dim=-1)
+    act = F.silu(gate) if dims.activation == "silu" else F.gelu(gate, approximate="tanh")
+    return linear(act * up, down, down_bias)
+
+
+def mixture(h: torch.Tensor, experts: Experts, dims: Dims) -> torch.Tensor:
+    """A mixture-of-experts MLP of h [..., hidden]: each token's top-k experts by the router's
+    softmax (in float32), their outputs times its weights (cast to h's dtype) summed in the
+    order of the experts' numbers, as Hugging Face's. A token's sum depends on it alone: its
+    experts run it among whichever tokens chose them too, in kernels whose rows do not depend
+    on each other (quant.linear; dense in calls of one size)."""
+    flat = h.reshape(-1, h.shape[-1])
+    probs = torch.softmax(linear(flat, experts.router).float(), dim=-1)
+    top, chosen = torch.topk(probs, experts.top_k, dim=-1)  # [M, k]
+    if experts.renormalise:
+        top = top / top.sum(dim=-1, keepdim=True)
+    top = top.to(h.dtype)
+    out = torch.zeros_like(flat)
+    for expert in chosen.unique().tolist():  # ascending
+        rows, rank = torch.where(chosen == expert)
+        weights = (experts.gate_up[expert], None, experts.down[expert], None)
+        y = gated_mlp(flat[rows], *weights, dims) * top[rows, rank, None]
+        out.index_add_(0, rows, y)
+    return out.view(h.shape)
 
 
 def pre_norm(x: torch.Tensor, norm: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -760,6 +849,11 @@ def native_layer(x, block: Block, kv, where, dims: Dims, kernel, rope) -> torch.
     groups = dims.heads // dims.kv_heads
     out = kernel.with_rope(qkv, rope, kv[0], kv[1], placed, window, groups, dims.scale)
     x = _native_branch(x, out, block.o, block.o_bias, block.attn_out_norm, dims)
+    if block.experts is not None:  # torch routes; the experts' matmuls are the C ones
+        out = mixture(pre_norm(x, block.norm2, dims.eps), block.experts, dims)
+        return x.add_(
+            out if block.mlp_out_norm is None else rms_norm(out, block.mlp_out_norm, dims.eps)
+        )
     h = native_linear(x, block.gate_up, bias=block.gate_up_bias, **_prologue(block.norm2, dims))
     down = (block.down, block.down_bias, block.mlp_out_norm)
     return _native_branch(x, h, *down, dims, prologue=f"{dims.activation}_mul")

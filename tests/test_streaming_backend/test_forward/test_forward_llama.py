@@ -100,7 +100,9 @@ def test_freed_slot_is_reused_without_its_old_keys(tiny):
         torch.testing.assert_close(logits[0], reference[4 + step], atol=FP32_ATOL, rtol=0)
 
 
-@pytest.fixture(params=["llama", "qwen3", "granite", "olmo2", "smollm3", "phi3", "gemma3_text"])
+@pytest.fixture(
+    params=["llama", "qwen3", "granite", "olmo2", "smollm3", "phi3", "gemma3_text", "qwen3_moe"]
+)
 def family_model(request, tiny) -> LoadedModel:
     """The tiny Llama, and tiny models of the families beyond it that change most."""
     return tiny if request.param == "llama" else tiny_config_model(request.param)
@@ -152,6 +154,7 @@ def test_prefill_after_a_copied_prefix_equals_whole_prefill(family_model):
         ("phi3", {"sliding_window": 8}),
         ("phi3", LONGROPE),
         ("gemma3_text", {}),
+        ("qwen3_moe", {}),
     ],
 )
 def test_other_families_match_hf(kind, overrides):
@@ -183,6 +186,7 @@ def test_other_families_match_hf(kind, overrides):
         ("smollm3", {}),
         ("phi3", LONGROPE),
         ("gemma3_text", {}),
+        ("qwen3_moe", {}),
     ],
 )
 def test_one_stream_decodes_as_hf_and_as_a_batch_row(kind, overrides, tiny):

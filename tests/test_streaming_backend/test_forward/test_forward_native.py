@@ -238,7 +238,8 @@ def test_the_tiny_model_gives_the_same_logits_with_and_without_the_kernel(tiny_m
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize(
-    "family", ["llama", "qwen3", "granite", "olmo2", "smollm3", "phi3", "gemma3_text"]
+    "family",
+    ["llama", "qwen3", "granite", "olmo2", "smollm3", "phi3", "gemma3_text", "qwen3_moe"],
 )
 def test_the_native_layers_compute_what_the_torch_layers_do(tiny_model_dir, family, kind, dtype):
     """With quantized weights every layer runs as a few C calls (llama.native_layer: the norms,
