@@ -9,12 +9,15 @@ at sizes the shipped model does not have (its numbers mean nothing; its speed is
 The defaults are a 1B-class Llama: hidden 2048, 16 layers, 32 query and 8 key/value heads,
 intermediate 8192, SmolLM2's tokenizer and vocabulary (49152, from the shipped model), tied
 embeddings, stored in bfloat16. The weights are drawn as transformers initialises a new model
-(normal, std --init-std), from --seed, so the same options write the same files.
+(normal, std --init-std), from --seed, so the same options write the same files. --family takes
+another model_type with the same sizes (--config adds its own keys), e.g. a Gemma 3 or a Qwen3
+mixture of experts for the families' speed figures (docs/configuration.md#model-families).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,14 +36,24 @@ class Shape:
     context: int
 
 
-def make(shape: Shape, out: Path, dtype: torch.dtype, seed: int, init_std: float) -> int:
-    """Write the model and the shipped model's tokenizer to `out`; return its parameter count."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+def make(
+    shape: Shape,
+    out: Path,
+    dtype: torch.dtype,
+    seed: int,
+    init_std: float,
+    family: str = "llama",
+    extra: dict | None = None,
+) -> int:
+    """Write the model (of the Hugging Face model_type `family`, with `extra` config keys) and
+    the shipped model's tokenizer to `out`; return its parameter count."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from streaming_backend.loading import convert_gguf, default_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(convert_gguf(default_model_path()))
-    config = LlamaConfig(
+    config = AutoConfig.for_model(
+        family,
         vocab_size=len(tokenizer),
         hidden_size=shape.hidden,
         intermediate_size=shape.intermediate,
@@ -52,10 +65,12 @@ def make(shape: Shape, out: Path, dtype: torch.dtype, seed: int, init_std: float
         initializer_range=init_std,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
         torch_dtype=str(dtype).removeprefix("torch."),
+        **(extra or {}),
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(dtype)
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -74,13 +89,21 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--init-std", type=float, default=0.02)
+    parser.add_argument("--family", default="llama", help="the Hugging Face model_type")
+    parser.add_argument(
+        "--config",
+        type=json.loads,
+        default={},
+        help="more config keys as JSON, e.g. '{\"head_dim\": 256}' for gemma3_text",
+    )
     args = parser.parse_args()
     if args.heads % args.kv_heads or args.hidden % args.heads:
         parser.error("--heads must divide --hidden, and --kv-heads must divide --heads")
     shape = Shape(
         args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate, args.context
     )
-    count = make(shape, args.out, getattr(torch, args.dtype), args.seed, args.init_std)
+    dtype = getattr(torch, args.dtype)
+    count = make(shape, args.out, dtype, args.seed, args.init_std, args.family, args.config)
     print(f"wrote {args.out}: {count / 1e9:.2f} B parameters, {args.dtype}")
 
 

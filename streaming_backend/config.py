@@ -101,7 +101,7 @@ QUANTIZE = Parameter(
 FORWARD = Parameter(
     "forward",
     "auto",
-    "auto (compact for Llama-family models, else hf), compact, or hf (Hugging Face)",
+    "auto (compact for the families it runs, else hf), compact, or hf (Hugging Face)",
     choice(*FORWARDS),
     option=True,
 )
@@ -228,7 +228,7 @@ class EngineConfig:
     # padding would exceed this fraction of its real tokens (padding is wasted compute).
     max_padding: float = 0.25
     default_max_tokens: int = _CHAT["default_max_tokens"]  # bounded by the context
-    # auto: the compact forward for the Llama family (llama, mistral, qwen2), else Hugging Face's;
+    # auto: the compact forward for the families it runs (forward/llama.py FAMILIES), else HF's;
     # compact: that forward or an error; hf: always Hugging Face's (the baseline, any model).
     forward: str = _CHAT["forward"]
     # Reuse KV across requests (compact forward). on: of earlier prompts and answers (an answer's

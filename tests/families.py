@@ -48,6 +48,21 @@ LONGROPE = {
 }
 
 
+# every model_type on the compact forward, as tests/families.py makes them
+COMPACT_FAMILIES = (
+    "llama",
+    "qwen2",
+    "mistral",
+    "qwen3",
+    "granite",
+    "olmo2",
+    "smollm3",
+    "phi3",
+    "gemma3_text",
+    "qwen3_moe",
+)
+
+
 def family_classes(kind: str) -> tuple[type, type]:
     """transformers' config and causal-LM classes of the family `kind`."""
     import transformers
@@ -74,8 +89,9 @@ def tiny_config_model(kind: str, dtype: torch.dtype = torch.float32, **overrides
     """A randomly initialised 2-layer model of the family `kind` (Hugging Face model_type), on
     the CPU in `dtype`; the same weights every call."""
     config_class, model_class = family_classes(kind)
-    # no padding token: SmolLM3's default one lies beyond the tiny vocabulary
-    overrides = {"pad_token_id": None} | DIFFERENCES.get(kind, {}) | overrides
+    # no special tokens: some families' defaults lie beyond the tiny vocabulary
+    special = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
+    overrides = special | DIFFERENCES.get(kind, {}) | overrides
     config = config_class(
         vocab_size=1000,
         hidden_size=64,

@@ -1,6 +1,6 @@
-"""Families beyond Llama served on the compact forward: tiny random Qwen3 (norms on each head's
-queries and keys) and Granite (multipliers) models with the default model's tokenizer, in-process
-and behind tritonserver."""
+"""Families beyond Llama served on the compact forward: a tiny random model of each (its
+differences from Llama made visible: tests/families.py) with the default model's tokenizer,
+in-process and behind tritonserver."""
 
 import pytest
 from conftest import chat_prompts, save_tiny_model, start_server
@@ -8,7 +8,9 @@ from conftest import chat_prompts, save_tiny_model, start_server
 from streaming_backend.settings import SamplingSettings
 
 
-@pytest.mark.parametrize("family", ["qwen3", "granite"])
+@pytest.mark.parametrize(
+    "family", ["qwen3", "granite", "olmo2", "smollm3", "phi3", "gemma3_text", "qwen3_moe"]
+)
 def test_a_family_is_served_on_the_compact_forward_as_in_process(
     tmp_path, default_model_dir, family
 ):
