@@ -27,6 +27,15 @@ DIFFERENCES = {
         "layer_types": ["sliding_attention", "full_attention"],
         "final_logit_softcapping": 2.0,
     },
+    # Gemma 3's, and the attention scores capped
+    "gemma2": {
+        "head_dim": 16,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "final_logit_softcapping": 2.0,
+        "attn_logit_softcapping": 1.0,
+        "query_pre_attn_scalar": 1,  # scores of a few units, so that their cap shows
+    },
     # a sparse layer of 4 experts, 2 per token, and a dense one
     "qwen3_moe": {
         "num_experts": 4,
@@ -58,6 +67,7 @@ COMPACT_FAMILIES = (
     "olmo2",
     "smollm3",
     "phi3",
+    "gemma2",
     "gemma3_text",
     "qwen3_moe",
 )
@@ -76,6 +86,7 @@ def family_classes(kind: str) -> tuple[type, type]:
         "granite": "Granite",
         "smollm3": "SmolLM3",
         "phi3": "Phi3",
+        "gemma2": "Gemma2",
         "gemma3_text": "Gemma3Text",
         "qwen3_moe": "Qwen3Moe",
         "stablelm": "StableLm",  # not on the compact forward: LayerNorm, partial RoPE

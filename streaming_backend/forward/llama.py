@@ -75,6 +75,7 @@ FAMILIES = {  # Hugging Face model_type -> its differences
     "qwen3_moe": Family(head_norms=True, experts=True),
     # RoPE tables per layer type, the embedding scale, GELU and the scores' scale follow from
     # the config and the modules (model_shape, CompactLlama)
+    "gemma2": Family(post_norms=True, float_norms=True, norm_offset=1.0, logit_cap=True),
     "gemma3_text": Family(
         head_norms=True, post_norms=True, float_norms=True, norm_offset=1.0, logit_cap=True
     ),
@@ -174,6 +175,7 @@ class Dims(NamedTuple):
     eps: float
     scale: float  # of the attention scores: 1/sqrt(head_dim) unless the family sets it
     activation: str = "silu"  # of the MLP's gate: a key of ACTIVATIONS
+    cap: float = 0.0  # the scores soft-capped at it, cap * tanh(score / cap) (Gemma 2); 0: not
 
 
 class UnsupportedModel(ValueError):
@@ -195,6 +197,7 @@ class LlamaShape:
     windows: tuple[int, ...]  # per layer: sliding window length, NO_WINDOW for full attention
     scale: float | None = None  # of the attention scores; None: 1/sqrt(head_dim)
     activation: str = "silu"
+    cap: float = 0.0  # of the attention scores (Dims.cap)
 
     @property
     def groups(self) -> int:
@@ -205,7 +208,9 @@ class LlamaShape:
     def dims(self) -> Dims:
         """What `decoder_layer` needs to know."""
         scale = self.head_dim**-0.5 if self.scale is None else self.scale
-        return Dims(self.heads, self.kv_heads, self.head_dim, self.eps, scale, self.activation)
+        return Dims(
+            self.heads, self.kv_heads, self.head_dim, self.eps, scale, self.activation, self.cap
+        )
 
 
 def model_shape(model: Any) -> LlamaShape:
@@ -222,8 +227,6 @@ def model_shape(model: Any) -> LlamaShape:
     activation = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
     if activation not in ACTIVATIONS:
         raise UnsupportedModel(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
-    if getattr(config, "attn_logit_softcapping", None):
-        raise UnsupportedModel("soft-capped attention scores (attn_logit_softcapping)")
     rope = getattr(config, "rope_parameters", None) or {}
     # one RoPE for every layer, or one per layer type (Gemma 3: {layer type: its parameters})
     for params in rope.values() if all(isinstance(v, dict) for v in rope.values()) else [rope]:
@@ -253,6 +256,7 @@ def model_shape(model: Any) -> LlamaShape:
         windows=_layer_windows(config),
         scale=scale,
         activation=ACTIVATIONS[activation],
+        cap=float(getattr(config, "attn_logit_softcapping", None) or 0.0),
     )
 
 
@@ -719,7 +723,7 @@ def attention(h, block: Block, kv, cos, sin, mask, where, dims: Dims) -> torch.T
     # head are stacked along the query axis -> [N, Hkv, groups * T, D]
     groups = dims.heads // dims.kv_heads
     q = q.reshape(n, dims.kv_heads, groups * t, dims.head_dim)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=dims.scale)
+    out = _attend(q, keys, values, dims.scale, dims.cap, mask)
     q_size = dims.heads * dims.head_dim
     out = out.reshape(n, dims.heads, t, dims.head_dim).transpose(1, 2).reshape(n, t, q_size)
     return linear(out, block.o, block.o_bias)
@@ -758,13 +762,13 @@ def tokens_attention(h, block: Block, kv, cos, sin, where, dims: Dims, kernel) -
     q = q.transpose(1, 2).reshape(n, t, dims.kv_heads, dims.heads // dims.kv_heads, -1)
     if index is None:  # no padding: every token of every row
         out = exact_attention(
-            q.reshape(n * t, *q.shape[2:]), kv, placed, window, kernel, dims.scale
+            q.reshape(n * t, *q.shape[2:]), kv, placed, window, kernel, dims.scale, dims.cap
         )
         out = out.view(n, t, -1)
     else:
         out = h.new_zeros(n, t, dims.heads * dims.head_dim)
         out[index[0], index[1]] = exact_attention(
-            q[index[0], index[1]], kv, placed, window, kernel, dims.scale
+            q[index[0], index[1]], kv, placed, window, kernel, dims.scale, dims.cap
         )
     return linear(out, block.o, block.o_bias)
 
@@ -779,7 +783,7 @@ def _placed_tokens(spans: Sequence[Span], t: int) -> tuple[Placed, torch.Tensor 
     return Placed.of(rows), torch.tensor(index, dtype=torch.long).T
 
 
-def exact_attention(q, kv, placed: Placed, window: int, kernel, scale: float | None = None):
+def exact_attention(q, kv, placed: Placed, window: int, kernel, scale=None, cap: float = 0.0):
     """Attention of n tokens, each over exactly its own positions -> [n, H * D].
 
     q: [n, Hkv, groups, D], each token's query heads grouped by the key/value head they share;
@@ -794,14 +798,26 @@ def exact_attention(q, kv, placed: Placed, window: int, kernel, scale: float | N
     q = q.contiguous()
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if kernel is not None:
-        return kernel(q, k_layer, v_layer, placed, window, scale)
+        return kernel(q, k_layer, v_layer, placed, window, scale, cap)
     outs = []
     for token, (place, position) in enumerate(placed.rows):
         first = max(0, position + 1 - window)  # the sliding window
         keys = k_layer[place][None, :, first : position + 1]  # [1, Hkv, L, D]: views, all valid
         values = v_layer[place][None, :, first : position + 1]
-        outs.append(F.scaled_dot_product_attention(q[token][None], keys, values, scale=scale))
+        outs.append(_attend(q[token][None], keys, values, scale, cap))
     return torch.cat(outs).reshape(len(placed.rows), -1)  # [n, Hkv * groups * D]
+
+
+def _attend(q, keys, values, scale: float, cap: float, mask=None) -> torch.Tensor:
+    """torch's attention of q over keys and values (mask: True = attend), the scores times
+    `scale`; soft-capped at `cap` (cap * tanh(score / cap)) where it is not 0, written out,
+    as torch's fused attention takes no cap (as Hugging Face's eager attention does)."""
+    if not cap:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    scores = torch.tanh(q @ keys.transpose(-1, -2) * scale / cap) * cap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ values
 
 
 def rows_attention(h, block: Block, kv, cos, sin, where, dims: Dims, kernel) -> torch.Tensor:
@@ -829,7 +845,7 @@ def rows_attention(h, block: Block, kv, cos, sin, where, dims: Dims, kernel) -> 
         k_layer[places, :, positions], v_layer[places, :, positions] = k_new, v_new  # [N, Hkv, D]
     # the query heads sharing a key/value head stacked along the query axis, as in `attention`
     q = qk[:, : dims.heads].reshape(n, dims.kv_heads, dims.heads // dims.kv_heads, -1)
-    out = exact_attention(q, kv, placed, window, kernel, dims.scale)
+    out = exact_attention(q, kv, placed, window, kernel, dims.scale, dims.cap)
     return linear(out, block.o, block.o_bias)
 
 
@@ -847,7 +863,7 @@ def native_layer(x, block: Block, kv, where, dims: Dims, kernel, rope) -> torch.
         qk = qkv[:, : q_size + dims.kv_heads * dims.head_dim].view(n, -1, dims.head_dim)
         qk.copy_(torch.cat(head_norms(qk[:, : dims.heads], qk[:, dims.heads :], block, dims), 1))
     groups = dims.heads // dims.kv_heads
-    out = kernel.with_rope(qkv, rope, kv[0], kv[1], placed, window, groups, dims.scale)
+    out = kernel.with_rope(qkv, rope, kv[0], kv[1], placed, window, groups, dims.scale, dims.cap)
     x = _native_branch(x, out, block.o, block.o_bias, block.attn_out_norm, dims)
     if block.experts is not None:  # torch routes; the experts' matmuls are the C ones
         out = mixture(pre_norm(x, block.norm2, dims.eps), block.experts, dims)

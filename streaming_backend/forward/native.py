@@ -79,13 +79,13 @@ class AttentionKernel:
         fn = library.ts_exact_attention
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 6]
-        fn.argtypes += [ctypes.c_float, ctypes.c_int]
+        fn.argtypes += [ctypes.c_float, ctypes.c_float, ctypes.c_int]
         self._fn = fn
         rope = library.ts_rope_attention
         rope.restype = ctypes.c_int
         rope.argtypes = [ctypes.c_int, ctypes.c_int, *[ctypes.c_void_p] * 3, ctypes.c_int64]
         rope.argtypes += [*[ctypes.c_void_p] * 5, *[ctypes.c_int64] * 7]
-        rope.argtypes += [ctypes.c_float, ctypes.c_int]
+        rope.argtypes += [ctypes.c_float, ctypes.c_float, ctypes.c_int]
         self._rope = rope
 
     def __call__(
@@ -96,9 +96,11 @@ class AttentionKernel:
         placed: Placed,
         window: int,
         scale: float,
+        cap: float | None = None,
     ) -> torch.Tensor:
         """Each token's attention over positions [max(0, position + 1 - window), position] of
-        its place -> [n, kv_heads * groups * head_dim] in q's dtype."""
+        its place -> [n, kv_heads * groups * head_dim] in q's dtype. Scores times `scale`,
+        then soft-capped at `cap` where given (cap * tanh(score / cap))."""
         n, kv_heads, groups, head_dim = q.shape
         out = torch.empty_like(q)
         status = self._fn(
@@ -116,6 +118,7 @@ class AttentionKernel:
             k_layer.shape[2],
             min(window, 1 << 62),
             scale,
+            cap or 0.0,
             _threads(),
         )
         if status:
@@ -132,10 +135,12 @@ class AttentionKernel:
         window: int,
         groups: int,
         scale: float | None = None,
+        cap: float | None = None,
     ) -> torch.Tensor:
         """From a layer's q/k/v projection: RoPE on the queries and keys, every token's key and
         value written at its place and position, then each token's attention over exactly its
-        own positions (as `__call__`; scores times `scale`, 1/sqrt(head_dim) when None) ->
+        own positions (as `__call__`; scores times `scale`, 1/sqrt(head_dim) when None, and
+        soft-capped at `cap` where given) ->
         [n, heads * head_dim] in qkv's dtype. The cache may
         have another dtype (float32 activations over a bfloat16 cache); the turned queries stay
         float32."""
@@ -160,6 +165,7 @@ class AttentionKernel:
             placed.places.data_ptr(), placed.positions.data_ptr(),
             n, places, kv_heads, groups, head_dim, max_len, min(window, 1 << 62),
             head_dim**-0.5 if scale is None else scale,
+            cap or 0.0,
             _threads(),
         )  # fmt: skip
         if status:

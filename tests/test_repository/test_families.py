@@ -9,7 +9,8 @@ from streaming_backend.settings import SamplingSettings
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen3", "granite", "olmo2", "smollm3", "phi3", "gemma3_text", "qwen3_moe"]
+    "family",
+    ["qwen3", "granite", "olmo2", "smollm3", "phi3", "gemma2", "gemma3_text", "qwen3_moe"],
 )
 def test_a_family_is_served_on_the_compact_forward_as_in_process(
     tmp_path, default_model_dir, family

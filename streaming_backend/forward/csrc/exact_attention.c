@@ -15,6 +15,8 @@
  *   out   [n, kv_heads, groups, head_dim]  = [n, heads * head_dim]
  *   places, positions  [n] int64: each token's slot in the cache and its position there
  * dtype: 0 float32, 1 bfloat16 (q, k, v and out alike; sums in float32).
+ * A score is q . k times `scale`; with `cap` > 0 it is then soft-capped, cap * tanh(score / cap)
+ * (Gemma 2), before the softmax.
  */
 #include <math.h>
 #include <omp.h>
@@ -138,8 +140,18 @@ typedef struct {
     void *out;
     const int64_t *places, *positions;
     int64_t kv_heads, groups, head_dim, max_len, window;
-    float scale;
+    float scale, cap;
 } Call;
+
+/* The count scores soft-capped in place, cap * tanh(score / cap); returns their new maximum. */
+static float soft_cap(float *scores, int64_t count, float cap) {
+    float max = -INFINITY;
+    for (int64_t j = 0; j < count; j++) {
+        scores[j] = cap * tanhf(scores[j] / cap);
+        max = scores[j] > max ? scores[j] : max;
+    }
+    return max;
+}
 
 /* One (token, key/value head): its `groups` query heads over positions [first, position], each
  * key and value row read once for all of them. work: groups * (max_len + 2 * head_dim) floats of
@@ -155,7 +167,8 @@ static void attend_one(const Call *c, int64_t token, int64_t head, float *work) 
     for (int64_t i = 0; i < groups * d; i++) query[i] = load1(c->q, q_at + i, c->q_dtype) * c->scale;
     for (int64_t g = 0; g < groups; g++) {  /* the key and value rows stay in cache across g */
         float *p = scores + g * c->max_len;
-        const float max = scores_of(p, query + g * d, c->k, cache_at, count, d, c->dtype);
+        float max = scores_of(p, query + g * d, c->k, cache_at, count, d, c->dtype);
+        if (c->cap > 0.0f) max = soft_cap(p, count, c->cap);
         inverse[g] = 1.0f / softmax_numerators(p, count, max);
         weighted_sum(acc + g * d, p, c->v, cache_at, count, d, c->dtype);
     }
@@ -189,13 +202,13 @@ static int bad_positions(const int64_t *places, const int64_t *positions, int64_
 int ts_exact_attention(int dtype, const void *q, const void *k, const void *v, void *out,
                        const int64_t *places, const int64_t *positions, int64_t n,
                        int64_t kv_heads, int64_t groups, int64_t head_dim, int64_t max_len,
-                       int64_t window, float scale, int threads) {
+                       int64_t window, float scale, float cap, int threads) {
     if ((dtype != TS_F32 && dtype != TS_BF16) || n < 0 || kv_heads < 1 || groups < 1 ||
         head_dim < 1 || max_len < 1 || window < 1 || threads < 1 ||
         bad_positions(places, positions, n, max_len))
         return TS_BAD_ARGS;
     const Call c = {dtype, dtype, dtype, q, k, v, out, places, positions, kv_heads, groups, head_dim,
-                    max_len, window, scale};
+                    max_len, window, scale, cap};
     return attend_all(&c, n, threads);
 }
 
@@ -225,7 +238,7 @@ static void rotate(void *to, int64_t to_at, int to_dtype, const void *x, int64_t
 int ts_rope_attention(int dtype, int cache_dtype, const void *qkv, const void *cos, const void *sin,
                       int64_t positions_in_table, void *k, void *v, void *out, const int64_t *places,
                       const int64_t *positions, int64_t n, int64_t place_count, int64_t kv_heads, int64_t groups,
-                      int64_t head_dim, int64_t max_len, int64_t window, float scale, int threads) {
+                      int64_t head_dim, int64_t max_len, int64_t window, float scale, float cap, int threads) {
     if ((dtype != TS_F32 && dtype != TS_BF16) || (cache_dtype != TS_F32 && cache_dtype != TS_BF16) || n < 0 ||
         kv_heads < 1 || groups < 1 || head_dim < 2 || head_dim % 2 || max_len < 1 || window < 1 || threads < 1 ||
         bad_positions(places, positions, n, max_len < positions_in_table ? max_len : positions_in_table))
@@ -247,7 +260,7 @@ int ts_rope_attention(int dtype, int cache_dtype, const void *qkv, const void *c
         }
     }
     const Call c = {cache_dtype, TS_F32, dtype, q, k, v, out, places, positions, kv_heads, groups, head_dim,
-                    max_len, window, scale};
+                    max_len, window, scale, cap};
     const int status = attend_all(&c, n, threads);
     free(q);
     return status;

@@ -101,7 +101,17 @@ def test_freed_slot_is_reused_without_its_old_keys(tiny):
 
 
 @pytest.fixture(
-    params=["llama", "qwen3", "granite", "olmo2", "smollm3", "phi3", "gemma3_text", "qwen3_moe"]
+    params=[
+        "llama",
+        "qwen3",
+        "granite",
+        "olmo2",
+        "smollm3",
+        "phi3",
+        "gemma2",
+        "gemma3_text",
+        "qwen3_moe",
+    ]
 )
 def family_model(request, tiny) -> LoadedModel:
     """The tiny Llama, and tiny models of the families beyond it that change most."""
@@ -153,6 +163,7 @@ def test_prefill_after_a_copied_prefix_equals_whole_prefill(family_model):
         ("smollm3", {}),
         ("phi3", {"sliding_window": 8}),
         ("phi3", LONGROPE),
+        ("gemma2", {}),
         ("gemma3_text", {}),
         ("qwen3_moe", {}),
     ],
@@ -185,6 +196,7 @@ def test_other_families_match_hf(kind, overrides):
         ("olmo2", {}),
         ("smollm3", {}),
         ("phi3", LONGROPE),
+        ("gemma2", {}),
         ("gemma3_text", {}),
         ("qwen3_moe", {}),
     ],

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from families import tiny_config_model
+from families import COMPACT_FAMILIES, tiny_config_model
 
 from streaming_backend.forward import native, quant
 from streaming_backend.forward.llama import exact_attention
@@ -49,14 +49,20 @@ def queries(n: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
     return (torch.randn(n, KV_HEADS, GROUPS, HEAD_DIM, generator=generator) * 2).to(dtype)
 
 
-def reference(q, k, v, rows, window) -> torch.Tensor:
-    """torch's attention in float64, one token at a time -> [n, heads * head_dim]."""
+def reference(q, k, v, rows, window, cap: float = 0.0) -> torch.Tensor:
+    """torch's attention in float64, one token at a time, the scores soft-capped at `cap`
+    where it is not 0 -> [n, heads * head_dim]."""
     outs = []
     for token, (place, position) in enumerate(rows):
         first = max(0, position + 1 - window)
         keys = k[place, :, first : position + 1].double()[None]
         values = v[place, :, first : position + 1].double()[None]
-        outs.append(F.scaled_dot_product_attention(q[token].double()[None], keys, values))
+        query = q[token].double()[None]
+        if cap:
+            scores = torch.tanh(query @ keys.transpose(-1, -2) * HEAD_DIM**-0.5 / cap) * cap
+            outs.append(torch.softmax(scores, dim=-1) @ values)
+        else:
+            outs.append(F.scaled_dot_product_attention(query, keys, values))
     return torch.cat(outs).reshape(len(rows), -1)
 
 
@@ -65,16 +71,19 @@ ROWS = [(0, 0), (1, 7), (2, 8), (3, 15), (4, 16), (5, 17), (0, 255), (1, 256), (
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [NO_WINDOW, 1, 9, 100])
-def test_the_kernel_is_attention_over_each_tokens_own_positions(kernel, dtype, window):
+@pytest.mark.parametrize("cap", [0.0, 1.5])
+def test_the_kernel_is_attention_over_each_tokens_own_positions(kernel, dtype, window, cap):
     """Each token attends over positions [max(0, p + 1 - window), p] of its place: torch's
     attention in float64 within float32 rounding (bfloat16: one output rounding), at lengths on
-    and off the kernel's vector width, the first position and the last."""
+    and off the kernel's vector width, the first position and the last; with the scores
+    soft-capped (Gemma 2) too, at a cap below the scores' size so that it shows."""
     k, v = cache(dtype)
     q = queries(len(ROWS), dtype)
-    out = kernel(q, k, v, Placed.of(ROWS), window, HEAD_DIM**-0.5)
+    out = kernel(q, k, v, Placed.of(ROWS), window, HEAD_DIM**-0.5, cap)
     assert out.dtype == dtype and out.shape == (len(ROWS), KV_HEADS * GROUPS * HEAD_DIM)
     atol, rtol = TOLERANCE[dtype]
-    torch.testing.assert_close(out.double(), reference(q, k, v, ROWS, window), atol=atol, rtol=rtol)
+    expected = reference(q, k, v, ROWS, window, cap)
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=rtol)
 
 
 @pytest.mark.cpu_kinds
@@ -239,7 +248,7 @@ def test_the_tiny_model_gives_the_same_logits_with_and_without_the_kernel(tiny_m
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize(
     "family",
-    ["llama", "qwen3", "granite", "olmo2", "smollm3", "phi3", "gemma3_text", "qwen3_moe"],
+    COMPACT_FAMILIES,
 )
 def test_the_native_layers_compute_what_the_torch_layers_do(tiny_model_dir, family, kind, dtype):
     """With quantized weights every layer runs as a few C calls (llama.native_layer: the norms,
