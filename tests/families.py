@@ -19,6 +19,14 @@ DIFFERENCES = {
         "logits_scaling": 4.0,
     },
     "smollm3": {"no_rope_layer_interval": 2},
+    # Phi-4-mini's RoPE on the first three quarters of each head
+    "phi3": {
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+        }
+    },
     # a sliding layer (a window shorter than the tests' prompts) and a full one, the logits
     # capped where it shows (they are O(1)); its default head_dim is 256
     "gemma3_text": {
@@ -53,6 +61,13 @@ LONGROPE = {
         "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
         "long_factor": [4.0] * 8,
     },
+    "original_max_position_embeddings": 64,
+}
+# Phi-4-mini's RoPE on the first three quarters of each head, and LongRoPE
+PARTIAL_ROPE = {
+    "rope_parameters": LONGROPE["rope_parameters"]
+    | {"partial_rotary_factor": 0.75, "short_factor": [1.0, 1.2, 1.5, 2.0, 2.6, 3.3]}
+    | {"long_factor": [4.0] * 6},
     "original_max_position_embeddings": 64,
 }
 

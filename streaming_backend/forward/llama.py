@@ -198,6 +198,7 @@ class LlamaShape:
     scale: float | None = None  # of the attention scores; None: 1/sqrt(head_dim)
     activation: str = "silu"
     cap: float = 0.0  # of the attention scores (Dims.cap)
+    rotary_dim: int | None = None  # values of each head RoPE turns; None: all
 
     @property
     def groups(self) -> int:
@@ -233,14 +234,13 @@ def model_shape(model: Any) -> LlamaShape:
         rope_type = params.get("rope_type", "default")
         if rope_type not in STATIC_ROPE_TYPES:
             raise UnsupportedModel(f"RoPE type {rope_type!r} is not supported")
-        if params.get("partial_rotary_factor", 1.0) != 1.0:
-            raise UnsupportedModel(
-                "RoPE on part of each head (partial_rotary_factor "
-                f"{params['partial_rotary_factor']}) is not supported"
-            )
     max_positions = rope_context(config) or config.max_position_embeddings
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    # RoPE on the first part of each head only (Phi-4-mini): `_turned_first` reorders it
+    rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    if rotary_dim % 2 or (head_dim - rotary_dim) % 2:
+        raise UnsupportedModel(f"RoPE on {rotary_dim} of each head's {head_dim} values")
     scale = config.attention_multiplier if FAMILIES[kind].multipliers else None
     if getattr(config, "query_pre_attn_scalar", None):  # Gemma: the scores' scale
         scale = config.query_pre_attn_scalar**-0.5
@@ -256,6 +256,7 @@ def model_shape(model: Any) -> LlamaShape:
         windows=_layer_windows(config),
         scale=scale,
         activation=ACTIVATIONS[activation],
+        rotary_dim=rotary_dim,
         cap=float(getattr(config, "attn_logit_softcapping", None) or 0.0),
     )
 
@@ -325,6 +326,8 @@ class CompactLlama(nn.Module):
             self.embed_scale = float(config.embedding_multiplier)
             blocks = [_scaled_outputs(b, config.residual_multiplier) for b in blocks]
             self.final_norm = self.final_norm / config.logits_scaling
+        if self.shape.rotary_dim not in (None, self.shape.head_dim):
+            blocks = [_turned_first(b, self.shape) for b in blocks]
         self.blocks = [block.quantized(quantize, matmul) for block in blocks]
         # RoPE's cos and sin tables, and which one each layer applies (Family.rope_layers)
         self.layer_ropes = _layer_ropes(config, family, inner.rotary_emb)
@@ -638,11 +641,45 @@ def _rope_tables(rotary: Any, shape: LlamaShape, dtype: torch.dtype):
     positions = torch.arange(shape.max_positions, device=ropes[0][0].device).float()
     tables = []
     for inv_freq, scale in ropes:
-        freqs = positions[:, None] * inv_freq.float()[None, :]  # [positions, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        tables.append(((emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)))
-    still = (torch.ones_like(emb).to(dtype), torch.zeros_like(emb).to(dtype))
+        freqs = positions[:, None] * inv_freq.float()[None, :]  # [positions, rotary_dim / 2]
+        # values RoPE does not turn (`_turned_first` put them after the turned ones): cos 1, sin 0
+        rest = torch.zeros(len(positions), shape.head_dim // 2 - freqs.shape[1])
+        cos = torch.cat((freqs.cos() * scale, rest + 1), dim=-1)
+        sin = torch.cat((freqs.sin() * scale, rest), dim=-1)
+        tables.append((torch.cat((cos, cos), -1).to(dtype), torch.cat((sin, sin), -1).to(dtype)))
+    still = (torch.ones_like(tables[0][0]), torch.zeros_like(tables[0][1]))
     return [*tables, still]
+
+
+def _turned_first(block: Block, shape: LlamaShape) -> Block:
+    """A block whose queries and keys hold each head's values reordered so that RoPE on part of
+    the head (rotary_dim of head_dim, as Hugging Face turns value i with i + rotary_dim / 2)
+    becomes RoPE on the whole head (value j with j + head_dim / 2), the values it does not turn
+    paired among themselves and left alone (cos 1, sin 0 in `_rope_tables`). Queries and keys
+    reordered alike give the same scores (their dot products sum the same products, in another
+    order); the values are untouched. The q/k/v weight (and bias, q/k norms) are copies."""
+    d, r = shape.head_dim, shape.rotary_dim
+    half, rest = r // 2, (d - r) // 2
+    order = torch.cat(
+        [
+            torch.arange(half),
+            torch.arange(r, r + rest),
+            torch.arange(half, r),
+            torch.arange(r + rest, d),
+        ]
+    )
+    q_and_k = shape.heads + shape.kv_heads
+    rows = torch.cat([head * d + order for head in range(q_and_k)])
+    rows = torch.cat([rows, torch.arange(q_and_k * d, block.qkv.shape[0])])  # v as it is
+    turned = {"qkv": block.qkv[rows]}
+    if block.qkv_bias is not None:
+        turned["qkv_bias"] = block.qkv_bias[rows]
+    for name in ("q_norm", "k_norm"):
+        if (norm := getattr(block, name)) is not None:
+            turned[name] = (
+                norm[order] if norm.shape[0] == d else norm.view(-1, d)[:, order].flatten()
+            )
+    return block._replace(**turned)
 
 
 def decoder_layer(

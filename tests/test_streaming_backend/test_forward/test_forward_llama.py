@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from families import COMPACT_FAMILIES, LONGROPE, tiny_config_model
+from families import COMPACT_FAMILIES, LONGROPE, PARTIAL_ROPE, tiny_config_model
 
 from streaming_backend.forward.llama import FAMILIES, UnsupportedModel
 from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
@@ -163,6 +163,7 @@ def test_prefill_after_a_copied_prefix_equals_whole_prefill(family_model):
         ("smollm3", {}),
         ("phi3", {"sliding_window": 8}),
         ("phi3", LONGROPE),
+        ("phi3", PARTIAL_ROPE),
         ("gemma2", {}),
         ("gemma3_text", {}),
         ("qwen3_moe", {}),
@@ -196,6 +197,7 @@ def test_other_families_match_hf(kind, overrides):
         ("olmo2", {}),
         ("smollm3", {}),
         ("phi3", LONGROPE),
+        ("phi3", PARTIAL_ROPE),
         ("gemma2", {}),
         ("gemma3_text", {}),
         ("qwen3_moe", {}),
@@ -285,10 +287,10 @@ def test_unsupported_family_is_refused_with_its_name():
         SlotForward.create(tiny_config_model("stablelm"), CONFIG)
 
 
-def test_rope_on_part_of_each_head_is_refused_with_the_reason():
-    """Phi-4-mini turns only part of each head (partial_rotary_factor): not on this forward."""
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
-    with pytest.raises(UnsupportedModel, match=r"partial_rotary_factor 0\.75"):
+def test_rope_on_part_of_a_head_of_odd_sizes_is_refused_with_the_reason():
+    """RoPE on part of each head whose turned or untouched part is odd in size: refused."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.6}
+    with pytest.raises(UnsupportedModel, match="RoPE on 9 of each head's 16 values"):
         SlotForward.create(tiny_config_model("phi3", rope_parameters=rope), CONFIG)
 
 
