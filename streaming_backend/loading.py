@@ -93,11 +93,6 @@ def resolve_quantize(setting: str, loaded: LoadedModel) -> str:
     return choice.kind
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """The torch dtype of a setting (auto, a name or an alias) on a device."""
-    return DTYPES[choose_device_dtype(dtype, device).dtype]
-
-
 def load_model(source: str | None = None, dtype: str = "auto", device: str = "auto") -> LoadedModel:
     """Load a model from a directory, a .gguf file or a hub id (None = the default chat model)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -175,29 +175,6 @@ def quantize_int4_native(weight: torch.Tensor) -> NativeInt4Weight:
     return NativeInt4Weight(packed.reshape(out, inputs // 2).contiguous(), step, low)
 
 
-def _native_levels(weight: NativeInt4Weight) -> torch.Tensor:
-    """The int4 levels l [out, groups, group] of a NativeInt4Weight."""
-    out = weight.packed.shape[0]
-    packed = weight.packed.view(out, -1, INT4_GROUP // 2)
-    return torch.cat([packed & 0x0F, packed >> 4], dim=-1)
-
-
-def dequantize(weight: Weight) -> torch.Tensor:
-    """The float weight [out, in] a quantized one stands for (float32; tests and checks)."""
-    if isinstance(weight, torch.Tensor):
-        return weight.float()
-    if isinstance(weight, Int8Weight | NativeInt8Weight):
-        return weight.weight.float() * weight.scales.float()[:, None]
-    if isinstance(weight, NativeInt4Weight):
-        levels = _native_levels(weight).float()  # [out, groups, group]
-        w = levels * weight.steps.float()[..., None] + weight.lows.float()[..., None]
-        return w.reshape(w.shape[0], -1)
-    # the identity matrix through the kernel: row i of the result is input i of every output
-    inputs = weight.packed.shape[1] * 2
-    eye = torch.eye(inputs, dtype=weight.scales_zeros.dtype)
-    return linear(eye, weight).float().T.contiguous()
-
-
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for a plain or quantized weight: x [..., in] -> [..., out]. A row's result does
     not depend on the other rows of the call (`dense`; the quantized kernels are so already)."""

@@ -11,6 +11,11 @@ from streaming_backend import loading
 from streaming_backend.paths import CACHE_VARIABLE
 
 
+def cpu_dtype(setting: str) -> torch.dtype:
+    """The torch dtype load_model picks on the CPU for a dtype setting."""
+    return loading.DTYPES[loading.choose_device_dtype(setting, torch.device("cpu")).dtype]
+
+
 @pytest.mark.parametrize(
     "name, dtype",
     [
@@ -23,7 +28,7 @@ from streaming_backend.paths import CACHE_VARIABLE
 )
 def test_dtype_names(name, dtype):
     """Full names and the usual short ones."""
-    assert loading.resolve_dtype(name, torch.device("cpu")) == dtype
+    assert cpu_dtype(name) == dtype
 
 
 @pytest.mark.parametrize(
@@ -33,14 +38,14 @@ def test_dtype_names(name, dtype):
 def test_auto_dtype_follows_the_cpu_flags(monkeypatch, flags, dtype):
     """auto on the CPU: bfloat16 with native bfloat16 instructions, else float32 (faked flags)."""
     monkeypatch.setattr(loading, "cpu_flags", lambda: frozenset(flags))
-    assert loading.resolve_dtype("auto", torch.device("cpu")) == dtype
+    assert cpu_dtype("auto") == dtype
     assert "CPU" in loading.choose_device_dtype("auto", torch.device("cpu")).reason
 
 
 def test_unknown_dtype_is_refused():
     """A dtype we do not know is refused with the choices."""
     with pytest.raises(ValueError, match="unknown dtype 'int8'; choose auto, float32"):
-        loading.resolve_dtype("int8", torch.device("cpu"))
+        cpu_dtype("int8")
 
 
 def test_devices():

@@ -12,6 +12,25 @@ from streaming_backend.forward.slots import CacheBudget
 from streaming_backend.loading import load_model
 
 
+def dequantize(weight: quant.Weight) -> torch.Tensor:
+    """The float weight [out, in] a quantized one stands for (float32): each format's meaning,
+    which the kernels are checked against."""
+    if isinstance(weight, torch.Tensor):
+        return weight.float()
+    if isinstance(weight, quant.Int8Weight | quant.NativeInt8Weight):
+        return weight.weight.float() * weight.scales.float()[:, None]
+    if isinstance(weight, quant.NativeInt4Weight):
+        out = weight.packed.shape[0]
+        packed = weight.packed.view(out, -1, quant.INT4_GROUP // 2)
+        levels = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()  # [out, groups, group]
+        w = levels * weight.steps.float()[..., None] + weight.lows.float()[..., None]
+        return w.reshape(w.shape[0], -1)
+    # the identity matrix through the kernel: row i of the result is input i of every output
+    inputs = weight.packed.shape[1] * 2
+    eye = torch.eye(inputs, dtype=weight.scales_zeros.dtype)
+    return quant.linear(eye, weight).float().T.contiguous()
+
+
 def weight(out: int = 96, inputs: int = 128, dtype=torch.float32) -> torch.Tensor:
     """A random weight of a linear layer's size and spread."""
     return (torch.randn(out, inputs, generator=torch.Generator().manual_seed(0)) * 0.05).to(dtype)
@@ -24,7 +43,7 @@ def test_int8_keeps_each_weight_within_half_a_step():
     q = quant.quantize_int8(w)
     assert q.weight.dtype == torch.int8 and q.scales.shape == (96,)
     assert q.scales.dtype == torch.bfloat16  # compute_dtype: no fast float32 path
-    error = (quant.dequantize(q) - w).abs()
+    error = (dequantize(q) - w).abs()
     assert (error <= q.scales.float()[:, None] / 2 + 1e-7).all()
 
 
@@ -43,7 +62,7 @@ def test_int4_kernel_reads_the_packing_as_written(dtype):
     stored = q.scales_zeros.float().transpose(0, 1)  # [96, groups, 2]
     scale, zero = stored[..., :1], stored[..., 1:]
     expected = ((levels - 8) * scale + zero).view(96, 128)
-    got = quant.dequantize(q)
+    got = dequantize(q)
     # the kernel's output is bfloat16: 8 significant bits
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=2**-8)
     # half a step, and the few hundredths of one that bfloat16 scales, zeros and output add
@@ -58,7 +77,7 @@ def test_linear_equals_the_dequantized_matmul(kind, dtype):
     w, bias = weight(dtype=dtype), torch.randn(96).to(dtype)
     q = quant.quantize_weight(w, kind)
     x = torch.randn(2, 3, 128).to(dtype)
-    expected = x.float() @ quant.dequantize(q).T + bias.float()
+    expected = x.float() @ dequantize(q).T + bias.float()
     got = quant.linear(x, q, bias)
     assert got.shape == (2, 3, 96) and got.dtype == dtype
     # both compute in bfloat16 whatever the activations' dtype (quant.compute_dtype)
@@ -85,7 +104,7 @@ def test_native_int4_keeps_each_weight_within_half_a_step():
     q = quant.quantize_int4_native(w)
     assert q.packed.shape == (96, 64) and q.packed.dtype == torch.uint8
     assert q.steps.shape == q.lows.shape == (96, 4) and q.steps.dtype == torch.float16
-    got = quant.dequantize(q).view(96, 4, 32)
+    got = dequantize(q).view(96, 4, 32)
     error = (got - w.view(96, 4, 32)).abs()
     assert (error <= q.steps.float()[..., None] * 0.51).all()
     first = q.packed[0, 0].item()  # inputs 0 and 16 of row 0
@@ -105,7 +124,7 @@ def test_native_linear_is_the_block_quantized_activations_times_the_weight(kind,
         q = quant.quantize_weight(w, kind)
         assert isinstance(q, quant.NATIVE_WEIGHTS)
         x = torch.randn(7, inputs, generator=generator).to(dtype)
-        expected = block_quantized(x) @ quant.dequantize(q).T
+        expected = block_quantized(x) @ dequantize(q).T
         got = quant.linear(x, q)
         assert got.dtype == dtype
         scale = expected.abs().max()
