@@ -1,13 +1,13 @@
 """Which forward a model runs on and why, as its health answer (the canary) reports it.
 
     choice = ForwardChoice.of(steps)  # what steps/build.py picked
-    choice.as_dict()                  # under FORWARD in the health answer and in /status
+    choice.as_dict()                  # under wire.FORWARD in the health answer and in /status
 
 The compact forward runs every model it can; a model it refuses (a family outside
 forward/llama.py's FAMILIES, or a feature it lacks) runs on the Hugging Face forward, and `why`
 says which refusal, or that `--forward hf` asked for it; with `--forward compact` the refusal
 fails the load instead (fall_back, for the chat model's steps/build.py and the dialogue model's
-batch_forward.py alike). Standard library only at import: the supervisor imports FORWARD.
+batch_forward.py alike). Standard library only at import.
 """
 
 from __future__ import annotations
@@ -22,9 +22,6 @@ if TYPE_CHECKING:
     from streaming_backend.steps import Steps
 
 log = logging.getLogger(__name__)
-
-# its key in the model's health answer, after wire.HEALTH_KEYS, and in the supervisor's /status
-FORWARD = "forward"
 
 
 @dataclass(frozen=True)

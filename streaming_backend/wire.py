@@ -88,8 +88,11 @@ CONTROL_ACTIONS = (CONTROL_HEALTH, CONTROL_DRAIN, CONTROL_END)
 NUMERICS = "numerics"
 # steps: the decode steps' torch threads and pace on a CPU (step_threads.StepReport), else null
 STEPS = "steps"
+# forward: which forward runs the model and why (forward_choice.ForwardChoice)
+FORWARD = "forward"
 HEALTH_KEYS = (
     "healthy", "reason", "draining", "active", "waiting", SYSTEM_FINGERPRINT, NUMERICS, STEPS,
+    FORWARD,
 )  # fmt: skip
 ADMIN_KEY_VARIABLE = "TOKENSTREAM_ADMIN_KEY"  # the admin key, as the model process sees it
 ADMIN_HEADER = "tokenstream-admin-key"  # the header Triton's restricted repository API checks

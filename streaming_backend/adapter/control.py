@@ -3,7 +3,7 @@
 A control request carries {"key": <admin key>, "action": <wire.CONTROL_ACTIONS>}. It is taken only
 with the admin key the launcher put in the model process's environment, and answered with the
 model's health as JSON: wire.HEALTH_KEYS (its state, the system fingerprint and the numerics it
-names), then forward_choice.FORWARD (which forward runs and why). The outbox answers it, so an
+names, which forward runs and why). The outbox answers it, so an
 answer proves that the outbox thread, the engine and the stub all still work.
 """
 
@@ -14,7 +14,6 @@ import json
 import logging
 
 from streaming_backend.errors import EngineStopped, InvalidRequest
-from streaming_backend.forward_choice import FORWARD
 from streaming_backend.wire import (
     CONTROL,
     CONTROL_ACTIONS,
@@ -65,13 +64,12 @@ class Control:
         return json.dumps(self.health(active))
 
     def health(self, active: int) -> dict:
-        """The model's health (wire.HEALTH_KEYS, then FORWARD), as the supervisor's canary reads
-        it."""
+        """The model's health (wire.HEALTH_KEYS), as the supervisor's canary reads it."""
         healthy, reason = self.engine.health()
         numerics, steps = self.engine.numerics, self.engine.step_report()
         values = (
             healthy, reason, self.draining, active, self.engine.waiting_streams,
             numerics.fingerprint, numerics.as_dict(), steps.as_dict() if steps else None,
+            self.engine.forward_choice.as_dict(),
         )  # fmt: skip
-        forward = self.engine.forward_choice.as_dict()
-        return {**dict(zip(HEALTH_KEYS, values, strict=True)), FORWARD: forward}
+        return dict(zip(HEALTH_KEYS, values, strict=True))

@@ -14,10 +14,10 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from streaming_backend.forward_choice import FORWARD
 from streaming_backend.wire import (
     ADMIN_HEADER,
     CONTROL,
+    FORWARD,
     NUMERICS,
     STEPS,
     SYSTEM_FINGERPRINT,

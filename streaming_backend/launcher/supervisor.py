@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streaming_backend.forward_choice import FORWARD
 from streaming_backend.hardware import AUTO, DtypeChoice, host_dtype, host_quantize
 from streaming_backend.launcher.control import ControlError, control, load_model, model_ready
 from streaming_backend.launcher.repository import patch_parameters, read_parameters
@@ -35,6 +34,7 @@ from streaming_backend.wire import (
     CONTROL_DRAIN,
     CONTROL_END,
     CONTROL_HEALTH,
+    FORWARD,
     NUMERICS,
     STEPS,
     SYSTEM_FINGERPRINT,

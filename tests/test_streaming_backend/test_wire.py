@@ -22,9 +22,9 @@ TRITON_CODES = {"UNKNOWN", "INTERNAL", "NOT_FOUND", "INVALID_ARG", "UNAVAILABLE"
 TRITON_CODES |= {"ALREADY_EXISTS", "CANCELLED"}
 
 
-def _config_names(section: str) -> list[str]:
-    """Tensor names of the chat model's config.pbtxt `input` or `output` section."""
-    text = (REPO_ROOT / "repository" / "chat" / "config.pbtxt").read_text()
+def _config_names(section: str, model: str = wire.CHAT_MODEL) -> list[str]:
+    """Tensor names of a model's config.pbtxt `input` or `output` section."""
+    text = (REPO_ROOT / "repository" / model / "config.pbtxt").read_text()
     body = re.search(rf"^{section} \[(.*?)^\]", text, re.M | re.S).group(1)
     return re.findall(r'name: "([^"]+)"', body)
 
@@ -35,6 +35,15 @@ def test_tensor_names_match_the_model_config():
     assert sorted(_config_names("output")) == sorted(wire.OUTPUT_NAMES)
     assert len(set(wire.INPUT_NAMES)) == len(wire.INPUT_NAMES)
     assert set(wire.PROMPT_INPUTS) <= set(wire.INPUT_NAMES)
+
+
+def test_dialogue_tensor_names_match_its_model_config():
+    """The dialogue model's config declares exactly the wire's dialogue inputs and outputs."""
+    inputs = _config_names("input", wire.DIALOGUE_MODEL)
+    assert sorted(inputs) == sorted(wire.DIALOGUE_INPUT_NAMES)
+    assert len(set(wire.DIALOGUE_INPUT_NAMES)) == len(wire.DIALOGUE_INPUT_NAMES)
+    outputs = (wire.DIALOGUE_OUTPUT_IDS, wire.SEQUENCE_LENGTH, wire.CUM_LOG_PROBS)
+    assert sorted(_config_names("output", wire.DIALOGUE_MODEL)) == sorted(outputs)
 
 
 @pytest.mark.parametrize("kind", wire.ERROR_KINDS, ids=lambda k: k.code)

@@ -18,7 +18,6 @@ from conftest import stub_pids, supervised_server, wait_for
 from tritonclient.utils import InferenceServerException
 
 from clients.grpc_client import GenerateRequest, stream_generate
-from streaming_backend.forward_choice import FORWARD
 from streaming_backend.launcher.control import ControlError, control
 from streaming_backend.launcher.health import metrics_text
 from streaming_backend.launcher.supervisor import (
@@ -31,6 +30,7 @@ from streaming_backend.wire import (
     CONTROL_DRAIN,
     CONTROL_END,
     CONTROL_HEALTH,
+    FORWARD,
     NUMERICS,
     SAMPLING_PARAMETERS,
     STEPS,
