@@ -2,7 +2,8 @@
 
 Requests are submitted from any thread and join the running batch between decode steps
 (iteration-level batching). Each step runs one forward pass for all live streams, samples each
-row with its own settings and hands out one `TokenEvent` per stream through that stream's sink.
+row with its own settings and hands out one `TokenEvent` per stream through that stream's sink
+(built by `stream_events.StreamEvents`: the engine schedules, it does not write events).
 """
 
 from __future__ import annotations
@@ -15,21 +16,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
 
 import torch
 
 from streaming_backend import sampling
 from streaming_backend.config import EngineConfig
 from streaming_backend.detokenize import IncrementalDetokenizer
-from streaming_backend.errors import (
-    EngineStopped,
-    InvalidRequest,
-    NonFiniteLogits,
-    Overloaded,
-    StreamingError,
-)
-from streaming_backend.events import FinishReason, LogprobDetail, TokenEvent, TokenLogprob
+from streaming_backend.errors import EngineStopped, InvalidRequest, Overloaded, StreamingError
+from streaming_backend.events import FinishReason, TokenEvent
 from streaming_backend.forward_choice import ForwardChoice
 from streaming_backend.grammar import GrammarCompiler, GrammarMatcher, compute_masks_ahead
 from streaming_backend.loading import LoadedModel
@@ -39,7 +33,8 @@ from streaming_backend.settings import SamplingSettings
 from streaming_backend.step_threads import StepReport, StepThreads
 from streaming_backend.steps import Steps
 from streaming_backend.steps.build import build_steps
-from streaming_backend.stopping import StopStringMatcher, check_stop
+from streaming_backend.stopping import StopStringMatcher
+from streaming_backend.stream_events import EventSink, StreamEvents
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +42,6 @@ log = logging.getLogger(__name__)
 # fails too): the engine turns unhealthy at once, so the model reports it and gets restarted.
 POISON_MARKERS = ("CUDA error", "device-side assert", "out of memory", "CUBLAS_STATUS", "NCCL")
 MAX_FAILED_STEPS = 3  # consecutive failed steps that make the engine unhealthy whatever the cause
-
-
-class EventSink(Protocol):
-    """Where a stream's events go: anything with `put`, such as a queue.Queue."""
-
-    def put(self, event: TokenEvent) -> None: ...
 
 
 class StreamHandle:
@@ -107,10 +96,6 @@ class _Stream:
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     ended: bool = False  # its final event went out: it must never get a second one
     grammar: GrammarMatcher | None = None  # constrained decoding (guided_*): its token mask
-
-    @property
-    def total_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
 
 
 class Engine:
@@ -168,6 +153,8 @@ class Engine:
         what decides their numbers."""
         _set_threads(self._torch_threads)
         self.loaded = loaded() if callable(loaded) else loaded
+        # each chosen token -> its stream's event (text, stop checks, logprobs, the final one)
+        self._events = StreamEvents(self.loaded)
         # the live streams and the forward they run on; owned by the engine thread
         self._steps: Steps[_Stream] = build_steps(self.loaded, self.config, self._prefill_failed)
         # what decides every answer's numbers, and its system_fingerprint (reads the weights)
@@ -366,7 +353,7 @@ class Engine:
         live = [s for s in self._steps.live() if s.handle.cancelled]
         fresh = [s for s in new if s.handle.cancelled]
         for stream in waiting + fresh + live:
-            self._finish(stream, FinishReason.CANCELLED, "")
+            self._events.finish(stream, FinishReason.CANCELLED)
         self._steps.remove(live)
         return [s for s in new if not s.handle.cancelled]
 
@@ -405,7 +392,7 @@ class Engine:
         finally:
             _set_threads(threads.current)
 
-    # ---- sampling and events -------------------------------------------------------------------
+    # ---- a step's tokens, and streams ended (their events: stream_events.py) -------------------
 
     def _emit(
         self, streams: list[_Stream], logits: torch.Tensor, chooser: NextTokenChooser
@@ -418,16 +405,7 @@ class Engine:
         done = []
         for row, stream in enumerate(streams):
             try:
-                if not choice.finite[row]:
-                    raise NonFiniteLogits(
-                        "the model produced NaN or infinite logits (float16 overflow? try bfloat16)"
-                    )
-                if row in choice.failed:
-                    raise choice.failed[row]
-                lp = None
-                if choice.logprobs is not None and stream.logprobs:
-                    lp = self._logprob_detail(stream, choice.ids[row], *choice.logprobs[row])
-                if self._advance(stream, choice.ids[row], lp, emitted_ns):
+                if self._events.advance(stream, choice, row, emitted_ns):
                     done.append(stream)
             except Exception as exc:  # one stream's failure must not end the others
                 log.exception("stream %s failed", stream.handle.request_id)
@@ -435,105 +413,6 @@ class Engine:
         self._steps.remove(done)
         if self.mask_ahead:  # the next masks are filled while the next forward runs
             compute_masks_ahead([s.grammar for s in streams if not s.ended], logits.shape[-1])
-
-    def _logprob_detail(
-        self, stream: _Stream, token: int, logprob: float, top: tuple[tuple[int, float], ...]
-    ) -> LogprobDetail:
-        """A token's logprob with its text and its top_logprobs alternatives (finite ones)."""
-        decode = self.loaded.tokenizer.decode
-        alternatives = tuple(
-            TokenLogprob(i, decode([i]), p)
-            for i, p in top[: stream.settings.top_logprobs]
-            if p > float("-inf")
-        )
-        return LogprobDetail(TokenLogprob(token, decode([token]), logprob), alternatives)
-
-    def _advance(
-        self, stream: _Stream, token: int, logprobs: LogprobDetail | None, emitted_ns: int
-    ) -> bool:
-        """Add one token to a stream and send its event; True when the stream is done."""
-        grammar_done = self._grammar_accept(stream, token)
-        stream.output_ids.append(token)
-        text = stream.matcher.feed(stream.detokenizer.add([token]))
-        done, reason = check_stop(
-            token,
-            len(stream.output_ids),
-            stream.total_tokens,
-            max_tokens=stream.settings.max_tokens,
-            context_length=self.loaded.context_length,
-            eos_ids=self.loaded.eos_ids,
-            ignore_eos=stream.settings.ignore_eos,
-            stop_matched=stream.matcher.matched or grammar_done,
-        )
-        if done:
-            self._release(stream)
-        if done and not stream.matcher.matched:
-            text += stream.matcher.feed(stream.detokenizer.flush())
-            text += "" if stream.matcher.matched else stream.matcher.flush()
-        stream.ended = done
-        stream.handle.sink.put(
-            self._event(stream, text, (token,), emitted_ns, logprobs, reason if done else None)
-        )
-        return done
-
-    def _event(
-        self,
-        stream: _Stream,
-        text: str,
-        token_ids: tuple[int, ...],
-        emitted_ns: int,
-        logprobs: LogprobDetail | None = None,
-        reason: FinishReason | None = None,
-        error: StreamingError | None = None,
-    ) -> TokenEvent:
-        return TokenEvent(
-            request_id=stream.handle.request_id,
-            text=text,
-            token_ids=token_ids,
-            num_output_tokens=len(stream.output_ids),
-            num_input_tokens=len(stream.prompt_ids),
-            submitted_ns=stream.submitted_ns,
-            scheduled_ns=stream.scheduled_ns,
-            emitted_ns=emitted_ns,
-            cached_tokens=stream.cached_tokens,
-            logprobs=None if logprobs is None else (logprobs.chosen.logprob,),
-            logprob_details=None if logprobs is None else (logprobs,),
-            finish_reason=reason,
-            error=error,
-        )
-
-    def _finish(
-        self, stream: _Stream, reason: FinishReason, text: str, error: StreamingError | None = None
-    ) -> None:
-        """Send a stream's final event that carries no new token (cancel, error, shutdown).
-
-        Text held back because it might begin a stop string is dropped, not flushed: the stream
-        did not end normally, and a CANCELLED or ERROR final reaches the client as an error.
-        """
-        self._release(stream)
-        if stream.ended:
-            return
-        stream.ended = True
-        event = self._event(stream, text, (), time.monotonic_ns(), None, reason, error)
-        try:
-            stream.handle.sink.put(event)
-        except Exception:
-            log.exception("could not deliver the final event of %s", stream.handle.request_id)
-
-    @staticmethod
-    def _grammar_accept(stream: _Stream, token: int) -> bool:
-        """grammar: advance a constrained stream's matcher; True once its grammar is complete."""
-        if stream.grammar is None:
-            return False
-        if not stream.grammar.accept(token):
-            raise StreamingError(f"the grammar rejected token {token}: {stream.grammar.error()}")
-        return stream.grammar.done
-
-    @staticmethod
-    def _release(stream: _Stream) -> None:
-        """grammar: free a stream's matcher once the stream ends."""
-        if stream.grammar is not None:
-            stream.grammar.release()
 
     def _fail(self, streams: list[_Stream], exc: Exception) -> None:
         """End streams with an error event carrying a StreamingError."""
@@ -543,7 +422,7 @@ class Engine:
             else StreamingError(f"{type(exc).__name__}: {exc}")
         )
         for stream in streams:
-            self._finish(stream, FinishReason.ERROR, "", error)
+            self._events.finish(stream, FinishReason.ERROR, error)
         self._steps.remove(streams, keep=False)
 
     def _shutdown_streams(self) -> None:
@@ -552,7 +431,7 @@ class Engine:
             waiting, self._waiting = list(self._waiting), collections.deque()
         error = EngineStopped("the server is shutting down")
         for stream in waiting + self._steps.clear():
-            self._finish(stream, FinishReason.CANCELLED, "", error)
+            self._events.finish(stream, FinishReason.CANCELLED, error)
 
 
 def _set_threads(count: int) -> None:

@@ -8,7 +8,7 @@ chunked prefill under a per-step token budget and prefix reuse across requests.
 Both take streams from the engine (`admit`), prefill them (`prefill` yields each group of streams
 whose prompt is done, with their next-token logits), step the decoding rows (`decode`, one
 `RunningBatch` step) and free a stream's row when it ends (`remove`). Choosing tokens (the
-batch's `NextTokenChooser`), events and errors stay in the engine.
+batch's `NextTokenChooser`) and errors stay in the engine, events in `stream_events`.
 """
 
 from __future__ import annotations

@@ -240,15 +240,17 @@ class FailingEngine(Engine):
         self.gate = threading.Event()
         self.prefills: list[list[str]] = []  # request ids of each prefill attempt
         faults.on_prefill(self, self._prefill_pass)
+        self._advance = self._events.advance
+        self._events.advance = self._failing_advance
 
     def _admit(self):
         self.gate.wait()
         return super()._admit()
 
-    def _advance(self, stream, token, logprobs, emitted_ns):
+    def _failing_advance(self, stream, choice, row, emitted_ns):
         if stream.handle.request_id == "bad" and len(stream.output_ids) == 2:
             raise RuntimeError("boom")
-        return super()._advance(stream, token, logprobs, emitted_ns)
+        return self._advance(stream, choice, row, emitted_ns)
 
     def _prefill_pass(self, request_ids):
         self.prefills.append(request_ids)
