@@ -100,21 +100,9 @@ def test_freed_slot_is_reused_without_its_old_keys(tiny):
         torch.testing.assert_close(logits[0], reference[4 + step], atol=FP32_ATOL, rtol=0)
 
 
-@pytest.fixture(
-    params=[
-        "llama",
-        "qwen3",
-        "granite",
-        "olmo2",
-        "smollm3",
-        "phi3",
-        "gemma2",
-        "gemma3_text",
-        "qwen3_moe",
-    ]
-)
+@pytest.fixture(params=COMPACT_FAMILIES)
 def family_model(request, tiny) -> LoadedModel:
-    """The tiny Llama, and tiny models of the families beyond it that change most."""
+    """The tiny Llama, and a tiny model of every other family on the compact forward."""
     return tiny if request.param == "llama" else tiny_config_model(request.param)
 
 
