@@ -9,16 +9,15 @@ chat model's engine does (`forward` auto, compact or hf).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
-from streaming_backend import kvcache
-from streaming_backend.batch import CacheRows, DecodeInputs, Prefill, RowState, SlotRows
+from streaming_backend.batch import CacheRows, Prefill, RowState, SlotRows
 from streaming_backend.forward_choice import fall_back
 from streaming_backend.loading import LoadedModel, resolve_quantize
+from streaming_backend.steps.hf import HfForward
 
 
 class BatchForward(Protocol):
@@ -41,23 +40,13 @@ class HfBatchForward:
 
     def __init__(self, loaded: LoadedModel):
         self.loaded = loaded
-        self._cache_kwarg = cache_kwarg(loaded.model)
+        self.model = HfForward(loaded)  # the chat model's Hugging Face step too
 
     def prefill(self, prompts, rows, length):
-        cache, logits, positions = prefill_prompts(self.loaded, prompts)
-        state = CacheRows(self._forward)
+        cache, logits, positions = self.model.prefill(prompts)
+        state = CacheRows(self.model.step)
         state.extend(Prefill(cache, positions))
         return state, logits
-
-    def _forward(self, cache: kvcache.BatchCache, inputs: DecodeInputs) -> torch.Tensor:
-        out = self.loaded.model(
-            input_ids=inputs.input_ids,
-            attention_mask=inputs.attention_mask,
-            position_ids=inputs.position_ids,
-            use_cache=True,
-            **{self._cache_kwarg: cache.cache},
-        )
-        return out.logits[:, -1, :].float()
 
 
 class CompactBatchForward:
@@ -121,32 +110,3 @@ def build_batch_forward(
     except UnsupportedModel as exc:
         fall_back(exc, forward)  # raises for forward compact
         return HfBatchForward(loaded)
-
-
-def cache_kwarg(model) -> str:
-    """The name under which this model's forward() takes a KV cache."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def prefill_prompts(loaded: LoadedModel, prompts: Sequence[Sequence[int]]):
-    """One forward pass over left-padded prompts -> (cache, last logits [N, V], positions [N])."""
-    device = loaded.device
-    length = max(len(p) for p in prompts)
-    pad = min(loaded.eos_ids, default=0)  # any valid id: masked out
-    ids = torch.full((len(prompts), length), pad, dtype=torch.long)
-    mask = torch.zeros((len(prompts), length), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, length - len(prompt) :] = torch.tensor(prompt)
-        mask[row, length - len(prompt) :] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [N, L]; padding gets position 0
-    cache = kvcache.DynamicCache()
-    out = loaded.model(
-        input_ids=ids.to(device),
-        attention_mask=mask.to(device),
-        position_ids=positions.to(device),
-        use_cache=True,
-        logits_to_keep=1,
-        **{cache_kwarg(loaded.model): cache},
-    )
-    logits = out.logits[:, -1, :].float()  # [N, V]
-    return kvcache.BatchCache(cache, mask.to(device)), logits, mask.sum(-1)

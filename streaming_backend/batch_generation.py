@@ -23,7 +23,9 @@ from streaming_backend.beam import BeamSearch, Hypothesis, step_all
 from streaming_backend.errors import InvalidRequest, StreamingError
 from streaming_backend.loading import LoadedModel
 from streaming_backend.logits import NextTokenChooser
+from streaming_backend.prompt_limits import PromptLimits
 from streaming_backend.settings import SamplingSettings
+from streaming_backend.wire import DIALOGUE_INPUT_IDS, END_ID, REQUEST_OUTPUT_LEN
 
 log = logging.getLogger(__name__)
 
@@ -55,35 +57,17 @@ class GenerationResult:
     beams: tuple[Hypothesis, ...]
 
 
-def validate(request: GenerationRequest, loaded: LoadedModel, max_beam_width: int) -> None:
+def validate(request: GenerationRequest, limits: PromptLimits, max_beam_width: int) -> None:
     """Raise InvalidRequest if the model cannot serve this request."""
-    vocab = vocab_size(loaded)
-    ids = request.prompt_ids
-    if not ids:
-        raise InvalidRequest("input_ids is empty")
-    bad = [i for i in ids if not 0 <= i < vocab]
-    if bad:
-        raise InvalidRequest(f"input_ids must be in [0, {vocab}); got {bad[:5]}")
+    limits.check_ids(request.prompt_ids, DIALOGUE_INPUT_IDS)
     if not 1 <= request.beam_width <= max_beam_width:
         raise InvalidRequest(
             f"beam_width must be in [1, {max_beam_width}], got {request.beam_width}"
         )
     if request.max_new_tokens < 1:
         raise InvalidRequest(f"request_output_len must be at least 1, got {request.max_new_tokens}")
-    if len(ids) + request.max_new_tokens > loaded.context_length:
-        raise InvalidRequest(
-            f"the prompt has {len(ids)} tokens and request_output_len is "
-            f"{request.max_new_tokens}; together they exceed the model's context of "
-            f"{loaded.context_length}"
-        )
-    ends = request.end_ids or frozenset()
-    if any(not 0 <= i < vocab for i in ends):
-        raise InvalidRequest(f"end_id must be in [0, {vocab}); got {sorted(ends)}")
-
-
-def vocab_size(loaded: LoadedModel) -> int:
-    """Rows of the model's input embedding."""
-    return int(loaded.model.get_input_embeddings().weight.shape[0])
+    limits.check_room(request.prompt_ids, request.max_new_tokens, REQUEST_OUTPUT_LEN)
+    limits.check_in_vocab(sorted(request.end_ids or ()), END_ID)
 
 
 def generate_batch(
@@ -97,9 +81,10 @@ def generate_batch(
     forward = forward or HfBatchForward(loaded)
     results: list[GenerationResult | StreamingError | None] = [None] * len(requests)
     valid = []
+    limits = PromptLimits.of(loaded)
     for index, request in enumerate(requests):
         try:
-            validate(request, loaded, max_beam_width)
+            validate(request, limits, max_beam_width)
             valid.append(index)
         except InvalidRequest as error:
             results[index] = error

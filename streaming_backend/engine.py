@@ -22,13 +22,15 @@ import torch
 from streaming_backend import sampling
 from streaming_backend.config import EngineConfig
 from streaming_backend.detokenize import IncrementalDetokenizer
-from streaming_backend.errors import EngineStopped, InvalidRequest, Overloaded, StreamingError
+from streaming_backend.errors import EngineStopped, Overloaded, StreamingError
 from streaming_backend.events import FinishReason, TokenEvent
 from streaming_backend.forward_choice import ForwardChoice
 from streaming_backend.grammar import GrammarCompiler, GrammarMatcher, compute_masks_ahead
 from streaming_backend.loading import LoadedModel
 from streaming_backend.logits import NextTokenChooser
 from streaming_backend.numerics import Numerics, describe
+from streaming_backend.prompt_limits import PromptLimits
+from streaming_backend.request_keys import MAX_TOKENS
 from streaming_backend.settings import SamplingSettings
 from streaming_backend.step_threads import StepReport, StepThreads
 from streaming_backend.steps import Steps
@@ -140,9 +142,9 @@ class Engine:
             self._thread.join()
             raise self._build_error
         model = self.loaded
-        self._vocab_size = int(model.model.get_input_embeddings().weight.shape[0])
+        self._limits = PromptLimits.of(model)
         # grammar: compiles guided_* settings into per-request matchers (streaming_backend.grammar)
-        self._grammars = GrammarCompiler(model.tokenizer, self._vocab_size, model.eos_ids)
+        self._grammars = GrammarCompiler(model.tokenizer, self._limits.vocab, model.eos_ids)
         # Fill the next step's grammar masks on a worker while the forward runs: on a GPU the
         # host is free meanwhile; on a CPU the forward's threads hold every core, and the worker
         # would take them from it (docs/openai.md, scripts/grammar_bench.py --mask-ahead).
@@ -257,24 +259,11 @@ class Engine:
 
     def _resolve(self, prompt_ids: list[int], settings: SamplingSettings) -> SamplingSettings:
         """Check the prompt against the model; fill in max_tokens."""
-        context = self.loaded.context_length
-        if not prompt_ids:
-            raise InvalidRequest("the prompt is empty")
-        bad = [i for i in prompt_ids if not 0 <= i < self._vocab_size]
-        if bad:
-            raise InvalidRequest(f"input_ids must be in [0, {self._vocab_size}); got {bad[:5]}")
-        room = context - len(prompt_ids)
+        self._limits.check_ids(prompt_ids)
         if settings.max_tokens is None:
-            if room < 1:
-                raise InvalidRequest(
-                    f"the prompt has {len(prompt_ids)} tokens; the model's context is {context}"
-                )
+            room = self._limits.room(prompt_ids)
             return replace(settings, max_tokens=min(self.config.default_max_tokens, room))
-        if settings.max_tokens > room:
-            raise InvalidRequest(
-                f"the prompt has {len(prompt_ids)} tokens and max_tokens is "
-                f"{settings.max_tokens}; together they exceed the model's context of {context}"
-            )
+        self._limits.check_room(prompt_ids, settings.max_tokens, MAX_TOKENS)
         return settings
 
     # ---- the engine thread ---------------------------------------------------------------------

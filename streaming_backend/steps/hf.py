@@ -4,16 +4,21 @@ Admitted prompts are left-padded into groups whose padding stays under `max_padd
 group is prefilled in one forward pass; its rows then join the running batch (a DynamicCache whose
 rows are concatenated on join and selected on leave). No prefix reuse, no chunking: this is the
 fallback for architectures the compact forward does not know, and `forward=hf` for comparison.
+`HfForward` is the model's two calls (prompts in, one token per row), used by the dialogue model
+too.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 
+import torch
+
+from streaming_backend import kvcache
 from streaming_backend.batch import CacheRows, DecodeInputs, Prefill, RunningBatch
-from streaming_backend.batch_forward import cache_kwarg, prefill_prompts
 from streaming_backend.config import EngineConfig
 from streaming_backend.loading import LoadedModel
 from streaming_backend.steps import Decoded, OnFailure, Prefilled, S
@@ -41,11 +46,11 @@ class HfSteps:
         self.config = config
         self.prompt_tokens_per_step = config.max_prefill_tokens
         self._on_failure = on_failure
+        self.model = HfForward(loaded)
         self._batch: RunningBatch = RunningBatch(
-            CacheRows(self._forward), loaded.eos_ids, loaded.device
+            CacheRows(self.model.step), loaded.eos_ids, loaded.device
         )
         self._pending: list = []  # admitted, not yet prefilled
-        self._cache_kwarg = cache_kwarg(loaded.model)
 
     def capacity(self) -> int:
         return self.config.max_streams - len(self._batch) - len(self._pending)
@@ -85,13 +90,55 @@ class HfSteps:
         now = time.monotonic_ns()
         for stream in streams:
             stream.scheduled_ns = now
-        return prefill_prompts(self.loaded, [s.prompt_ids for s in streams])
+        return self.model.prefill([s.prompt_ids for s in streams])
 
     def decode(self) -> Decoded:
         """One forward pass for every row of the batch, one new token each."""
         return self._batch.step()
 
-    def _forward(self, cache, inputs: DecodeInputs):
+    def remove(self, streams: Collection, keep: bool = True) -> None:
+        gone = {id(s) for s in streams}
+        self._pending = [s for s in self._pending if id(s) not in gone]
+        self._batch.remove(streams)
+
+    def clear(self) -> list:
+        pending, self._pending = self._pending, []
+        return pending + self._batch.clear()
+
+
+class HfForward:
+    """Hugging Face's model on a left-padded DynamicCache: prompts prefilled together, then one
+    token per row per step (any causal LM)."""
+
+    def __init__(self, loaded: LoadedModel):
+        self.loaded = loaded
+        self._cache_kwarg = cache_kwarg(loaded.model)
+
+    def prefill(self, prompts: Sequence[Sequence[int]]):
+        """One forward pass over left-padded prompts -> (cache, last logits [N, V] fp32,
+        positions [N])."""
+        length = max(len(p) for p in prompts)
+        pad = min(self.loaded.eos_ids, default=0)  # any valid id: masked out
+        ids = torch.full((len(prompts), length), pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), length), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, length - len(prompt) :] = torch.tensor(prompt)
+            mask[row, length - len(prompt) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [N, L]; padding gets position 0
+        device = self.loaded.device
+        cache = kvcache.DynamicCache()
+        out = self.loaded.model(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            position_ids=positions.to(device),
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kwarg: cache},
+        )
+        logits = out.logits[:, -1, :].float()  # [N, V]
+        return kvcache.BatchCache(cache, mask.to(device)), logits, mask.sum(-1)
+
+    def step(self, cache: kvcache.BatchCache, inputs: DecodeInputs) -> torch.Tensor:
         """The model one step on the batch's cache -> logits [B, V] fp32."""
         out = self.loaded.model(
             input_ids=inputs.input_ids,
@@ -102,14 +149,10 @@ class HfSteps:
         )
         return out.logits[:, -1, :].float()
 
-    def remove(self, streams: Collection, keep: bool = True) -> None:
-        gone = {id(s) for s in streams}
-        self._pending = [s for s in self._pending if id(s) not in gone]
-        self._batch.remove(streams)
 
-    def clear(self) -> list:
-        pending, self._pending = self._pending, []
-        return pending + self._batch.clear()
+def cache_kwarg(model) -> str:
+    """The name under which this model's forward() takes a KV cache."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def length_groups(streams: list[S], max_padding: float) -> list[list[S]]:
