@@ -7,7 +7,7 @@ The compact forward runs every model it can; a model it refuses (a family outsid
 forward/llama.py's FAMILIES, or a feature it lacks) runs on the Hugging Face forward, and `why`
 says which refusal, or that `--forward hf` asked for it; with `--forward compact` the refusal
 fails the load instead (fall_back, for the chat model's steps/build.py and the dialogue model's
-batch_forward.py alike). Standard library only at import.
+dialogue/batch_forward.py alike). Standard library only at import.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A row holds the key, how its value is written (its Kind), its default, its range
 name for it where that differs, and the dialogue_model's input tensor when that model takes it
 too. The rest is read from the table: the keys the models and both bridges accept
 (SAMPLING_KEYS), the fields of SamplingSettings and their checks (streaming_backend/settings.py),
-the dialogue model's checks (adapter/dialogue.py), the OpenAI API's mapping
+the dialogue model's checks (dialogue/convert.py), the OpenAI API's mapping
 (clients/bridge/openai_request.py) and the table of docs/interface.md (`markdown`). A new key is
 one row here plus its effect. Standard library only: the clients import it without torch.
 """

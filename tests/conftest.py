@@ -541,7 +541,7 @@ def batch_forward(request) -> str:
 def batch_forward_for(loaded, name: str):
     """The BatchForward `name` of a loaded model, built once per model (the compact one fuses
     the weights)."""
-    from streaming_backend.batch_forward import CompactBatchForward, HfBatchForward
+    from streaming_backend.dialogue.batch_forward import CompactBatchForward, HfBatchForward
 
     key = (id(loaded), name)
     if key not in _BATCH_FORWARDS:

@@ -193,6 +193,20 @@ def test_packages_point_one_way():
     assert backwards == []
 
 
+def test_only_the_dialogue_model_imports_its_package():
+    """streaming_backend/dialogue/ is the dialogue model's own code: the engine, its steps and the
+    rest of the core never import it (it imports them); its one user is the model's adapter."""
+    graph = _graph()
+    users = sorted(
+        a
+        for a, targets in graph.items()
+        if not a.startswith("streaming_backend.dialogue")
+        for b in targets
+        if b.startswith("streaming_backend.dialogue")
+    )
+    assert set(users) == {"repository.dialogue_model.1.model"}
+
+
 def _string_literals(path: Path) -> list[tuple[int, str]]:
     """(line, value) of every string constant that is not a docstring."""
     tree = ast.parse(path.read_text(encoding="utf-8"))

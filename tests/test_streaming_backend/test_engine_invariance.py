@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from streaming_backend.batch_forward import CompactBatchForward
-from streaming_backend.batch_generation import GenerationRequest, generate_batch
+from streaming_backend.dialogue.batch_forward import CompactBatchForward
+from streaming_backend.dialogue.generation import GenerationRequest, generate_batch
 from streaming_backend.engine import Engine, EngineConfig
 from streaming_backend.loading import load_model, resolve_quantize
 from streaming_backend.prompts import encode_prompt

@@ -8,8 +8,8 @@ import json
 import pytest
 from families import tiny_config_model
 
-from streaming_backend.batch_forward import build_batch_forward
 from streaming_backend.config import EngineConfig
+from streaming_backend.dialogue.batch_forward import build_batch_forward
 from streaming_backend.forward.llama import FAMILIES, UnsupportedModel
 from streaming_backend.forward_choice import ForwardChoice
 from streaming_backend.loading import LoadedModel

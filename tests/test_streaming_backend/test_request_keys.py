@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO_ROOT
 
 from streaming_backend import wire
-from streaming_backend.adapter.dialogue import parse_dialogue_request
+from streaming_backend.dialogue.convert import parse_dialogue_request
 from streaming_backend.errors import InvalidRequest
 from streaming_backend.request_keys import (
     DIALOGUE_KEYS,

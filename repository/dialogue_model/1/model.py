@@ -2,7 +2,7 @@
 
 `initialize` loads the model; `execute` copies each request's inputs (adapter/inputs.py), parses
 them (a bad request gets its own error response, built by adapter/sender.py), generates for all
-valid requests together in one batch (streaming_backend.batch_generation) and returns their
+valid requests together in one batch (streaming_backend.dialogue.generation) and returns their
 responses in request order.
 """
 
@@ -14,16 +14,16 @@ import logging
 import torch
 import triton_python_backend_utils as pb_utils
 
-from streaming_backend.adapter.dialogue import (
+from streaming_backend.adapter.inputs import copy_inputs
+from streaming_backend.adapter.sender import error_response
+from streaming_backend.config import DialogueSettings
+from streaming_backend.dialogue.batch_forward import build_batch_forward
+from streaming_backend.dialogue.convert import (
     DialogueRequest,
     dialogue_outputs,
     parse_dialogue_request,
 )
-from streaming_backend.adapter.inputs import copy_inputs
-from streaming_backend.adapter.sender import error_response
-from streaming_backend.batch_forward import build_batch_forward
-from streaming_backend.batch_generation import generate_batch
-from streaming_backend.config import DialogueSettings
+from streaming_backend.dialogue.generation import generate_batch
 from streaming_backend.errors import StreamingError
 from streaming_backend.loading import instance_device, load_model
 from streaming_backend.wire import DIALOGUE_INPUT_NAMES

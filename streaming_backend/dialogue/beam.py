@@ -1,5 +1,5 @@
 """Beam search for one request, one step at a time: (beam state, log-probs [W, V]) -> which rows
-continue with which tokens. No model here: streaming_backend.batch_generation runs the forward
+continue with which tokens. No model here: streaming_backend.dialogue.generation runs the forward
 pass for the beams of every request in a batch together and calls `BeamSearch.step` per request.
 
 Semantics follow Hugging Face's beam search with `early_stopping=False` (tests compare the two):

@@ -2,9 +2,9 @@
 one forward pass per step for every row of every request.
 
 Used by the dialogue_model, whose execute() receives a batch formed by Triton's dynamic batcher.
-A request is one row (sampling) or W rows (beam search, streaming_backend.beam; greedy is beam
-search of width 1). The rows' model state comes from a `BatchForward` (streaming_backend.
-batch_forward: slots of the compact forward, or a Hugging Face cache); after each step it keeps
+A request is one row (sampling) or W rows (beam search, dialogue/beam.py; greedy is beam search
+of width 1). The rows' model state comes from a `BatchForward` (dialogue/batch_forward.py: slots
+of the compact forward, or a Hugging Face cache); after each step it keeps
 the rows that go on, each forked from the beam it continues, and finished requests' rows leave.
 Tokens are chosen by the same logits pipeline as the streaming engine's (streaming_backend.logits).
 """
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from streaming_backend import sampling
-from streaming_backend.batch_forward import BatchForward, HfBatchForward
-from streaming_backend.beam import BeamSearch, Hypothesis, step_all
+from streaming_backend.dialogue.batch_forward import BatchForward, HfBatchForward
+from streaming_backend.dialogue.beam import BeamSearch, Hypothesis, step_all
 from streaming_backend.errors import InvalidRequest, StreamingError
 from streaming_backend.loading import LoadedModel
 from streaming_backend.logits import NextTokenChooser

@@ -1,6 +1,6 @@
-"""The dialogue_model's converters: a request's input arrays -> GenerationRequest, and a
-GenerationResult -> output arrays. No Triton import (repository/dialogue_model/1/model.py moves
-the arrays in and out of pb_utils), so both are tested in-process.
+"""The dialogue_model's converters (token ids in and out): a request's input arrays ->
+GenerationRequest, and a GenerationResult -> output arrays. No Triton import (repository/
+dialogue_model/1/model.py moves the arrays in and out of pb_utils), so both are tested in-process.
 
 Every input carries Triton's batch dimension first: input_ids [1, L], each scalar [1, 1]. The
 inputs that carry request keys (max_tokens, temperature, ...: request_keys.DIALOGUE_KEYS) are
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from streaming_backend.batch_generation import GenerationRequest, GenerationResult
+from streaming_backend.dialogue.generation import GenerationRequest, GenerationResult
 from streaming_backend.errors import InvalidRequest
 from streaming_backend.request_keys import (
     DIALOGUE_KEYS,

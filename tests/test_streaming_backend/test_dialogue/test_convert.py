@@ -1,13 +1,13 @@
-"""The dialogue_model's converters (streaming_backend.adapter.dialogue), without a server."""
+"""The dialogue_model's converters (streaming_backend.dialogue.convert), without a server."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from streaming_backend.adapter.dialogue import dialogue_outputs, parse_dialogue_request
-from streaming_backend.batch_generation import GenerationResult
-from streaming_backend.beam import Hypothesis
+from streaming_backend.dialogue.beam import Hypothesis
+from streaming_backend.dialogue.convert import dialogue_outputs, parse_dialogue_request
+from streaming_backend.dialogue.generation import GenerationResult
 from streaming_backend.errors import InvalidRequest
 from streaming_backend.wire import (
     BEAM_WIDTH,

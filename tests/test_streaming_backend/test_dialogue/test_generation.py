@@ -1,11 +1,11 @@
-"""Batched non-streaming generation (streaming_backend.batch_generation) on the tiny model."""
+"""Batched non-streaming generation (streaming_backend.dialogue.generation) on the tiny model."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import batch_forward_for, sequence_log_prob
 
-from streaming_backend.batch_generation import (
+from streaming_backend.dialogue.generation import (
     GenerationRequest,
     generate_batch,
 )

@@ -1,5 +1,6 @@
-"""Beam search (streaming_backend.beam through batch_generation) on tiny random models: against an
-exhaustive search over a small vocabulary, against Hugging Face's beam search, and its promises."""
+"""Beam search (streaming_backend.dialogue.beam, through dialogue.generation) on tiny random
+models: against an exhaustive search over a small vocabulary, against Hugging Face's beam search,
+and its promises."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import pytest
 import torch
 from conftest import batch_forward_for, sequence_log_prob
 
-from streaming_backend.batch_generation import (
+from streaming_backend.dialogue.beam import length_normalised
+from streaming_backend.dialogue.generation import (
     GenerationRequest,
     generate_batch,
 )
-from streaming_backend.beam import length_normalised
 from streaming_backend.errors import InvalidRequest
 from streaming_backend.loading import LoadedModel
 from streaming_backend.settings import SamplingSettings
