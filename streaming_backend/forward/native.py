@@ -191,7 +191,9 @@ class MatmulKernel:
         self._q4.argtypes = [*head, *[ctypes.c_void_p] * 3, *tail, ctypes.c_int]
         self._q8 = library.ts_q8_matmul
         self._q8.argtypes = [*head, *[ctypes.c_void_p] * 2, *tail, ctypes.c_int]
-        for fn in (self._q4, self._q8):
+        self._dense = library.ts_dense_matmul
+        self._dense.argtypes = [*head, ctypes.c_void_p, ctypes.c_int, *tail, ctypes.c_int]
+        for fn in (self._q4, self._q8, self._dense):
             fn.restype = ctypes.c_int
 
     def q4(self, x: torch.Tensor, packed, steps, lows, **around) -> torch.Tensor:
@@ -205,6 +207,15 @@ class MatmulKernel:
         (quant.NativeInt8Weight); `around` as `_run` takes it."""
         ptrs = (weight.data_ptr(), scales.data_ptr())
         return self._run(self._q8, x, weight.shape[0], weight.shape[1], ptrs, **around)
+
+    def dense(self, x: torch.Tensor, weight: torch.Tensor, **around) -> torch.Tensor:
+        """x . W^T [m, n] for an unquantized W [n, k] (float32 or bfloat16, contiguous), each
+        row in an order fixed by k; `around` as `_run` takes it."""
+        if weight.dtype not in DTYPES or not weight.is_contiguous() or weight.dim() != 2:
+            raise ValueError(f"dense matmul: weight {tuple(weight.shape)} {weight.dtype}")
+        ptrs = (weight.data_ptr(), DTYPES[weight.dtype])
+        n, k = weight.shape
+        return self._run(self._dense, x, n, k, ptrs, **around)
 
     def _run(
         self,

@@ -40,8 +40,6 @@ INT4_INNER_K_TILES = 1  # the CPU packing ignores it; the op still takes it
 # path (16 rows: int4 [576 -> 3072] 23 ms with float32 activations against 0.3-0.5 ms through
 # bfloat16; the int8 head [576 -> 49152] 167 ms against 4-10 ms; with or without AVX-512)
 COMPUTE_DTYPE = {torch.float32: torch.bfloat16}
-# A dense CPU matmul computes a row the same way only in calls of one size (`dense`)
-DENSE_ROWS = 16
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -123,10 +121,14 @@ def quantize_weight(weight: torch.Tensor, kind: str, matmul: str = "auto") -> We
 
 def kernel_name(weight: Weight) -> str:
     """What runs a weight's matmuls: c-avx2 / c-generic (our C kernels as built), aten (torch's
-    weight-only kernels) or dense (a plain tensor)."""
+    weight-only kernels), dense-c-avx2 / ... (a plain tensor on our C kernel) or dense (on
+    torch's)."""
     if isinstance(weight, NATIVE_WEIGHTS):
         return f"c-{native.matmul_kernel().variant}"
-    return "dense" if isinstance(weight, torch.Tensor) else "aten"
+    if not isinstance(weight, torch.Tensor):
+        return "aten"
+    on_native = _dense_on_native(torch.empty(0, dtype=weight.dtype), weight)
+    return f"dense-c-{native.matmul_kernel().variant}" if on_native else "dense"
 
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:
@@ -226,27 +228,38 @@ def _native_linear(flat: torch.Tensor, weight: NativeInt8Weight | NativeInt4Weig
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear on a CPU in calls of exactly DENSE_ROWS rows (the last one padded with zeros).
+    """F.linear, on a CPU through our C kernel (native.MatmulKernel.dense) where it builds.
 
-    torch's CPU matmuls pick their kernel and blocking by the call's row count, so a row's
-    float32 or bfloat16 result differs in the last bits with the call's size, which flips a
-    sampled token now and then. On a Zen 5 CPU, calls padded to a multiple of four rows were
-    enough; on an Intel Xeon with AMX (MKL and oneDNN) a multiple of 4 or 16 was not, and calls
-    of one fixed size were (tests/.../test_forward_invariance.py; docs/performance.md, "One
-    model whatever the load"). Sixteen rows: a batch of 16 streams in one call, a lone stream's
-    step at little more than one row's cost (the weights are read once either way).
+    torch's CPU matmuls pick their kernel and blocking by the call's row count and a row's
+    place in the call, so a row's float32 or bfloat16 result differs in the last bits with its
+    batch mates, which flips a sampled token now and then. Padding a call to whole 4-row panels
+    was enough on a Zen 5 CPU; on an Intel Xeon with AMX neither padding nor calls of one fixed
+    size were, natively and under the AVX2 caps (MKL computed the rows at some places in a call
+    one way and the rest another). Our kernel sums each row in an order fixed by its input count
+    alone (docs/performance.md, "One model whatever the load"). Without it (no C compiler, a
+    GPU), torch's.
     """
-    if x.device.type != "cpu":
+    if not _dense_on_native(x, weight):
         return F.linear(x, weight, bias)
-    rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if rows == DENSE_ROWS:
-        return F.linear(x, weight, bias)
-    flat = x.reshape(rows, x.shape[-1])
-    short = -rows % DENSE_ROWS
-    if short:
-        flat = torch.cat([flat, flat.new_zeros(short, flat.shape[1])])
-    y = torch.cat([F.linear(chunk, weight, bias) for chunk in flat.split(DENSE_ROWS)])[:rows]
-    return y.view(*x.shape[:-1], y.shape[-1])
+    flat = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+    around = {"bias": bias} if bias is not None and bias.dtype == x.dtype else {}
+    y = native.matmul_kernel().dense(flat, weight, **around)
+    if bias is not None and not around:
+        y = y + bias
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _dense_on_native(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `dense` runs this call on our C kernel."""
+    if torch.compiler.is_compiling():  # ctypes is opaque to dynamo: torch's inside a graph
+        return False
+    return (
+        weight.device.type == "cpu"
+        and x.dtype in native.DTYPES
+        and weight.dtype in native.DTYPES
+        and weight.is_contiguous()
+        and native.matmul_kernel() is not None
+    )
 
 
 def weight_bytes(weight: Weight) -> int:

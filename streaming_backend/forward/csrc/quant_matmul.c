@@ -28,6 +28,8 @@
  *   q4: packed [n, k / 2] uint8: byte j of a block holds input j in its low nibble and input
  *       j + 16 in its high one; steps, lows [n, k / 32] float16
  *   q8: weight [n, k] int8; scales [n] float32
+ *   dense: weight [n, k] float32 or bfloat16, unquantized: the activations stay float32 and each
+ *       y is x . w in 8 lanes of k, one chain, then the same fixed tree (`dense_tile`); any k
  *   x [m, k] (silu_mul, gelu_tanh_mul: [m, 2k]), y [m, n], norm [k], bias [n], residual [m, n]: one dtype,
  *   float32 or bfloat16 (codes as common.h)
  *
@@ -50,6 +52,8 @@
 #define ROW_TILE 4       /* activation rows that share one read of a weight block */
 #define COL_CHUNK 64     /* weight rows a thread takes at a time (they stay in its cache) */
 #define MIN_THREAD_WORK (1 << 18)  /* weight values worth a thread of their own */
+
+enum { KIND_Q8 = 0, KIND_Q4 = 1, KIND_DENSE = 2 };  /* the weight formats */
 
 /* The activation rows, quantized: row r's block b is v = 128 * q + r at q[r * k + 32 b ...] and
  * r[...], with step d[r * blocks + b] (x ~ v * d) and s[r * blocks + b] = d * sum(v). */
@@ -221,7 +225,10 @@ static void prologue_row(float *a, const void *x, int64_t r, int64_t k, int dtyp
 /* A call's operands. */
 typedef struct {
     Quantized xq;
+    float *xf;              /* dense: the rows after the prologue, [m, k] float32 */
     int64_t m, k, n;
+    const void *wf;         /* dense: the float weight [n, k] */
+    int w_dtype;            /* dense: its dtype */
     const uint8_t *w;       /* q4: packed nibbles; q8: int8 values */
     const uint16_t *steps;  /* q4 */
     const uint16_t *lows;   /* q4 */
@@ -513,16 +520,70 @@ static inline void q8_tile(const Call *c, int64_t row, int R, int64_t col) {
 }
 #endif
 
+/* y[r, c] for R rows from `row` and C (1 or 2) float weight rows from `col` (dense): x . w in 8
+ * lanes of k, one accumulator per (r, c), then the lanes added in a fixed order and the last
+ * k % 8 inputs one by one. Which way a value is summed depends on k alone, so a row's numbers
+ * do not depend on the rows or columns beside it; the AVX-512 build runs this same code. */
+#ifdef TS_AVX2
+static inline void dense_tile(const Call *c, int64_t row, int R, int64_t col, int C) {
+    const int64_t k = c->k;
+    __m256 acc[ROW_TILE][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) {
+        __m256 w[2];
+        for (int j = 0; j < C; j++) w[j] = load8(c->wf, (col + j) * k + i, c->w_dtype);
+        for (int r = 0; r < R; r++) {
+            const __m256 x = _mm256_loadu_ps(c->xf + (row + r) * k + i);
+            for (int j = 0; j < C; j++) acc[r][j] = _mm256_fmadd_ps(x, w[j], acc[r][j]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) {
+            float value = hsum8(acc[r][j]);
+            for (int64_t t = i; t < k; t++)
+                value = fmaf(c->xf[(row + r) * k + t], load1(c->wf, (col + j) * k + t, c->w_dtype), value);
+            emit(c, row + r, col + j, value);
+        }
+}
+#else
+static inline void dense_tile(const Call *c, int64_t row, int R, int64_t col, int C) {
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) {
+            float value = 0.0f;
+            for (int64_t t = 0; t < c->k; t++)
+                value = fmaf(c->xf[(row + r) * c->k + t], load1(c->wf, (col + j) * c->k + t, c->w_dtype), value);
+            emit(c, row + r, col + j, value);
+        }
+}
+#endif
+
 /* Weight rows [first, last) against every activation row: a chunk of weight rows at a time,
  * each chunk against every tile of activation rows (so the chunk is read from memory once). */
-static void columns(const Call *c, int q4, int64_t first, int64_t last) {
+static void columns(const Call *c, int kind, int64_t first, int64_t last) {
     for (int64_t chunk = first; chunk < last; chunk += COL_CHUNK) {
         const int64_t end = chunk + COL_CHUNK < last ? chunk + COL_CHUNK : last;
         for (int64_t row = 0; row < c->m; row += ROW_TILE) {
             const int R = c->m - row < ROW_TILE ? (int)(c->m - row) : ROW_TILE;
+            if (kind == KIND_DENSE) {  /* two weight rows at a time share each read of x */
+                for (int64_t col = chunk; col < end; col += 2) {
+                    const int C = end - col < 2 ? 1 : 2;
+                    switch (R * 2 + C - 1) {  /* constant R and C per call site: unrolled */
+                    case 9: dense_tile(c, row, 4, col, 2); break;
+                    case 8: dense_tile(c, row, 4, col, 1); break;
+                    case 7: dense_tile(c, row, 3, col, 2); break;
+                    case 6: dense_tile(c, row, 3, col, 1); break;
+                    case 5: dense_tile(c, row, 2, col, 2); break;
+                    case 4: dense_tile(c, row, 2, col, 1); break;
+                    case 3: dense_tile(c, row, 1, col, 2); break;
+                    default: dense_tile(c, row, 1, col, 1);
+                    }
+                }
+                continue;
+            }
             for (int64_t col = chunk; col < end; col++) {
                 /* a constant R per call site, so the compiler unrolls each */
-                if (q4) {
+                if (kind == KIND_Q4) {
                     switch (R) {
                     case 4: q4_tile(c, row, 4, col); break;
                     case 3: q4_tile(c, row, 3, col); break;
@@ -542,22 +603,32 @@ static void columns(const Call *c, int q4, int64_t first, int64_t last) {
     }
 }
 
-/* x's rows through the prologue and quantized, then every y[r, c], on up to `threads` OpenMP
- * threads (torch's own runtime when torch is loaded first); fewer where the weight is small. */
-static int matmul(Call *c, int q4, const void *x, const Prologue *pre, int threads) {
+/* x's rows through the prologue and quantized (dense: kept as float32), then every y[r, c], on
+ * up to `threads` OpenMP threads (torch's own runtime when torch is loaded first); fewer where
+ * the weight is small. */
+static int matmul(Call *c, int kind, const void *x, const Prologue *pre, int threads) {
     const int64_t blocks = c->k / QK;
-    if (c->m < 0 || c->n < 1 || c->k < QK || c->k % QK || threads < 1 ||
+    const int dense = kind == KIND_DENSE;
+    if (c->m < 0 || c->n < 1 || c->k < (dense ? 1 : QK) || (!dense && c->k % QK) || threads < 1 ||
         (c->dtype != TS_F32 && c->dtype != TS_BF16) || pre->kind < PRE_NONE || pre->kind > PRE_GELU_TANH_MUL ||
-        (pre->kind == PRE_RMS_NORM && pre->norm == NULL))
+        (pre->kind == PRE_RMS_NORM && pre->norm == NULL) ||
+        (dense && c->w_dtype != TS_F32 && c->w_dtype != TS_BF16))
         return TS_BAD_ARGS;
     if (c->m == 0) return TS_OK;
-    /* one allocation: both halves, then the steps and sums (float-aligned: k is a multiple of 32) */
-    char *memory = malloc(2 * (size_t)(c->m * c->k) + 2 * (size_t)(c->m * blocks) * sizeof(float));
+    /* one allocation: both halves, then the steps and sums (float-aligned: k is a multiple of 32);
+     * dense: the float rows */
+    const size_t bytes = dense ? (size_t)(c->m * c->k) * sizeof(float)
+                               : 2 * (size_t)(c->m * c->k) + 2 * (size_t)(c->m * blocks) * sizeof(float);
+    char *memory = malloc(bytes);
     if (memory == NULL) return TS_NO_MEMORY;
-    c->xq.q = (int8_t *)memory;
-    c->xq.r = c->xq.q + c->m * c->k;
-    c->xq.d = (float *)(memory + 2 * c->m * c->k);
-    c->xq.s = c->xq.d + c->m * blocks;
+    if (dense) {
+        c->xf = (float *)memory;
+    } else {
+        c->xq.q = (int8_t *)memory;
+        c->xq.r = c->xq.q + c->m * c->k;
+        c->xq.d = (float *)(memory + 2 * c->m * c->k);
+        c->xq.s = c->xq.d + c->m * blocks;
+    }
     const int64_t work = c->n * c->k * (c->m < ROW_TILE ? 1 : c->m / ROW_TILE);
     int64_t most = work / MIN_THREAD_WORK, chunks = (c->n + COL_CHUNK - 1) / COL_CHUNK;
     if (most > chunks) most = chunks;
@@ -573,6 +644,10 @@ static int matmul(Call *c, int q4, const void *x, const Prologue *pre, int threa
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < c->m; r++) {
             if (row == NULL) continue;
+            if (dense) {
+                prologue_row(c->xf + r * c->k, x, r, c->k, c->dtype, pre);
+                continue;
+            }
             prologue_row(row, x, r, c->k, c->dtype, pre);
             quantize_row(c->xq.q + r * c->k, c->xq.r + r * c->k, c->xq.d + r * blocks, c->xq.s + r * blocks, row, 0,
                          c->k, TS_F32);
@@ -584,7 +659,7 @@ static int matmul(Call *c, int q4, const void *x, const Prologue *pre, int threa
         if (!stop) {  /* contiguous whole chunks of weight rows per thread */
             const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
             const int64_t first = chunks * t / count * COL_CHUNK, last = chunks * (t + 1) / count * COL_CHUNK;
-            columns(c, q4, first, last < c->n ? last : c->n);
+            columns(c, kind, first, last < c->n ? last : c->n);
         }
     }
     free(memory);
@@ -599,7 +674,7 @@ int ts_q4_matmul(const void *x, void *y, int dtype, int64_t m, int64_t k, int64_
     Call c = {.m = m, .k = k, .n = n, .w = packed, .steps = steps, .lows = lows, .y = y, .dtype = dtype,
               .bias = bias, .residual = residual};
     const Prologue pre = {prologue, norm, eps};
-    return matmul(&c, 1, x, &pre, threads);
+    return matmul(&c, KIND_Q4, x, &pre, threads);
 }
 
 /* y = x . W^T for an int8 W with one scale per row, likewise. */
@@ -609,5 +684,15 @@ int ts_q8_matmul(const void *x, void *y, int dtype, int64_t m, int64_t k, int64_
     Call c = {.m = m, .k = k, .n = n, .w = (const uint8_t *)weight, .scales = scales, .y = y, .dtype = dtype,
               .bias = bias, .residual = residual};
     const Prologue pre = {prologue, norm, eps};
-    return matmul(&c, 0, x, &pre, threads);
+    return matmul(&c, KIND_Q8, x, &pre, threads);
+}
+
+/* y = x . W^T for a float32 or bfloat16 W [n, k] (w_dtype), likewise; any k. */
+int ts_dense_matmul(const void *x, void *y, int dtype, int64_t m, int64_t k, int64_t n, const void *weight,
+                    int w_dtype, int prologue, const void *norm, float eps, const void *bias,
+                    const void *residual, int threads) {
+    Call c = {.m = m, .k = k, .n = n, .wf = weight, .w_dtype = w_dtype, .y = y, .dtype = dtype,
+              .bias = bias, .residual = residual};
+    const Prologue pre = {prologue, norm, eps};
+    return matmul(&c, KIND_DENSE, x, &pre, threads);
 }

@@ -289,9 +289,10 @@ def cpu_has(variant: str) -> bool:
 
 @pytest.mark.skipif(not cpu_has("avx512"), reason="the CPU has no AVX-512 with VNNI")
 def test_the_avx512_and_avx2_builds_give_the_same_bits(tmp_path, monkeypatch):
-    """The AVX-512 build's matmuls sum the AVX2 build's products in the AVX2 build's order, and
-    its attention is the same code: the same bits from both, whatever the rows, inputs (block
-    counts even, odd, below and above 8), prologue and dtype. So an answer does not depend on
+    """The AVX-512 build's matmuls sum the AVX2 build's products in the AVX2 build's order (the
+    dense one is the same code), and its attention is the same code: the same bits from both,
+    whatever the rows, inputs (block counts even, odd, below and above 8; a dense input count
+    off the lanes of 8), prologue and dtype. So an answer does not depend on
     which of the two CPU kinds served it."""
     monkeypatch.setenv("TOKENSTREAM_CACHE", str(tmp_path))
     cc = native.compiler()
@@ -308,9 +309,11 @@ def test_the_avx512_and_avx2_builds_give_the_same_bits(tmp_path, monkeypatch):
                 {},
                 {"prologue": "rms_norm", "norm": norm, "eps": 1e-5},
                 {"prologue": "silu_mul", "add_to": torch.ones(rows, 77, dtype=dtype)},
+                {"prologue": "gelu_tanh_mul"},
             ]
             for options in around:
-                width = 2 * inputs if options.get("prologue") == "silu_mul" else inputs
+                gated = options.get("prologue") in native.MatmulKernel.GATED
+                width = 2 * inputs if gated else inputs
                 a = x[:, :width].contiguous()
                 got = {}
                 for variant, kernel in matmuls.items():
@@ -318,12 +321,15 @@ def test_the_avx512_and_avx2_builds_give_the_same_bits(tmp_path, monkeypatch):
                     got[variant] = (
                         kernel.q4(a, *weights[0], **opts),
                         kernel.q8(a, *weights[1], **opts),
+                        kernel.dense(a, w.to(dtype), **opts),
+                        kernel.dense(x[:, : inputs - 5].contiguous(), w[:, :-5].contiguous()),
                     )
                 assert all(torch.equal(p, q) for p, q in zip(got["avx2"], got["avx512"]))
     k, v = cache(torch.float32)
     q = queries(len(ROWS), torch.float32)
-    outs = [
-        native.AttentionKernel(lib, n)(q, k, v, Placed.of(ROWS), NO_WINDOW, 0.125)
-        for n, lib in built.items()
-    ]
-    assert torch.equal(*outs)
+    for cap in (0.0, 1.5):
+        outs = [
+            native.AttentionKernel(lib, n)(q, k, v, Placed.of(ROWS), NO_WINDOW, 0.125, cap)
+            for n, lib in built.items()
+        ]
+        assert torch.equal(*outs)
