@@ -233,7 +233,12 @@ def _serve(
         print(f"tokenstream: {error}", file=sys.stderr, flush=True)
         return 1
     server = supervisor.server
-    bridge = _bridge(server, cfg.bridge_port, supervisor.ready) if cfg.bridge_port else None
+    # the bridge's own health follows the models'; /ready waits for the bridge too
+    bridge = None
+    if cfg.bridge_port:
+        bridge = _bridge(
+            server, cfg.bridge_port, supervisor.models_ready, supervisor.require("bridge")
+        )
     _print_endpoints(server, cfg.bridge_port if bridge else 0, cfg.supervisor_port)
     bridge_stop = threading.Event()
     bridge_thread = None
@@ -278,8 +283,11 @@ def _print_endpoints(server: TritonServer, bridge_port: int, supervisor_port: in
     print("\n".join(lines), flush=True)
 
 
-def _bridge(server: TritonServer, port: int, ready: Callable[[], bool]) -> RunUntil | None:
-    """The websocket bridge in front of `server`; None, with a warning, when it cannot run."""
+def _bridge(
+    server: TritonServer, port: int, ready: Callable[[], bool], serving: threading.Event
+) -> RunUntil | None:
+    """The websocket bridge in front of `server`, setting `serving` while it listens; None,
+    with a warning, when it cannot run."""
     # optional: `serve` goes on without it when websockets or tritonclient are not installed
     try:
         from clients.bridge import BridgeConfig, serve_bridge
@@ -289,7 +297,7 @@ def _bridge(server: TritonServer, port: int, ready: Callable[[], bool]) -> RunUn
     cfg = BridgeConfig(
         triton_url=server.grpc_url, host=server.config.host, port=port, also_ready=ready
     )
-    return functools.partial(serve_bridge, cfg)
+    return functools.partial(serve_bridge, cfg, serving=serving)
 
 
 def _run_until(service: RunUntil, stop: threading.Event) -> int:

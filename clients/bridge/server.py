@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import logging
 import signal
+import threading
 from typing import Any
 
 from aiohttp import web
@@ -183,12 +184,21 @@ def _state(ready: bool) -> str:
     return "ready" if ready else "not ready"
 
 
-async def serve_bridge(cfg: BridgeConfig, stop: asyncio.Event | None = None) -> None:
-    """Run the bridge until `stop` is set (forever without one)."""
+async def serve_bridge(
+    cfg: BridgeConfig, stop: asyncio.Event | None = None, serving: threading.Event | None = None
+) -> None:
+    """Run the bridge until `stop` is set (forever without one); `serving`, if given, is set
+    while it listens (tokenstream serve's readiness waits for it)."""
     stop = stop or asyncio.Event()
-    async with Bridge(cfg) as bridge:
-        await stop.wait()
-        await bridge.settle(cfg.stop_grace_s)
+    serving = serving or threading.Event()
+    try:
+        async with Bridge(cfg) as bridge:
+            serving.set()
+            await stop.wait()
+            serving.clear()
+            await bridge.settle(cfg.stop_grace_s)
+    finally:
+        serving.clear()
 
 
 def run_bridge(cfg: BridgeConfig) -> None:

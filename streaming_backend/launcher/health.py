@@ -5,7 +5,7 @@ with it; these endpoints live in the supervising process and tell the truth acro
 
 | path | answer |
 | --- | --- |
-| GET /ready | 200 when the models serve; 503 while starting, recovering, draining or failed |
+| GET /ready | 200 when the models (and the bridge, under serve) serve; else 503 |
 | GET /live | 200 while the supervising loop turns; 503 when it is stuck (restart the pod) |
 | GET /status | JSON: state, reason, counters, model, dtype and forward (and why), numerics, steps |
 | GET /metrics | Prometheus text: restarts, reloads, readiness, state |
@@ -85,7 +85,7 @@ def metrics_text(supervisor: Supervisor) -> str:
     for result, count in status["reloads"].items():
         lines.append(f'tokenstream_supervisor_reloads_total{{result="{result}"}} {count}')
     lines += [
-        "# HELP tokenstream_supervisor_ready 1 when the models serve",
+        "# HELP tokenstream_supervisor_ready 1 when the models and every required part serve",
         "# TYPE tokenstream_supervisor_ready gauge",
         f"tokenstream_supervisor_ready {int(status['ready'])}",
         "# HELP tokenstream_supervisor_state 1 for the current state",

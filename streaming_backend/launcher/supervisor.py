@@ -122,6 +122,7 @@ class Supervisor:
         self.heartbeat = time.monotonic()  # liveness: the supervising loop still turns
         self._restart_times: list[float] = []
         self._watch: Watch | None = None
+        self._parts: dict[str, threading.Event] = {}  # more that readiness waits for (`require`)
         self.dtype = _dtype_choice(server.parameters().get("dtype", AUTO))
         # the weight format the models pick on this host, by their own rule (hardware.py)
         self.quantize = host_quantize(server.parameters().get("quantize", AUTO), self.dtype.dtype)
@@ -133,11 +134,20 @@ class Supervisor:
 
     # ---- readiness --------------------------------------------------------------------------
 
-    def ready(self) -> bool:
-        """Ready for traffic: serving (also while a reload swaps the model), not starting,
-        recovering, draining or failed. Cheap (no request to Triton): the bridge asks per frame."""
+    def require(self, part: str) -> threading.Event:
+        """An event that `part` (the bridge) sets once it serves and clears when it stops:
+        readiness waits for it too, and /status shows it under "parts"."""
+        return self._parts.setdefault(part, threading.Event())
+
+    def models_ready(self) -> bool:
+        """The models serve (also while a reload swaps one): not starting, recovering,
+        draining or failed. Cheap (no request to Triton): the bridge asks per frame."""
         server = self.server
         return self.state in (READY, RELOADING) and server is not None and server.returncode is None
+
+    def ready(self) -> bool:
+        """Ready for traffic: the models serve and every required part (`require`) does."""
+        return self.models_ready() and all(part.is_set() for part in self._parts.values())
 
     def status(self) -> dict:
         """State, reason, counters and endpoints, as /status shows them; the chat model's
@@ -150,6 +160,7 @@ class Supervisor:
             "state": self.state,
             "ready": self.ready(),
             "reason": self.reason,
+            "parts": {name: part.is_set() for name, part in self._parts.items()},
             "restarts": dict(self.restarts),
             "reloads": dict(self.reloads),
             "model": self.config.server.model or "",

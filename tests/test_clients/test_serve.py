@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -202,13 +203,17 @@ def get(url: str, timeout: float = 5) -> tuple[int, bytes]:
 
 @pytest.mark.server
 def test_serve_cli_runs_the_bridge_in_process(tmp_path: Path, cli_process) -> None:
-    """With the bridge on, serve answers the chat page and health; SIGINT stops both cleanly."""
+    """With the bridge on, serve answers the chat page and health, and its readiness waits for
+    the bridge; SIGINT stops both cleanly."""
     pytest.importorskip("clients.bridge")
     write_echo_model(tmp_path, name="chat")  # the bridge's health asks for the "chat" model
     bridge_port = free_port()
     command = serve_command(tmp_path)
     command.remove("--no-bridge")
-    process = cli_process([*command, f"--bridge-port={bridge_port}"])
+    supervisor_port = free_port()
+    process = cli_process(
+        [*command, f"--bridge-port={bridge_port}", f"--supervisor-port={supervisor_port}"]
+    )
     wait_for_line(process, "Triton is ready", timeout=120)
     deadline = time.monotonic() + 30
     while get_or_none(f"http://127.0.0.1:{bridge_port}/healthz") != 200:
@@ -216,6 +221,10 @@ def test_serve_cli_runs_the_bridge_in_process(tmp_path: Path, cli_process) -> No
         time.sleep(0.2)
     status, page = get(f"http://127.0.0.1:{bridge_port}/")
     assert status == 200 and b"<html" in page.lower()
+    # the supervisor's readiness waited for the bridge: it listens by now
+    status, body = get(f"http://127.0.0.1:{supervisor_port}/status")
+    assert json.loads(body)["parts"] == {"bridge": True}
+    assert get(f"http://127.0.0.1:{supervisor_port}/ready")[0] == 200
     family = descendants(process.pid)
     process.send_signal(signal.SIGINT)
     output, _ = process.communicate(timeout=STOP_LIMIT_S)

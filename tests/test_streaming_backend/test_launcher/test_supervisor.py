@@ -9,6 +9,7 @@ import signal
 import threading
 import urllib.error
 import urllib.request
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -103,6 +104,25 @@ def test_status_has_no_numerics_before_a_canary_answered() -> None:
     status = Supervisor(SupervisorConfig(ServerConfig())).status()
     assert status[SYSTEM_FINGERPRINT] is None and status[NUMERICS] is None
     assert status[STEPS] is None and status[FORWARD] is None
+
+
+def test_readiness_waits_for_each_required_part() -> None:
+    """A part `serve` requires (the bridge) keeps /ready false until it serves and again after
+    it stops, and /status shows it; the models' own readiness does not wait for it."""
+    from streaming_backend.launcher.server import ServerConfig
+    from streaming_backend.launcher.supervisor import READY, Supervisor, SupervisorConfig
+
+    supervisor = Supervisor(SupervisorConfig(ServerConfig()))
+    supervisor.server = SimpleNamespace(returncode=None, pid=1)
+    supervisor.state = READY
+    assert supervisor.ready() and supervisor.status()["parts"] == {}
+    bridge = supervisor.require("bridge")
+    assert supervisor.models_ready() and not supervisor.ready()
+    assert supervisor.status()["parts"] == {"bridge": False}
+    bridge.set()
+    assert supervisor.ready() and supervisor.status()["parts"] == {"bridge": True}
+    bridge.clear()
+    assert not supervisor.ready()
 
 
 class ScriptedServer:
