@@ -1,6 +1,9 @@
 """Our metric families on Triton's metrics port, fed from the outbox thread.
 
-Names follow vLLM's where one exists. The pb_utils module is not importable outside the model's
+Names follow vLLM's where one exists, for dashboards: tokenstream_time_to_first_token_seconds is
+the server's first-token latency (received by the model -> first token emitted), called
+`first_token` here; TTFT in this project names genai-perf's interval, which a client measures
+(docs/ttft.md). The pb_utils module is not importable outside the model's
 process, so `Metrics` is given its `MetricFamily` class; tests pass a small fake of it. No call
 here ever raises: a failed metrics call is logged, and a stream never ends because of one.
 """
@@ -14,7 +17,7 @@ from streaming_backend.events import FinishReason, TokenEvent
 from streaming_backend.step_threads import StepReport
 
 log = logging.getLogger("tokenstream.model")
-TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0]
+LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0]
 ITL_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5]
 OK, FAILED, CANCELLED, REJECTED = "ok", "failed", "cancelled", "rejected"
 OUTCOMES = (OK, FAILED, CANCELLED, REJECTED)  # labels of tokenstream_requests_total
@@ -47,11 +50,11 @@ class Metrics:
             self._families.append(family(name=name, description=doc, kind=kind))
             return self._families[-1].Metric(labels=labels, **kw)
 
-        self.ttft = make(
+        self.first_token = make(
             "tokenstream_time_to_first_token_seconds",
             "Time from request received to first token emitted",
             family.HISTOGRAM,
-            buckets=TTFT_BUCKETS,
+            buckets=LATENCY_BUCKETS,
         )
         self.tpot = make(
             "tokenstream_time_per_output_token_seconds",
@@ -63,7 +66,7 @@ class Metrics:
             "tokenstream_request_queue_time_seconds",
             "Time from request received to its prefill start",
             family.HISTOGRAM,
-            buckets=TTFT_BUCKETS,
+            buckets=LATENCY_BUCKETS,
         )
         self.tokens = make(
             "tokenstream_generation_tokens_total", "Output tokens generated", family.COUNTER
@@ -148,7 +151,8 @@ class Metrics:
 
     def observe(self, event: TokenEvent, received_ns: int, first_emitted_ns: int) -> None:
         """One event of a stream received at `received_ns` whose first token was emitted at
-        `first_emitted_ns`: TTFT and queue time at the first token, mean ITL at the end."""
+        `first_emitted_ns`: first-token latency and queue time at the first token, mean ITL at the
+        end."""
         quietly(self._observe, event, received_ns, first_emitted_ns)
 
     def _observe(self, event: TokenEvent, received_ns: int, first_emitted_ns: int) -> None:
@@ -160,7 +164,7 @@ class Metrics:
             if event.cached_tokens:
                 self.cache_hits.increment(1)
                 self.cached_tokens.increment(event.cached_tokens)
-            self.ttft.observe((event.emitted_ns - received_ns) / 1e9)
+            self.first_token.observe((event.emitted_ns - received_ns) / 1e9)
             self.queue.observe((event.scheduled_ns - received_ns) / 1e9)
         elif event.final:
             self.tpot.observe(

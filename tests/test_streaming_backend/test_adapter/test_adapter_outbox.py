@@ -94,8 +94,9 @@ def test_a_stream_gets_one_response_per_token_and_one_final(model):
     model.outbox.stop()  # every item before it is handled: the counters are final
     m = model.metrics
     assert m.outcomes["ok"].value == 1 and m.tokens.value == 6 and m.prompt_tokens.value > 0
-    assert len(m.ttft.observed) == 1 and len(m.queue.observed) == 1 and len(m.tpot.observed) == 1
-    assert m.ttft.observed[0] > 0 and m.tpot.observed[0] > 0
+    assert len(m.first_token.observed) == 1 and len(m.queue.observed) == 1
+    assert len(m.tpot.observed) == 1
+    assert m.first_token.observed[0] > 0 and m.tpot.observed[0] > 0
     assert m.active.value == 0 and model.outbox.active == 0
 
 
