@@ -28,8 +28,8 @@ from clients.grpc_client import (
 )
 from clients.prompt import InterruptiblePrompt
 from clients.targets import TARGET_HELP, target_option
-from streaming_backend import endpoints
-from streaming_backend.request_keys import SAMPLING_KEYS
+from streaming_backend.configuration import endpoints
+from streaming_backend.sampling.request_keys import SAMPLING_KEYS
 
 PROMPT = "you> "
 

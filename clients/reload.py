@@ -18,7 +18,7 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 
-from streaming_backend import endpoints
+from streaming_backend.configuration import endpoints
 from streaming_backend.paths import admin_key_file
 from streaming_backend.wire import ADMIN_HEADER, ADMIN_KEY_VARIABLE, CHAT_MODEL
 

@@ -23,8 +23,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from streaming_backend import endpoints
-from streaming_backend.config import TABLES, check_parameters, serve_options
+from streaming_backend.configuration import endpoints
+from streaming_backend.configuration.models import TABLES, check_parameters, serve_options
 from streaming_backend.launcher import ServerConfig, ServerDied, TritonServer
 from streaming_backend.launcher.batching import DialogueBatching
 from streaming_backend.launcher.health import HealthServer

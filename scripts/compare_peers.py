@@ -71,7 +71,7 @@ class Server:
 def models(args: argparse.Namespace) -> tuple[Path | None, Path, int]:
     """The GGUF llama.cpp loads, the folder ours and transformers serve load, and its EOS id:
     --llama-gguf and --model, else the shipped GGUF and its safetensors conversion."""
-    from streaming_backend.loading import convert_gguf, default_model_path
+    from streaming_backend.model.loading import convert_gguf, default_model_path
 
     if args.model:
         gguf, folder = args.llama_gguf, args.model

@@ -31,7 +31,7 @@ from transformers import DynamicCache
 
 from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
 from streaming_backend.forward.slots import CacheBudget
-from streaming_backend.loading import LoadedModel, load_model
+from streaming_backend.model.loading import LoadedModel, load_model
 from streaming_backend.prompts import encode_prompt, load_chat_prompts
 
 # the compact forward's systems: name -> its ForwardConfig options

@@ -21,12 +21,12 @@ import json
 import statistics
 import time
 
-from streaming_backend import logits as logits_module
-from streaming_backend.config import EngineConfig
+from streaming_backend.configuration.models import EngineConfig
 from streaming_backend.engine import Engine
-from streaming_backend.loading import default_model_path, load_model, resolve_quantize
+from streaming_backend.model.loading import default_model_path, load_model, resolve_quantize
 from streaming_backend.prompts import encode_prompt, load_chat_prompts
-from streaming_backend.settings import SamplingSettings
+from streaming_backend.sampling import logits as logits_module
+from streaming_backend.sampling.settings import SamplingSettings
 
 SCHEMA = {
     "type": "array",

@@ -49,7 +49,7 @@ def make(
     the shipped model's tokenizer to `out`; return its parameter count."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from streaming_backend.loading import convert_gguf, default_model_path
+    from streaming_backend.model.loading import convert_gguf, default_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(convert_gguf(default_model_path()))
     config = AutoConfig.for_model(

@@ -18,7 +18,7 @@ import time
 import torch
 
 from streaming_backend.forward.quant import linear, quantize_weight
-from streaming_backend.hardware import cpu_flags
+from streaming_backend.model.hardware import cpu_flags
 
 LAYERS, HIDDEN, INTERMEDIATE, QKV, VOCAB = 30, 576, 1536, 960, 49152
 # (name, weight dtype, activation dtype, quantization)

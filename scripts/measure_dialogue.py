@@ -17,7 +17,7 @@ from pathlib import Path
 
 from clients.stress import report
 from clients.stress.cli import StressConfig, stress
-from streaming_backend.config import parameter_strings
+from streaming_backend.configuration.models import parameter_strings
 from streaming_backend.launcher import ServerConfig, TritonServer, free_port
 from streaming_backend.launcher.batching import DialogueBatching
 from streaming_backend.wire import DIALOGUE_MODEL

@@ -25,7 +25,7 @@ from streaming_backend.forward.quality import (
 from streaming_backend.forward.quant import check_kind
 from streaming_backend.forward.runner import ForwardConfig, SlotForward
 from streaming_backend.forward.slots import CacheBudget
-from streaming_backend.loading import load_model
+from streaming_backend.model.loading import load_model
 from streaming_backend.prompts import encode_prompt, load_chat_prompts
 
 

@@ -27,7 +27,7 @@ def decode_ms(dtype: str, quantize: str) -> float:
     """Median ms of a lone-stream decode step, built and run on the calling thread."""
     from streaming_backend.forward.runner import ForwardConfig, SlotForward
     from streaming_backend.forward.slots import CacheBudget
-    from streaming_backend.loading import load_model
+    from streaming_backend.model.loading import load_model
 
     loaded = load_model(None, dtype=dtype)
     config = ForwardConfig(quantize=quantize, budget=CacheBudget(fraction=0.05), max_slots=2)

@@ -15,8 +15,8 @@ from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 import torch
 
-from streaming_backend import kvcache
-from streaming_backend.logits import NextTokenChooser, Row
+from streaming_backend.model import kvcache
+from streaming_backend.sampling.logits import NextTokenChooser, Row
 
 R = TypeVar("R", bound=Row)
 

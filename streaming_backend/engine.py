@@ -19,23 +19,23 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from streaming_backend import sampling
-from streaming_backend.config import EngineConfig
+from streaming_backend.configuration.models import EngineConfig
 from streaming_backend.detokenize import IncrementalDetokenizer
 from streaming_backend.errors import EngineStopped, Overloaded, StreamingError
 from streaming_backend.events import FinishReason, TokenEvent
 from streaming_backend.forward_choice import ForwardChoice
-from streaming_backend.grammar import GrammarCompiler, GrammarMatcher, compute_masks_ahead
-from streaming_backend.loading import LoadedModel
-from streaming_backend.logits import NextTokenChooser
-from streaming_backend.numerics import Numerics, describe
+from streaming_backend.model.loading import LoadedModel
+from streaming_backend.model.numerics import Numerics, describe
 from streaming_backend.prompt_limits import PromptLimits
-from streaming_backend.request_keys import MAX_TOKENS
-from streaming_backend.settings import SamplingSettings
+from streaming_backend.sampling import sampling
+from streaming_backend.sampling.grammar import GrammarCompiler, GrammarMatcher, compute_masks_ahead
+from streaming_backend.sampling.logits import NextTokenChooser
+from streaming_backend.sampling.request_keys import MAX_TOKENS
+from streaming_backend.sampling.settings import SamplingSettings
+from streaming_backend.sampling.stopping import StopStringMatcher
 from streaming_backend.step_threads import StepReport, StepThreads
 from streaming_backend.steps import Steps
 from streaming_backend.steps.build import build_steps
-from streaming_backend.stopping import StopStringMatcher
 from streaming_backend.stream_events import EventSink, StreamEvents
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class Engine:
             raise self._build_error
         model = self.loaded
         self._limits = PromptLimits.of(model)
-        # grammar: compiles guided_* settings into per-request matchers (streaming_backend.grammar)
+        # compiles guided_* settings into per-request matchers (streaming_backend.sampling.grammar)
         self._grammars = GrammarCompiler(model.tokenizer, self._limits.vocab, model.eos_ids)
         # Fill the next step's grammar masks on a worker while the forward runs: on a GPU the
         # host is free meanwhile; on a CPU the forward's threads hold every core, and the worker

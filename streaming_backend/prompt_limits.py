@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from streaming_backend.errors import InvalidRequest
-from streaming_backend.loading import LoadedModel
+from streaming_backend.model.loading import LoadedModel
 from streaming_backend.wire import INPUT_IDS
 
 

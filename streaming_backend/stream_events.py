@@ -17,11 +17,11 @@ from typing import Protocol
 from streaming_backend.detokenize import IncrementalDetokenizer
 from streaming_backend.errors import NonFiniteLogits, StreamingError
 from streaming_backend.events import FinishReason, LogprobDetail, TokenEvent, TokenLogprob
-from streaming_backend.grammar import GrammarMatcher
-from streaming_backend.loading import LoadedModel
-from streaming_backend.logits import Choice, TopLogprobs
-from streaming_backend.settings import SamplingSettings
-from streaming_backend.stopping import StopStringMatcher, check_stop
+from streaming_backend.model.loading import LoadedModel
+from streaming_backend.sampling.grammar import GrammarMatcher
+from streaming_backend.sampling.logits import Choice, TopLogprobs
+from streaming_backend.sampling.settings import SamplingSettings
+from streaming_backend.sampling.stopping import StopStringMatcher, check_stop
 
 log = logging.getLogger(__name__)
 

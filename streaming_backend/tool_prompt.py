@@ -56,7 +56,7 @@ def _schema_problem(schema: str) -> str:
     """What llguidance finds wrong with a JSON schema (its text); "" when it compiles."""
     import llguidance
 
-    from streaming_backend.grammar import JSON_OPTIONS
+    from streaming_backend.sampling.grammar import JSON_OPTIONS
 
     build = llguidance.LLMatcher
     try:

@@ -3,7 +3,7 @@
 library only, so the clients, the bridge, the benchmark and the models all import it without
 paying for torch (docs/interface.md and docs/dialogue_model.md document the same facts).
 
-The keys of `sampling_parameters` have a table of their own, streaming_backend/request_keys.py.
+The keys of `sampling_parameters` have a table of their own, sampling/request_keys.py.
 tests/test_layout.py checks that no other product file spells a tensor name, a timing key or an
 error code, and that no other file of the core spells a sampling key. Finish reasons are
 FinishReason's values; their words ("stop", "error") are too common to check as literals.
@@ -22,7 +22,7 @@ CHAT_MODEL = "chat"  # the decoupled streaming model's name in repository/
 # ---- input tensors (the vLLM backend's dialect, then ours) --------------------------------------
 TEXT_INPUT = "text_input"  # STRING [1]: a raw prompt
 STREAM = "stream"  # BOOL [1]: false (default) = one response holding the whole answer
-# STRING [1]: a JSON object of request keys (streaming_backend/request_keys.py, SAMPLING_KEYS)
+# STRING [1]: a JSON object of request keys (sampling/request_keys.py, SAMPLING_KEYS)
 SAMPLING_PARAMETERS = "sampling_parameters"
 EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"  # BOOL [1]
 MESSAGES = "messages"  # STRING [1]: chat messages as JSON (ours)
@@ -60,7 +60,7 @@ LOGPROBS = "logprobs"  # STRING: JSON [{"token_id", "logprob", "token", "top_log
 CUMULATIVE_LOGPROB = "cumulative_logprob"  # FP32
 OUTPUT_IDS = "output_ids"  # INT64: token ids of this response
 TIMING = "timing"  # STRING: ServerTiming as JSON
-# STRING: what decides the numbers, in one value ("fp_" + 12 hex; streaming_backend/numerics.py)
+# STRING: what decides the numbers, in one value ("fp_" + 12 hex; model/numerics.py)
 SYSTEM_FINGERPRINT = "system_fingerprint"
 OUTPUT_NAMES = (
     TEXT_OUTPUT,

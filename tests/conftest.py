@@ -68,7 +68,7 @@ def chat_prompts() -> list[list[dict[str, str]]]:
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The default chat model converted to a safetensors folder (cached across runs)."""
-    from streaming_backend.loading import convert_gguf, default_model_path
+    from streaming_backend.model.loading import convert_gguf, default_model_path
 
     return convert_gguf(default_model_path())
 
@@ -113,7 +113,7 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
 @pytest.fixture(scope="session")
 def tiny_loaded(tiny_model_dir):
     """The tiny model loaded in float32 on the CPU."""
-    from streaming_backend.loading import load_model
+    from streaming_backend.model.loading import load_model
 
     return load_model(str(tiny_model_dir), dtype="float32", device="cpu")
 
@@ -124,7 +124,7 @@ def server_config(model_dir, **overrides):
     CPU kinds; tests marked cpu_kinds serve with it). Overrides named as model parameters
     (max_streams=8, test_token_delay_ms=20) become config.pbtxt parameters; the others are
     ServerConfig fields."""
-    from streaming_backend.config import TABLES, parameter_strings
+    from streaming_backend.configuration.models import TABLES, parameter_strings
     from streaming_backend.launcher import ServerConfig, free_port
 
     known = {p.key for table in TABLES.values() for p in table}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from streaming_backend.loading import LoadedModel
+from streaming_backend.model.loading import LoadedModel
 
 # What a family's tiny model sets beyond the sizes, so that a forward which skips the family's
 # difference fails its test: Granite's multipliers far from 1, SmolLM3's layers without RoPE

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from streaming_backend import request_keys, wire
+from streaming_backend import wire
+from streaming_backend.sampling import request_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("streaming_backend", "clients", "repository")
@@ -91,11 +92,11 @@ def test_the_core_imports_no_transport_and_no_client():
 # Modules that clients and the launcher import: standard library only (numpy at most for none).
 LIGHT_MODULES = (
     "streaming_backend.wire",
-    "streaming_backend.request_keys",
-    "streaming_backend.settings",
-    "streaming_backend.config",
+    "streaming_backend.sampling.request_keys",
+    "streaming_backend.sampling.settings",
+    "streaming_backend.configuration.models",
     "streaming_backend.paths",
-    "streaming_backend.hardware",
+    "streaming_backend.model.hardware",
     "streaming_backend.launcher",
     "streaming_backend.launcher.binary",
     "streaming_backend.launcher.processes",
@@ -253,7 +254,7 @@ def test_no_tensor_name_literal_outside_the_wire_contract(path):
 
 # The home of the sampling keys, and wire.py, whose dialogue_model tensors temperature and
 # repetition_penalty are spelled as the keys are (their types differ).
-KEY_HOMES = ("streaming_backend/request_keys.py", "streaming_backend/wire.py")
+KEY_HOMES = ("streaming_backend/sampling/request_keys.py", "streaming_backend/wire.py")
 
 
 @pytest.mark.parametrize(

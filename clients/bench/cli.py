@@ -34,7 +34,7 @@ from clients.bench.runner import Level, Workload, multi_turn_problem, run_level,
 from clients.bench.summary import ClockMap
 from clients.bench.transports import TRANSPORTS, Prompt, make_transport
 from clients.targets import DNS_SCHEME, TARGET_HELP, parse_target, target_option
-from streaming_backend import endpoints
+from streaming_backend.configuration import endpoints
 from streaming_backend.wire import CHAT_MODEL
 
 SYNTHETIC_FALLBACK_TOKENS = 128

@@ -26,13 +26,13 @@ import torch
 
 from clients import metrics
 from clients.chunk import Chunk
-from streaming_backend.config import QUANTIZE_KINDS
+from streaming_backend.configuration.models import QUANTIZE_KINDS
 from streaming_backend.engine import Engine, EngineConfig
 from streaming_backend.events import TokenEvent
-from streaming_backend.hardware import AUTO
-from streaming_backend.loading import LoadedModel, load_model
+from streaming_backend.model.hardware import AUTO
+from streaming_backend.model.loading import LoadedModel, load_model
 from streaming_backend.prompts import encode_prompt, load_chat_prompts
-from streaming_backend.settings import SamplingSettings
+from streaming_backend.sampling.settings import SamplingSettings
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Any
 
 from clients.bench.transports import Prompt
 from streaming_backend.prompts import DEFAULT_PROMPTS_FILE
-from streaming_backend.request_keys import (
+from streaming_backend.sampling.request_keys import (
     IGNORE_EOS,
     MAX_TOKENS,
     MIN_TOKENS,

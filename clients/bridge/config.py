@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from clients.chunk import DEFAULT_IDLE_TIMEOUT_S
 from clients.replica_health import FAILURES_TO_NOT_READY
-from streaming_backend import endpoints
+from streaming_backend.configuration import endpoints
 from streaming_backend.wire import CHAT_MODEL
 
 

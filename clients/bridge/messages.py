@@ -2,8 +2,9 @@
 
 No I/O here; the protocol's words are clients/bridge/protocol.py's. A `generate` becomes a
 GenerateRequest; roles come from the wire contract and sampling keys from the request keys' table
-(streaming_backend/request_keys.py), so the bridge accepts exactly what the model accepts. Only
-shapes are checked: the model validates values and its message goes back to the client as is.
+(streaming_backend/sampling/request_keys.py), so the bridge accepts exactly what the model
+accepts. Only shapes are checked: the model validates values and its message goes back to the
+client as is.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from clients.bridge import protocol as p
 from clients.grpc_client import GenerateRequest
-from streaming_backend.request_keys import ROWS, SAMPLING_KEYS
+from streaming_backend.sampling.request_keys import ROWS, SAMPLING_KEYS
 from streaming_backend.wire import INVALID_REQUEST, MESSAGES, ROLES
 
 MAX_ID_LENGTH = 128

@@ -47,7 +47,7 @@ from clients.bridge.openai_response import (
 )
 from clients.bridge.openai_tools import ToolCallParser
 from clients.chunk import Chunk, GenerationError
-from streaming_backend.request_keys import GUIDED_KEYS
+from streaming_backend.sampling.request_keys import GUIDED_KEYS
 from streaming_backend.wire import INTERNAL, UNAVAILABLE
 
 if TYPE_CHECKING:

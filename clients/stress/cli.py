@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from clients.stress import load, report, server_stats
-from streaming_backend import endpoints
+from streaming_backend.configuration import endpoints
 from streaming_backend.wire import CHAT_MODEL, DIALOGUE_MODEL
 
 

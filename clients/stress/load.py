@@ -14,7 +14,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from clients.grpc_client import GenerateRequest, GenerationError, stream_generate
-from streaming_backend.request_keys import MAX_TOKENS
+from streaming_backend.sampling.request_keys import MAX_TOKENS
 from streaming_backend.wire import (
     DIALOGUE_INPUT_IDS,
     DIALOGUE_MODEL,

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from streaming_backend.errors import InvalidRequest
-from streaming_backend.settings import SamplingSettings
+from streaming_backend.sampling.settings import SamplingSettings
 from streaming_backend.wire import (
     BOOL_INPUTS,
     EXCLUDE_INPUT_IN_OUTPUT,

@@ -11,7 +11,9 @@ import numpy as np
 
 from streaming_backend.adapter.request import ModelRequest
 from streaming_backend.events import LogprobDetail, TokenEvent
-from streaming_backend.request_keys import TOP_LOGPROBS  # it names the entries' alternatives too
+from streaming_backend.sampling.request_keys import (
+    TOP_LOGPROBS,  # it names the entries' alternatives too
+)
 from streaming_backend.wire import (
     CUMULATIVE_LOGPROB,
     FINISH_REASON,

@@ -16,7 +16,7 @@ import torch
 
 from streaming_backend.batch import CacheRows, Prefill, RowState, SlotRows
 from streaming_backend.forward_choice import fall_back
-from streaming_backend.loading import LoadedModel, resolve_quantize
+from streaming_backend.model.loading import LoadedModel, resolve_quantize
 from streaming_backend.steps.hf import HfForward
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from streaming_backend.dialogue.generation import GenerationRequest, GenerationResult
 from streaming_backend.errors import InvalidRequest
-from streaming_backend.request_keys import (
+from streaming_backend.sampling.request_keys import (
     DIALOGUE_KEYS,
     MAX_SEED,
     MAX_TOKENS,
@@ -29,7 +29,7 @@ from streaming_backend.request_keys import (
     TOP_P,
     RequestKey,
 )
-from streaming_backend.settings import SamplingSettings
+from streaming_backend.sampling.settings import SamplingSettings
 from streaming_backend.wire import (
     BEAM_WIDTH,
     CUM_LOG_PROBS,

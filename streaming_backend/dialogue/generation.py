@@ -6,7 +6,8 @@ A request is one row (sampling) or W rows (beam search, dialogue/beam.py; greedy
 of width 1). The rows' model state comes from a `BatchForward` (dialogue/batch_forward.py: slots
 of the compact forward, or a Hugging Face cache); after each step it keeps
 the rows that go on, each forked from the beam it continues, and finished requests' rows leave.
-Tokens are chosen by the same logits pipeline as the streaming engine's (streaming_backend.logits).
+Tokens are chosen by the same logits pipeline as the streaming engine's
+(streaming_backend.sampling.logits).
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from streaming_backend import sampling
 from streaming_backend.dialogue.batch_forward import BatchForward, HfBatchForward
 from streaming_backend.dialogue.beam import BeamSearch, Hypothesis, step_all
 from streaming_backend.errors import InvalidRequest, StreamingError
-from streaming_backend.loading import LoadedModel
-from streaming_backend.logits import NextTokenChooser
+from streaming_backend.model.loading import LoadedModel
 from streaming_backend.prompt_limits import PromptLimits
-from streaming_backend.settings import SamplingSettings
+from streaming_backend.sampling import sampling
+from streaming_backend.sampling.logits import NextTokenChooser
+from streaming_backend.sampling.settings import SamplingSettings
 from streaming_backend.wire import DIALOGUE_INPUT_IDS, END_ID, REQUEST_OUTPUT_LEN
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class _Sampled:
     rows: int = 1
     grammar: None = None  # the dialogue model takes no grammar
 
-    # the logits pipeline's view of this row (streaming_backend.logits.Row)
+    # the logits pipeline's view of this row (streaming_backend.sampling.logits.Row)
     @property
     def settings(self) -> SamplingSettings:
         return self.request.settings

@@ -36,7 +36,7 @@ from streaming_backend.forward.quant import (
     native_linear,
     quantize_weight,
 )
-from streaming_backend.loading import rope_context
+from streaming_backend.model.loading import rope_context
 
 
 class Family(NamedTuple):

@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from streaming_backend.hardware import ATEN_BELOW_AVX512
+from streaming_backend.model.hardware import ATEN_BELOW_AVX512
 from streaming_backend.paths import cache_dir
 
 log = logging.getLogger(__name__)

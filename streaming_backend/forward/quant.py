@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from streaming_backend.config import QUANTIZE_KINDS
+from streaming_backend.configuration.models import QUANTIZE_KINDS
 from streaming_backend.forward import native
 
 # inputs per int4 scale/zero pair: 64 failed the quality gate on the default model (greedy

@@ -23,7 +23,7 @@ from streaming_backend.forward.buckets import window_for
 from streaming_backend.forward.llama import CompactLlama, Rows, Span
 from streaming_backend.forward.quant import check_kind, check_matmul
 from streaming_backend.forward.slots import CacheBudget, SlotCache
-from streaming_backend.loading import LoadedModel
+from streaming_backend.model.loading import LoadedModel
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,9 @@ class ModelHealth:
     active: int  # requests accepted and not yet sent their FINAL
     waiting: int  # of those, still waiting for an engine slot
     system_fingerprint: str | None = None  # what decides its numbers, in one value
-    numerics: dict[str, Any] | None = None  # the facts it names (streaming_backend/numerics.py)
+    numerics: dict[str, Any] | None = (
+        None  # the facts it names (streaming_backend/model/numerics.py)
+    )
     steps: dict[str, Any] | None = None  # decode threads and pace (step_threads.StepReport)
     forward: dict[str, Any] | None = None  # which forward runs and why (forward_choice.py)
 

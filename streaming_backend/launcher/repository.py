@@ -3,9 +3,9 @@
 Triton reads a model's settings from its config.pbtxt; the launcher never edits the originals but
 serves a temporary copy whose config files carry the chosen values and whose other entries
 (version folders, files) are symlinks to the source. A parameter is set on the models that take
-it: those whose table in streaming_backend/config.py has it, or whose config.pbtxt declares it
-(a repository of your own). One that no model takes is refused, so a misspelt key fails at start
-instead of being ignored.
+it: those whose table in streaming_backend/configuration/models.py has it, or whose config.pbtxt
+declares it (a repository of your own). One that no model takes is refused, so a misspelt key
+fails at start instead of being ignored.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from streaming_backend.config import TABLES
+from streaming_backend.configuration.models import TABLES
 
 _STRING = r'"(?:[^"\\\n]|\\.)*"'  # a protobuf text-format string literal
 _COMMENT = re.compile(_STRING + r"|#[^\n]*")

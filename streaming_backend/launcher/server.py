@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streaming_backend import endpoints
+from streaming_backend.configuration import endpoints
 from streaming_backend.launcher.batching import DialogueBatching
 from streaming_backend.launcher.binary import TritonBinary, find_tritonserver
 from streaming_backend.launcher.processes import (

@@ -23,11 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streaming_backend.hardware import AUTO, DtypeChoice, host_dtype, host_quantize
 from streaming_backend.launcher.control import ControlError, control, load_model, model_ready
 from streaming_backend.launcher.repository import patch_parameters, read_parameters
 from streaming_backend.launcher.server import ServerConfig, ServerDied, TritonServer
 from streaming_backend.launcher.watch import CanaryConfig, Failure, Watch
+from streaming_backend.model.hardware import AUTO, DtypeChoice, host_dtype, host_quantize
 from streaming_backend.wire import (
     CHAT_MODEL,
     CONTROL,

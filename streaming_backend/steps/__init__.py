@@ -19,7 +19,7 @@ from typing import NamedTuple, Protocol, TypeVar
 import torch
 
 from streaming_backend.batch import Decoded
-from streaming_backend.settings import SamplingSettings
+from streaming_backend.sampling.settings import SamplingSettings
 
 __all__ = ["Decoded", "OnFailure", "Prefilled", "Steps", "Stream"]
 

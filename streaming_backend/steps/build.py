@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from streaming_backend.config import EngineConfig, parse_memory
+from streaming_backend.configuration.models import EngineConfig, parse_memory
 from streaming_backend.forward_choice import fall_back
-from streaming_backend.loading import LoadedModel, resolve_quantize
+from streaming_backend.model.loading import LoadedModel, resolve_quantize
 from streaming_backend.steps import OnFailure, Steps
 from streaming_backend.steps.hf import ASKED_FOR, HfSteps
 

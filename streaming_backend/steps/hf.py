@@ -17,10 +17,10 @@ from collections.abc import Collection, Iterator, Sequence
 
 import torch
 
-from streaming_backend import kvcache
 from streaming_backend.batch import CacheRows, DecodeInputs, Prefill, RunningBatch
-from streaming_backend.config import EngineConfig
-from streaming_backend.loading import LoadedModel
+from streaming_backend.configuration.models import EngineConfig
+from streaming_backend.model import kvcache
+from streaming_backend.model.loading import LoadedModel
 from streaming_backend.steps import Decoded, OnFailure, Prefilled, S
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import pytest
 from conftest import alive, shm_files, write_echo_model
 
 from clients.serve import add_arguments, config_from_args
-from streaming_backend.config import ModelSettings
+from streaming_backend.configuration.models import ModelSettings
 from streaming_backend.launcher import free_port
 from streaming_backend.launcher.processes import descendants, is_alive
 

@@ -21,7 +21,8 @@ from clients.sse_client import (
     refusal_message,
     request_body,
 )
-from streaming_backend import request_keys, wire
+from streaming_backend import wire
+from streaming_backend.sampling import request_keys
 from streaming_backend.wire import ServerTiming
 
 TIMING = ServerTiming(1, 2, 3, 4, 5)

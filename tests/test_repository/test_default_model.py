@@ -4,14 +4,14 @@ import pytest
 from conftest import chat_prompts, start_server
 
 from streaming_backend.events import FinishReason
-from streaming_backend.settings import SamplingSettings
+from streaming_backend.sampling.settings import SamplingSettings
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def default_loaded(default_model_dir):
-    from streaming_backend.loading import load_model
+    from streaming_backend.model.loading import load_model
 
     return load_model(None, dtype="auto")
 

@@ -5,7 +5,7 @@ in-process and behind tritonserver."""
 import pytest
 from conftest import chat_prompts, save_tiny_model, start_server
 
-from streaming_backend.settings import SamplingSettings
+from streaming_backend.sampling.settings import SamplingSettings
 
 
 @pytest.mark.parametrize(
@@ -19,7 +19,7 @@ def test_a_family_is_served_on_the_compact_forward_as_in_process(
     chat model streams the same answer, ending with FINAL."""
     from clients.grpc_client import GenerateRequest, stream_generate
     from streaming_backend.engine import Engine, EngineConfig
-    from streaming_backend.loading import load_model
+    from streaming_backend.model.loading import load_model
     from streaming_backend.prompts import encode_prompt
 
     model_dir = save_tiny_model(tmp_path, default_model_dir, family=family)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from streaming_backend import logits
+from streaming_backend.sampling import logits
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "grammar_bench.py"
 

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from streaming_backend import kvcache
 from streaming_backend.batch import CacheRows, Prefill, RunningBatch, SlotRows
-from streaming_backend.settings import SamplingSettings
+from streaming_backend.model import kvcache
+from streaming_backend.sampling.settings import SamplingSettings
 
 
 @dataclass(eq=False)

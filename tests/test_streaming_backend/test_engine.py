@@ -17,7 +17,7 @@ from streaming_backend.engine import Engine, EngineConfig
 from streaming_backend.errors import EngineStopped, InvalidRequest, Overloaded
 from streaming_backend.events import FinishReason
 from streaming_backend.prompts import encode_prompt
-from streaming_backend.settings import SamplingSettings
+from streaming_backend.sampling.settings import SamplingSettings
 from streaming_backend.steps.hf import length_groups
 
 GREEDY = SamplingSettings(temperature=0, max_tokens=12, ignore_eos=True)
@@ -637,7 +637,7 @@ def test_the_engine_names_the_numerics_its_forward_runs(tiny_loaded, forward, qu
 def test_the_decode_steps_report_their_threads_when_adaptive(tiny_loaded, adaptive):
     """With adaptive_threads (the default) the engine times its decode steps and reports their
     thread count and pace; without, there is no report and torch's count stays as it was."""
-    from streaming_backend.settings import SamplingSettings
+    from streaming_backend.sampling.settings import SamplingSettings
 
     threads = torch.get_num_threads()
     config = EngineConfig(adaptive_threads=adaptive)

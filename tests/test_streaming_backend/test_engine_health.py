@@ -14,7 +14,7 @@ from streaming_backend.engine import MAX_FAILED_STEPS, Engine, EngineConfig
 from streaming_backend.errors import EngineStopped
 from streaming_backend.events import FinishReason
 from streaming_backend.prompts import encode_prompt
-from streaming_backend.settings import SamplingSettings
+from streaming_backend.sampling.settings import SamplingSettings
 
 LONG = SamplingSettings(temperature=0, max_tokens=200, ignore_eos=True)
 SHORT = SamplingSettings(temperature=0, max_tokens=4, ignore_eos=True)

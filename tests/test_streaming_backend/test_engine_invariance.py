@@ -14,9 +14,9 @@ import pytest
 from streaming_backend.dialogue.batch_forward import CompactBatchForward
 from streaming_backend.dialogue.generation import GenerationRequest, generate_batch
 from streaming_backend.engine import Engine, EngineConfig
-from streaming_backend.loading import load_model, resolve_quantize
+from streaming_backend.model.loading import load_model, resolve_quantize
 from streaming_backend.prompts import encode_prompt
-from streaming_backend.settings import SamplingSettings
+from streaming_backend.sampling.settings import SamplingSettings
 
 pytestmark = pytest.mark.cpu_kinds
 

@@ -8,11 +8,11 @@ import json
 import pytest
 from families import tiny_config_model
 
-from streaming_backend.config import EngineConfig
+from streaming_backend.configuration.models import EngineConfig
 from streaming_backend.dialogue.batch_forward import build_batch_forward
 from streaming_backend.forward.llama import FAMILIES, UnsupportedModel
 from streaming_backend.forward_choice import ForwardChoice
-from streaming_backend.loading import LoadedModel
+from streaming_backend.model.loading import LoadedModel
 from streaming_backend.steps.build import build_steps
 from streaming_backend.steps.hf import ASKED_FOR
 

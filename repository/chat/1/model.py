@@ -27,9 +27,9 @@ from streaming_backend.adapter.outbox import Outbox
 from streaming_backend.adapter.request import ModelRequest, parse_request
 from streaming_backend.adapter.response import ResponseBuilder
 from streaming_backend.adapter.sender import Sender
-from streaming_backend.config import ModelSettings
+from streaming_backend.configuration.models import ModelSettings
 from streaming_backend.engine import Engine
-from streaming_backend.loading import instance_device, load_model, progress
+from streaming_backend.model.loading import instance_device, load_model, progress
 from streaming_backend.prompts import encode_prompt
 from streaming_backend.wire import (
     ADMIN_KEY_VARIABLE,

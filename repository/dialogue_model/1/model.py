@@ -16,7 +16,7 @@ import triton_python_backend_utils as pb_utils
 
 from streaming_backend.adapter.inputs import copy_inputs
 from streaming_backend.adapter.sender import error_response
-from streaming_backend.config import DialogueSettings
+from streaming_backend.configuration.models import DialogueSettings
 from streaming_backend.dialogue.batch_forward import build_batch_forward
 from streaming_backend.dialogue.convert import (
     DialogueRequest,
@@ -25,7 +25,7 @@ from streaming_backend.dialogue.convert import (
 )
 from streaming_backend.dialogue.generation import generate_batch
 from streaming_backend.errors import StreamingError
-from streaming_backend.loading import instance_device, load_model
+from streaming_backend.model.loading import instance_device, load_model
 from streaming_backend.wire import DIALOGUE_INPUT_NAMES
 
 log = logging.getLogger("tokenstream.dialogue_model")

@@ -6,7 +6,7 @@ import pytest
 from bridge_support import frame
 
 from clients.bridge.messages import Auth, Cancel, Generate, ProtocolError, parse_message
-from streaming_backend.request_keys import SAMPLING_KEYS
+from streaming_backend.sampling.request_keys import SAMPLING_KEYS
 from streaming_backend.wire import ROLES
 
 

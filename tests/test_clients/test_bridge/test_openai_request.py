@@ -15,7 +15,7 @@ from clients.bridge.openai_request import (
     parse_chat,
     parse_completion,
 )
-from streaming_backend.request_keys import NUMBER, REQUEST_KEYS, ROWS
+from streaming_backend.sampling.request_keys import NUMBER, REQUEST_KEYS, ROWS
 
 MODEL = "chat"
 

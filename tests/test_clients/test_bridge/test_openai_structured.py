@@ -81,7 +81,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 @pytest.fixture(scope="module")
 def default_loaded(default_model_dir):
-    from streaming_backend.loading import load_model
+    from streaming_backend.model.loading import load_model
 
     return load_model(str(default_model_dir), dtype="float32", device="cpu")
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import wait_for
 
-from streaming_backend import request_keys, wire
+from streaming_backend import wire
 from streaming_backend.adapter.control import Control
 from streaming_backend.adapter.metrics import Metrics
 from streaming_backend.adapter.outbox import Outbox
@@ -23,6 +23,7 @@ from streaming_backend.adapter.sender import Sender
 from streaming_backend.engine import Engine, EngineConfig
 from streaming_backend.errors import EngineStopped, InvalidRequest
 from streaming_backend.prompts import encode_prompt
+from streaming_backend.sampling import request_keys
 
 KEY = "the admin key"
 FINAL = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL

@@ -8,7 +8,7 @@ import pytest
 from streaming_backend import wire
 from streaming_backend.adapter.request import parse_request
 from streaming_backend.errors import InvalidRequest
-from streaming_backend.settings import SamplingSettings
+from streaming_backend.sampling.settings import SamplingSettings
 
 
 def _str(value: str | bytes) -> np.ndarray:

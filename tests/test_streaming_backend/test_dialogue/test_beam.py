@@ -17,8 +17,8 @@ from streaming_backend.dialogue.generation import (
     generate_batch,
 )
 from streaming_backend.errors import InvalidRequest
-from streaming_backend.loading import LoadedModel
-from streaming_backend.settings import SamplingSettings
+from streaming_backend.model.loading import LoadedModel
+from streaming_backend.sampling.settings import SamplingSettings
 
 PROMPT = (1, 2, 3)
 

@@ -10,7 +10,7 @@ from streaming_backend.dialogue.generation import (
     generate_batch,
 )
 from streaming_backend.errors import InvalidRequest
-from streaming_backend.settings import SamplingSettings
+from streaming_backend.sampling.settings import SamplingSettings
 
 MAX_BEAM = 4
 

@@ -15,7 +15,7 @@ from families import tiny_config_model
 from streaming_backend.forward import quant
 from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
 from streaming_backend.forward.slots import CacheBudget
-from streaming_backend.loading import load_model
+from streaming_backend.model.loading import load_model
 
 pytestmark = pytest.mark.cpu_kinds
 

@@ -12,7 +12,7 @@ from families import COMPACT_FAMILIES, LONGROPE, PARTIAL_ROPE, tiny_config_model
 from streaming_backend.forward.llama import FAMILIES, UnsupportedModel
 from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
 from streaming_backend.forward.slots import CacheBudget
-from streaming_backend.loading import LoadedModel, _context_length, load_model
+from streaming_backend.model.loading import LoadedModel, _context_length, load_model
 
 # bf16 logits of the default model are 17-36 in size, where bf16 steps by 0.125-0.25; measured
 # differences from Hugging Face reached 0.72 (3 prompts x 9 steps, 2025-11-30)

@@ -16,7 +16,7 @@ from streaming_backend.forward.llama import exact_attention
 from streaming_backend.forward.native import Placed
 from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
 from streaming_backend.forward.slots import CacheBudget
-from streaming_backend.loading import load_model
+from streaming_backend.model.loading import load_model
 
 PLACES, KV_HEADS, GROUPS, MAX_LEN, HEAD_DIM = 6, 3, 3, 300, 64
 NO_WINDOW = 1 << 62

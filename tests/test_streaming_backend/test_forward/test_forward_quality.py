@@ -12,7 +12,7 @@ import pytest
 from streaming_backend.forward.quality import Quality, compare, reference_texts
 from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
 from streaming_backend.forward.slots import CacheBudget
-from streaming_backend.loading import load_model
+from streaming_backend.model.loading import load_model
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFIG = ForwardConfig(CacheBudget(bytes=64 << 20), max_len=128, max_slots=2)

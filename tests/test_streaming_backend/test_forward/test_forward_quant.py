@@ -9,7 +9,7 @@ import torch
 from streaming_backend.forward import native, quant
 from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
 from streaming_backend.forward.slots import CacheBudget
-from streaming_backend.loading import load_model
+from streaming_backend.model.loading import load_model
 
 
 def dequantize(weight: quant.Weight) -> torch.Tensor:

@@ -53,9 +53,9 @@ def test_restart_budget_waits_longer_each_time_then_gives_up() -> None:
 )
 def test_status_names_the_dtype_and_why(setting, dtype) -> None:
     """/status says which dtype the models load in and why, by the rule the models apply."""
-    from streaming_backend.hardware import host_dtype
     from streaming_backend.launcher.server import ServerConfig
     from streaming_backend.launcher.supervisor import Supervisor, SupervisorConfig
+    from streaming_backend.model.hardware import host_dtype
 
     status = Supervisor(
         SupervisorConfig(ServerConfig(model_parameters={"dtype": setting}))
@@ -71,9 +71,9 @@ def test_status_names_the_dtype_and_why(setting, dtype) -> None:
 @pytest.mark.parametrize("setting", ["auto", "none", "int8"])
 def test_status_names_the_weights_and_why(setting) -> None:
     """/status says which weight format the models use and why, for the dtype they load in."""
-    from streaming_backend.hardware import host_dtype, host_quantize
     from streaming_backend.launcher.server import ServerConfig
     from streaming_backend.launcher.supervisor import Supervisor, SupervisorConfig
+    from streaming_backend.model.hardware import host_dtype, host_quantize
 
     parameters = {"dtype": "bf16", "quantize": setting}
     status = Supervisor(SupervisorConfig(ServerConfig(model_parameters=parameters))).status()

@@ -9,7 +9,7 @@ import pytest
 
 from streaming_backend.engine import Engine, EngineConfig
 from streaming_backend.events import FinishReason
-from streaming_backend.settings import SamplingSettings
+from streaming_backend.sampling.settings import SamplingSettings
 
 GREEDY = SamplingSettings(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPT = list(range(1000, 1040))  # 40 token ids: above the prefix cache's 16-token minimum

@@ -1,5 +1,5 @@
-"""The request keys' table (streaming_backend/request_keys.py): what the settings, the dialogue
-model and the docs take from it, and one range per key for both models."""
+"""The request keys' table (streaming_backend/sampling/request_keys.py): what the settings, the
+dialogue model and the docs take from it, and one range per key for both models."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from conftest import REPO_ROOT
 from streaming_backend import wire
 from streaming_backend.dialogue.convert import parse_dialogue_request
 from streaming_backend.errors import InvalidRequest
-from streaming_backend.request_keys import (
+from streaming_backend.sampling.request_keys import (
     DIALOGUE_KEYS,
     INTEGER,
     NUMBER,
@@ -22,7 +22,7 @@ from streaming_backend.request_keys import (
     Range,
     markdown,
 )
-from streaming_backend.settings import SamplingSettings
+from streaming_backend.sampling.settings import SamplingSettings
 
 INTERFACE_DOC = REPO_ROOT / "docs" / "interface.md"
 

@@ -1,7 +1,7 @@
 """Sampling settings: one frozen value, validated once where a request enters.
 
-SamplingSettings has a field per row of the request keys' table (streaming_backend/request_keys.py),
-with the row's type and default; `parse` reads each value as its row says (its kind, its range).
+SamplingSettings has a field per row of the request keys' table (sampling/request_keys.py), with
+the row's type and default; `parse` reads each value as its row says (its kind, its range).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import field, make_dataclass
 from typing import Any
 
 from streaming_backend.errors import InvalidRequest
-from streaming_backend.request_keys import (
+from streaming_backend.sampling.request_keys import (
     BOOLEAN,
     CHOICE,
     GUIDED_KEYS,

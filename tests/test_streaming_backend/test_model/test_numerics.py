@@ -1,4 +1,4 @@
-"""What decides a served model's numbers, and its fingerprint (streaming_backend/numerics.py)."""
+"""What decides a served model's numbers, and its fingerprint (model/numerics.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from streaming_backend.forward.quant import INT4_GROUP
-from streaming_backend.numerics import Numerics, describe, weights_digest
+from streaming_backend.model.numerics import Numerics, describe, weights_digest
 
 FACTS = Numerics(
     model="SmolLM2-135M-Instruct",

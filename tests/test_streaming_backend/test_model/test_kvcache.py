@@ -5,7 +5,7 @@ import inspect
 import pytest
 import torch
 
-from streaming_backend import kvcache
+from streaming_backend.model import kvcache
 
 
 class Batch:

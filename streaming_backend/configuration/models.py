@@ -14,8 +14,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 
-from streaming_backend.hardware import AUTO, DTYPE_NAMES, dtype_name
-from streaming_backend.parameters import (
+from streaming_backend.configuration.parameters import (
     MILLISECONDS,
     OPTIONAL_TEXT,
     SWITCH,
@@ -26,6 +25,7 @@ from streaming_backend.parameters import (
     integer,
     integer_or_auto,
 )
+from streaming_backend.model.hardware import AUTO, DTYPE_NAMES, dtype_name
 from streaming_backend.wire import CHAT_MODEL, DIALOGUE_MODEL
 
 FORWARDS = ("auto", "compact", "hf")

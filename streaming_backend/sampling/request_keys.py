@@ -3,8 +3,8 @@
 A row holds the key, how its value is written (its Kind), its default, its range, its help, OpenAI's
 name for it where that differs, and the dialogue_model's input tensor when that model takes it
 too. The rest is read from the table: the keys the models and both bridges accept
-(SAMPLING_KEYS), the fields of SamplingSettings and their checks (streaming_backend/settings.py),
-the dialogue model's checks (dialogue/convert.py), the OpenAI API's mapping
+(SAMPLING_KEYS), the fields of SamplingSettings and their checks (sampling/settings.py), the
+dialogue model's checks (dialogue/convert.py), the OpenAI API's mapping
 (clients/bridge/openai_request.py) and the table of docs/interface.md (`markdown`). A new key is
 one row here plus its effect. Standard library only: the clients import it without torch.
 """
@@ -29,7 +29,7 @@ SEED = "seed"
 STOP = "stop"
 IGNORE_EOS = "ignore_eos"
 TOP_LOGPROBS = "top_logprobs"
-# constrained decoding as vLLM names it; at most one per request (streaming_backend.grammar)
+# constrained decoding as vLLM names it; at most one per request (sampling/grammar.py)
 GUIDED_JSON = "guided_json"
 GUIDED_JSON_OBJECT = "guided_json_object"
 GUIDED_REGEX = "guided_regex"

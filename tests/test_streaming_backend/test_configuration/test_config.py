@@ -1,4 +1,5 @@
-"""Tests for streaming_backend/config.py: the model's settings and their defaults, defined once."""
+"""Tests for streaming_backend/configuration/models.py: the model's settings and their defaults,
+defined once."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import fields
 import pytest
 from conftest import REPO_ROOT
 
-from streaming_backend.config import (
+from streaming_backend.configuration.models import (
     CHAT_PARAMETERS,
     DIALOGUE_PARAMETERS,
     TABLES,

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from streaming_backend.forward.quant import HEAD_KIND, INT4_GROUP
-from streaming_backend.loading import LoadedModel
+from streaming_backend.model.loading import LoadedModel
 from streaming_backend.steps import Steps
 
 FINGERPRINT_PREFIX = "fp_"  # as OpenAI's own system fingerprints start

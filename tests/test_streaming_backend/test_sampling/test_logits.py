@@ -1,4 +1,5 @@
-"""Tests for streaming_backend/logits.py: one batch's logits pipeline, the same for every caller."""
+"""Tests for streaming_backend/sampling/logits.py: one batch's logits pipeline, the same for
+every caller."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from streaming_backend import sampling
-from streaming_backend.logits import NextTokenChooser
-from streaming_backend.settings import SamplingSettings
+from streaming_backend.sampling import sampling
+from streaming_backend.sampling.logits import NextTokenChooser
+from streaming_backend.sampling.settings import SamplingSettings
 
 EOS = 0
 V = 6

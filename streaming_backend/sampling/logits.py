@@ -25,11 +25,11 @@ from typing import Protocol
 
 import torch
 
-from streaming_backend import logprobs as lp
-from streaming_backend import sampling
 from streaming_backend.errors import MaskFailed
-from streaming_backend.grammar import GrammarMatcher, apply_grammar_masks
-from streaming_backend.settings import SamplingSettings
+from streaming_backend.sampling import logprobs as lp
+from streaming_backend.sampling import sampling
+from streaming_backend.sampling.grammar import GrammarMatcher, apply_grammar_masks
+from streaming_backend.sampling.settings import SamplingSettings
 
 TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 

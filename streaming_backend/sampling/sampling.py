@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from streaming_backend.settings import SamplingSettings
+from streaming_backend.sampling.settings import SamplingSettings
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from streaming_backend.prefix_cache import Match, PrefixCache, common_prefix
+from streaming_backend.model.prefix_cache import Match, PrefixCache, common_prefix
 
 
 @pytest.mark.parametrize(

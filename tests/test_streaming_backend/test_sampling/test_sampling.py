@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from streaming_backend import sampling
-from streaming_backend.sampling import BatchSampling
-from streaming_backend.settings import SamplingSettings
+from streaming_backend.sampling import sampling
+from streaming_backend.sampling.sampling import BatchSampling
+from streaming_backend.sampling.settings import SamplingSettings
 
 VOCAB = 5000
 

@@ -3,7 +3,7 @@
 import pytest
 
 from streaming_backend.errors import InvalidRequest
-from streaming_backend.settings import SamplingSettings
+from streaming_backend.sampling.settings import SamplingSettings
 
 
 @pytest.mark.parametrize(

@@ -28,14 +28,14 @@ from typing import Any
 import torch
 
 from streaming_backend.errors import InvalidRequest, MaskFailed
-from streaming_backend.request_keys import (
+from streaming_backend.sampling.request_keys import (
     GUIDED_CHOICE,
     GUIDED_GRAMMAR,
     GUIDED_JSON,
     GUIDED_JSON_OBJECT,
     GUIDED_REGEX,
 )
-from streaming_backend.settings import SamplingSettings
+from streaming_backend.sampling.settings import SamplingSettings
 
 # JSON as json.dumps writes it ({"a": 1, "b": [2, 3]}): no free whitespace, which a small model
 # could otherwise repeat until max_tokens. A schema's own "x-guidance" options override these.

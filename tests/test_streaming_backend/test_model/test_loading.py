@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import TINY_CONTEXT
 
-from streaming_backend import loading
+from streaming_backend.model import loading
 from streaming_backend.paths import CACHE_VARIABLE
 
 
@@ -128,7 +128,7 @@ def test_the_default_model_is_converted_once(default_model_dir):
 )
 def test_instance_device_follows_the_triton_instance(kind, device_id, device):
     """A KIND_GPU instance runs on its own GPU, not always the first; KIND_MODEL picks."""
-    from streaming_backend.loading import instance_device
+    from streaming_backend.model.loading import instance_device
 
     assert instance_device(kind, device_id) == device
 

@@ -3,7 +3,7 @@
 import pytest
 
 from streaming_backend.events import FinishReason
-from streaming_backend.stopping import StopStringMatcher, check_stop
+from streaming_backend.sampling.stopping import StopStringMatcher, check_stop
 
 
 def _run(stops, pieces):

@@ -3,8 +3,8 @@ GPUs, and reading the flags."""
 
 import pytest
 
-from streaming_backend import hardware
-from streaming_backend.hardware import choose_dtype, choose_quantize
+from streaming_backend.model import hardware
+from streaming_backend.model.hardware import choose_dtype, choose_quantize
 
 AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512_vnni"}

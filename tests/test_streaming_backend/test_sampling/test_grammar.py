@@ -14,9 +14,9 @@ from conftest import wait_for
 from streaming_backend.engine import Engine, EngineConfig
 from streaming_backend.errors import InvalidRequest, Overloaded
 from streaming_backend.events import FinishReason
-from streaming_backend.grammar import GrammarCompiler, GrammarMatcher, apply_grammar_masks
 from streaming_backend.prompts import encode_prompt
-from streaming_backend.settings import SamplingSettings
+from streaming_backend.sampling.grammar import GrammarCompiler, GrammarMatcher, apply_grammar_masks
+from streaming_backend.sampling.settings import SamplingSettings
 
 COLOURS = {
     "type": "object",
@@ -150,7 +150,7 @@ def test_masks_cost_nothing_without_grammars():
 def test_a_failing_mask_ends_its_stream_alone(tiny_loaded, monkeypatch):
     """A grammar mask that cannot be made (llguidance failing mid-stream) ends that stream with
     the error; a constrained and a free row in the same batch go on to their ends."""
-    from streaming_backend import grammar
+    from streaming_backend.sampling import grammar
 
     real, poisoned = grammar.allowed_tokens, set()
 
@@ -184,7 +184,7 @@ def test_masks_filled_ahead_give_the_same_streams(tiny_loaded, monkeypatch, forw
     """With the next masks filled on the worker while the forward runs, seeded constrained and
     free rows in one batch produce exactly what they produce with masks filled after it; and
     the masks were filled on the worker."""
-    from streaming_backend import grammar
+    from streaming_backend.sampling import grammar
 
     real, threads = grammar.allowed_tokens, []
 

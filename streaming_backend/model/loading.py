@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from streaming_backend.hardware import (
+from streaming_backend.model.hardware import (
     DtypeChoice,
     capped_flags,
     choose_dtype,
