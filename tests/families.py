@@ -44,6 +44,8 @@ DIFFERENCES = {
         "attn_logit_softcapping": 1.0,
         "query_pre_attn_scalar": 1,  # scores of a few units, so that their cap shows
     },
+    # 4 experts, 2 per token, their weights summed as the router gave them (OLMoE's default)
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False},
     # a sparse layer of 4 experts, 2 per token, and a dense one
     "qwen3_moe": {
         "num_experts": 4,
@@ -85,6 +87,7 @@ COMPACT_FAMILIES = (
     "gemma2",
     "gemma3_text",
     "qwen3_moe",
+    "olmoe",
 )
 
 
@@ -104,6 +107,7 @@ def family_classes(kind: str) -> tuple[type, type]:
         "gemma2": "Gemma2",
         "gemma3_text": "Gemma3Text",
         "qwen3_moe": "Qwen3Moe",
+        "olmoe": "Olmoe",
         "stablelm": "StableLm",  # not on the compact forward: LayerNorm, partial RoPE
     }
     name = names[kind]

@@ -73,6 +73,7 @@ FAMILIES = {  # Hugging Face model_type -> its differences
     "smollm3": Family(rope_layers=True),
     "phi3": Family(fused=True),
     "qwen3_moe": Family(head_norms=True, experts=True),
+    "olmoe": Family(head_norms=True, experts=True),  # its q/k norms over all heads, as OLMo 2's
     # RoPE tables per layer type, the embedding scale, GELU and the scores' scale follow from
     # the config and the modules (model_shape, CompactLlama)
     "gemma2": Family(post_norms=True, float_norms=True, norm_offset=1.0, logit_cap=True),
@@ -225,6 +226,8 @@ def model_shape(model: Any) -> LlamaShape:
     hooked = [name for name, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
     if hooked:
         raise UnsupportedModel(f"forward hooks on {hooked[:3]} would be skipped")
+    if getattr(config, "clip_qkv", None) is not None:
+        raise UnsupportedModel(f"queries, keys and values clipped at {config.clip_qkv} (clip_qkv)")
     activation = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
     if activation not in ACTIVATIONS:
         raise UnsupportedModel(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")

@@ -10,7 +10,7 @@ from streaming_backend.sampling.settings import SamplingSettings
 
 @pytest.mark.parametrize(
     "family",
-    ["qwen3", "granite", "olmo2", "smollm3", "phi3", "gemma2", "gemma3_text", "qwen3_moe"],
+    ["qwen3", "granite", "olmo2", "smollm3", "phi3", "gemma2", "gemma3_text", "qwen3_moe", "olmoe"],
 )
 def test_a_family_is_served_on_the_compact_forward_as_in_process(
     tmp_path, default_model_dir, family

@@ -120,7 +120,7 @@ def test_a_streams_logits_are_the_same_alone_or_in_a_crowd(tiny_model_dir, kind,
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ("none", "int4"))
-@pytest.mark.parametrize("family", ("qwen3", "gemma2", "gemma3_text", "qwen3_moe"))
+@pytest.mark.parametrize("family", ("qwen3", "gemma2", "gemma3_text", "qwen3_moe", "olmoe"))
 def test_other_families_streams_are_the_same_alone_or_in_a_crowd(family, kind, dtype):
     """The same for Qwen3, whose heads' queries and keys are normalised between the C calls,
     Gemma 2 and 3 (norms after the attention and the MLP in torch, GELU and Gemma 2's capped

@@ -155,6 +155,7 @@ def test_prefill_after_a_copied_prefix_equals_whole_prefill(family_model):
         ("gemma2", {}),
         ("gemma3_text", {}),
         ("qwen3_moe", {}),
+        ("olmoe", {}),
     ],
 )
 def test_other_families_match_hf(kind, overrides):
@@ -189,6 +190,7 @@ def test_other_families_match_hf(kind, overrides):
         ("gemma2", {}),
         ("gemma3_text", {}),
         ("qwen3_moe", {}),
+        ("olmoe", {}),
     ],
 )
 def test_one_stream_decodes_as_hf_and_as_a_batch_row(kind, overrides, tiny):
@@ -280,6 +282,12 @@ def test_rope_on_part_of_a_head_of_odd_sizes_is_refused_with_the_reason():
     rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.6}
     with pytest.raises(UnsupportedModel, match="RoPE on 9 of each head's 16 values"):
         SlotForward.create(tiny_config_model("phi3", rope_parameters=rope), CONFIG)
+
+
+def test_clipped_queries_keys_and_values_are_refused_with_the_reason():
+    """OLMoE's clip_qkv (clamping q, k and v) is not on this forward: refused, named."""
+    with pytest.raises(UnsupportedModel, match=r"clipped at 8\.0 \(clip_qkv\)"):
+        SlotForward.create(tiny_config_model("olmoe", clip_qkv=8.0), CONFIG)
 
 
 def test_bad_calls_are_refused(tiny):
