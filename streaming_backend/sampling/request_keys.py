@@ -61,6 +61,15 @@ CHOICE = Kind("list of strings", tuple[str, ...], list)
 SCHEMA = Kind("JSON schema", str, dict)  # parsed into canonical JSON text (one cache key)
 
 
+def shown(value: int | float) -> str:
+    """A number as a message shows it: a whole one in all its digits (1000001, not 1e+06, which
+    would read as inside a range ending at 1e+06), any other in the fewest digits that are still
+    exactly it (1.0000001, not 1)."""
+    if isinstance(value, int) or (value.is_integer() and abs(value) < 1e15):
+        return str(int(value))
+    return repr(float(value))
+
+
 @dataclass(frozen=True)
 class Range:
     """The values a number may take: [low, high], or (low, high] when low itself is refused."""
@@ -70,7 +79,7 @@ class Range:
     low_open: bool = False
 
     def __str__(self) -> str:
-        return f"{'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+        return f"{'(' if self.low_open else '['}{shown(self.low)}, {shown(self.high)}]"
 
     def exact(self) -> str:
         """The range with every digit (the docs' table; messages use the short form)."""
@@ -80,7 +89,7 @@ class Range:
         """`value` when it is in the range; else InvalidRequest naming `name` and the range."""
         below = value <= self.low if self.low_open else value < self.low
         if below or value > self.high:
-            raise InvalidRequest(f"{name} must be in {self}, got {value:g}")
+            raise InvalidRequest(f"{name} must be in {self}, got {shown(value)}")
         return value
 
 

@@ -21,6 +21,7 @@ from streaming_backend.sampling.request_keys import (
     SEED,
     Range,
     markdown,
+    shown,
 )
 from streaming_backend.sampling.settings import SamplingSettings
 
@@ -62,12 +63,15 @@ def test_every_row_is_consistent(row):
     [
         (Range(0, 1, low_open=True), 0, "x must be in (0, 1], got 0"),
         (Range(0, 1, low_open=True), 1.5, "x must be in (0, 1], got 1.5"),
-        (Range(1, 1_000_000), 1_000_001, "x must be in [1, 1e+06], got 1e+06"),
+        (Range(1, 1_000_000), 1_000_001, "x must be in [1, 1000000], got 1000001"),
+        (Range(0, 2), 2.25, "x must be in [0, 2], got 2.25"),
+        (Range(0, 1), 1.0000001, "x must be in [0, 1], got 1.0000001"),
         (Range(0, 100), -1, "x must be in [0, 100], got -1"),
     ],
 )
 def test_a_range_refuses_what_lies_outside_it(span, value, message):
-    """The message names the input, the range (short numbers) and the value."""
+    """The message names the input, the range and the value, each number in the fewest digits
+    that are still exactly it (never 1e+06 for 1000001)."""
     with pytest.raises(InvalidRequest) as info:
         span.check("x", value)
     assert str(info.value) == f"invalid request: {message}"
@@ -100,4 +104,4 @@ def test_both_models_take_the_same_range(row):
     with pytest.raises(InvalidRequest) as dialogue:
         _dialogue(row, past)
     assert f"{row.dialogue} must be in " in str(dialogue.value)
-    assert str(dialogue.value).endswith(f"{row.range.high:g}], got {past:g}")
+    assert str(dialogue.value).endswith(f"{shown(row.range.high)}], got {shown(past)}")
