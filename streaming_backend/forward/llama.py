@@ -333,8 +333,11 @@ class CompactLlama(nn.Module):
             blocks = [_turned_first(b, self.shape) for b in blocks]
         self.blocks = [block.quantized(quantize, matmul) for block in blocks]
         # RoPE's cos and sin tables, and which one each layer applies (Family.rope_layers)
-        self.layer_ropes = _layer_ropes(config, family, inner.rotary_emb)
-        self.ropes = _rope_tables(inner.rotary_emb, self.shape, self.embed.dtype)
+        # (only the tables some layer applies: the torch paths index each one every call)
+        layer_ropes = _layer_ropes(config, family, inner.rotary_emb)
+        self.rope_tables = sorted(set(layer_ropes))
+        self.layer_ropes = tuple(self.rope_tables.index(i) for i in layer_ropes)
+        self.ropes = self._used_ropes(inner.rotary_emb, self.embed.dtype)
         # exact attention: the C kernel on the CPU for the dtypes it takes, else torch per token
         on_cpu = self.embed.device.type == "cpu" and self.embed.dtype in native.DTYPES
         self.kernel: AttentionKernel | None = native.attention_kernel() if on_cpu else None
@@ -349,7 +352,7 @@ class CompactLlama(nn.Module):
         if self.native:  # its activations are float32 whatever the model's dtype
             self.native_blocks = [_float_params(block) for block in self.blocks]
             self.native_final_norm = self.final_norm.float()
-            self.native_ropes = _rope_tables(inner.rotary_emb, self.shape, torch.float32)
+            self.native_ropes = self._used_ropes(inner.rotary_emb, torch.float32)
 
     def forward(
         self,
@@ -504,6 +507,13 @@ class CompactLlama(nn.Module):
         out = x.new_zeros(n, t, x.shape[-1])
         out[index[0], index[1]] = self._native_layers(x, k_cache, v_cache, placed)
         return out
+
+    def _used_ropes(
+        self, rotary: Any, dtype: torch.dtype
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The RoPE tables some layer applies (`layer_ropes` indexes these), in `dtype`."""
+        tables = _rope_tables(rotary, self.shape, dtype)
+        return [tables[i] for i in self.rope_tables]
 
     def _rope_at(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each RoPE table's cos and sin at `positions` [...] -> [..., 1, ..., head_dim]: a

@@ -138,25 +138,27 @@ def test_prefill_after_a_copied_prefix_equals_whole_prefill(family_model):
     assert forward.cache.lengths[reuser] == 28
 
 
+# every family beyond Llama as its tiny model shows it, and the RoPE and window variants
+SLIDING = {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}
+FAMILY_CASES = [
+    ("qwen2", SLIDING),
+    ("mistral", {"sliding_window": 8}),
+    ("qwen3", {}),
+    ("granite", {}),
+    ("olmo2", {}),
+    ("smollm3", {}),
+    ("phi3", LONGROPE),
+    ("phi3", PARTIAL_ROPE),
+    ("gemma2", {}),
+    ("gemma3_text", {}),
+    ("qwen3_moe", {}),
+    ("olmoe", {}),
+]
+
+
 @pytest.mark.parametrize(
     "kind, overrides",
-    [
-        ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
-        ("qwen2", {}),
-        ("mistral", {"sliding_window": 8}),
-        ("qwen3", {}),
-        ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
-        ("granite", {}),
-        ("olmo2", {}),
-        ("smollm3", {}),
-        ("phi3", {"sliding_window": 8}),
-        ("phi3", LONGROPE),
-        ("phi3", PARTIAL_ROPE),
-        ("gemma2", {}),
-        ("gemma3_text", {}),
-        ("qwen3_moe", {}),
-        ("olmoe", {}),
-    ],
+    [*FAMILY_CASES, ("qwen2", {}), ("qwen3", SLIDING), ("phi3", {"sliding_window": 8})],
 )
 def test_other_families_match_hf(kind, overrides):
     """Every family's differences from Llama (FAMILIES; tests/families.py makes each visible in
@@ -175,24 +177,7 @@ def test_other_families_match_hf(kind, overrides):
             )
 
 
-@pytest.mark.parametrize(
-    "kind, overrides",
-    [
-        ("llama", None),
-        ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
-        ("mistral", {"sliding_window": 8}),
-        ("qwen3", {}),
-        ("granite", {}),
-        ("olmo2", {}),
-        ("smollm3", {}),
-        ("phi3", LONGROPE),
-        ("phi3", PARTIAL_ROPE),
-        ("gemma2", {}),
-        ("gemma3_text", {}),
-        ("qwen3_moe", {}),
-        ("olmoe", {}),
-    ],
-)
+@pytest.mark.parametrize("kind, overrides", [("llama", None), *FAMILY_CASES])
 def test_one_stream_decodes_as_hf_and_as_a_batch_row(kind, overrides, tiny):
     """A slot decoding alone (the single-row step: keys viewed in place, no mask) matches
     Hugging Face, sliding windows included, and the same slot decoded beside another."""
@@ -216,7 +201,7 @@ def test_one_stream_decodes_as_hf_and_as_a_batch_row(kind, overrides, tiny):
     "kind, overrides",
     [
         ("llama", None),
-        ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+        ("qwen2", SLIDING),
         ("qwen3", {}),
     ],
 )
