@@ -34,7 +34,8 @@ class RowState(Protocol):
 
     def extend(self, added) -> None: ...  # the state of rows appended after a prefill
 
-    # keep these rows, in this order; a row named twice is forked (beam search)
+    # keep these rows, in this order; where a state can, a row named twice is forked (beam
+    # search on a Hugging Face cache)
     def select(self, keep: list[int]) -> None: ...
 
     def clear(self) -> None: ...
@@ -71,6 +72,14 @@ class RunningBatch(Generic[R]):
         self.state.select(keep)
         self._chooser = None
 
+    def fork(self, parents: Sequence[R], children: Sequence[R]) -> None:
+        """Append each child with a copy of its parent's model state (the state's `select` of
+        the parent's row named twice); the parents keep theirs."""
+        index = {id(row): r for r, row in enumerate(self.rows)}
+        self.state.select([*range(len(self.rows)), *(index[id(p)] for p in parents)])
+        self.rows.extend(children)
+        self._chooser = None
+
     def clear(self) -> list[R]:
         """Empty the batch (after a failed step); return the streams it held."""
         rows, self.rows, self._chooser = self.rows, [], None
@@ -102,42 +111,23 @@ class SlotForwardLike(Protocol):
 class SlotRows:
     """Each row's slot of the compact forward's KV cache (which knows each slot's length).
 
-    With `owns_slots` (the dialogue model's batch) the rows own their slots: a dropped row's
-    slot is freed and a row kept twice (a beam with two children) is copied into a free slot.
-    Without it (the streaming engine), slots belong to the caller, who frees or keeps them.
+    The slots belong to the caller (steps/slots.py), who allocates, copies and frees them: a row
+    here only names its slot, so a row cannot be forked by naming it twice.
     """
 
-    def __init__(self, forward: SlotForwardLike, owns_slots: bool = False):
+    def __init__(self, forward: SlotForwardLike):
         self.forward = forward
-        self.owns_slots = owns_slots
         self.slots: list[int] = []
 
     def extend(self, added: Sequence[int]) -> None:
         self.slots.extend(added)
 
     def select(self, keep: list[int]) -> None:
-        if not self.owns_slots:
-            self.slots = [self.slots[r] for r in keep]
-            return
-        cache = self.forward.cache
-        for r in set(range(len(self.slots))) - set(keep):
-            cache.free(self.slots[r])  # first: a fork below may reuse it
-        taken: set[int] = set()
-        slots = []
-        for r in keep:
-            slot = self.slots[r]
-            if slot in taken:  # a second child of the same row gets a copy of its KV
-                fork = cache.allocate()
-                cache.copy_prefix(slot, fork, cache.lengths[slot])
-                slot = fork
-            taken.add(slot)
-            slots.append(slot)
-        self.slots = slots
+        if len(set(keep)) != len(keep):
+            raise ValueError("two rows cannot share a slot: fork a row by copying its slot")
+        self.slots = [self.slots[r] for r in keep]
 
     def clear(self) -> None:
-        if self.owns_slots:
-            for slot in self.slots:
-                self.forward.cache.free(slot)
         self.slots = []
 
     def decode(self, tokens: list[int]) -> torch.Tensor:

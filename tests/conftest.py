@@ -7,6 +7,7 @@ import json
 import signal
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -529,7 +530,7 @@ def sequence_log_prob(loaded, prompt_ids, tokens) -> float:
     return float(log_probs.gather(-1, chosen).sum()) if len(tokens) else 0.0
 
 
-_BATCH_FORWARDS: dict = {}
+_GENERATORS: dict = {}
 
 
 @pytest.fixture(params=["compact", "hf"])
@@ -538,13 +539,18 @@ def batch_forward(request) -> str:
     return request.param
 
 
-def batch_forward_for(loaded, name: str):
-    """The BatchForward `name` of a loaded model, built once per model (the compact one fuses
-    the weights)."""
-    from streaming_backend.dialogue.batch_forward import CompactBatchForward, HfBatchForward
+def generate(loaded, forward, requests, max_beam_width: int):
+    """The dialogue model's generation of `requests` on `loaded`: `forward` names the forward
+    (unquantized) or is the whole EngineConfig; room for 8 requests of the widest beams. The
+    generator is built once per model and settings (the compact one fuses the weights), so
+    its prefix cache carries over between calls, as it does between a server's batches."""
+    from streaming_backend.configuration.models import EngineConfig
+    from streaming_backend.dialogue.generation import Generator
 
-    key = (id(loaded), name)
-    if key not in _BATCH_FORWARDS:
-        kind = CompactBatchForward if name == "compact" else HfBatchForward
-        _BATCH_FORWARDS[key] = (loaded, kind(loaded))  # the model kept alive with its forward
-    return _BATCH_FORWARDS[key][1]
+    if not isinstance(forward, EngineConfig):
+        forward = EngineConfig(forward=forward, quantize="none")
+    config = replace(forward, max_streams=8 * max_beam_width)
+    key = (id(loaded), config, max_beam_width)
+    if key not in _GENERATORS:  # the model kept alive with its generator
+        _GENERATORS[key] = (loaded, Generator(loaded, config, max_beam_width))
+    return _GENERATORS[key][1].generate(requests)

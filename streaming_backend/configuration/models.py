@@ -106,6 +106,40 @@ FORWARD = Parameter(
     option=True,
 )
 
+# The steps' settings: the chat model's engine, and the dialogue model's rows on the same steps
+PREFIX_CACHE = Parameter(
+    "prefix_cache",
+    "on",
+    "reuse KV across requests: on (prompts and answers), prompts, off",
+    choice(*PREFIX_CACHE_MODES),
+    option=True,
+)
+PREFILL_CHUNK_TOKENS = Parameter(
+    "prefill_chunk_tokens",
+    "auto",
+    "prompt tokens prefilled per step while other streams decode; auto: as many as "
+    "one decode step's time, measured",
+    integer_or_auto(1),
+    option=True,
+)
+KV_CACHE_MEMORY = Parameter(
+    "kv_cache_memory",
+    "0.5",
+    "KV cache size: a fraction of free memory (0.5) or a size (4GiB)",
+    MEMORY,
+    option=True,
+)
+# The dialogue model's own default, a quarter, so that both models' caches together stay within
+# three quarters of the memory free at start; `tokenstream serve --kv-cache-memory` sets both.
+DIALOGUE_KV_CACHE_MEMORY = Parameter(
+    "kv_cache_memory",
+    "0.25",
+    "KV cache size: a fraction of free memory (0.25), shared by the instances, or a size "
+    "(4GiB), each instance's",
+    MEMORY,
+    option=True,
+)
+
 CHAT_PARAMETERS = ParameterTable(
     CHAT_MODEL,
     (
@@ -134,28 +168,9 @@ CHAT_PARAMETERS = ParameterTable(
             field="cancel_check_s",
         ),
         FORWARD,
-        Parameter(
-            "prefix_cache",
-            "on",
-            "reuse KV across requests: on (prompts and answers), prompts, off",
-            choice(*PREFIX_CACHE_MODES),
-            option=True,
-        ),
-        Parameter(
-            "prefill_chunk_tokens",
-            "auto",
-            "prompt tokens prefilled per step while other streams decode; auto: as many as "
-            "one decode step's time, measured",
-            integer_or_auto(1),
-            option=True,
-        ),
-        Parameter(
-            "kv_cache_memory",
-            "0.5",
-            "KV cache size: a fraction of free memory (0.5) or a size (4GiB)",
-            MEMORY,
-            option=True,
-        ),
+        PREFIX_CACHE,
+        PREFILL_CHUNK_TOKENS,
+        KV_CACHE_MEMORY,
         Parameter(
             "compile",
             "off",
@@ -195,6 +210,9 @@ DIALOGUE_PARAMETERS = ParameterTable(
         DTYPE,
         QUANTIZE,
         FORWARD,
+        PREFIX_CACHE,
+        PREFILL_CHUNK_TOKENS,
+        DIALOGUE_KV_CACHE_MEMORY,
         Parameter("max_beam_width", "8", "widest beam search a request may ask for", integer(1)),
         Parameter(
             "default_output_len",
@@ -302,28 +320,52 @@ class ModelSettings:
         return CHAT_PARAMETERS.format(values)
 
 
+_DIALOGUE_ENGINE = {k: v for k, v in _DIALOGUE.items() if k in _ENGINE_FIELDS}
+DIALOGUE_MAX_BATCH = 32  # requests per execute() when the config sets no max_batch_size
+
+
+def dialogue_engine(values: Mapping, rows: int) -> EngineConfig:
+    """The steps the dialogue model's requests run on: its table's engine settings, room for
+    `rows` rows (each request's beams) and whole prompts prefilled when nothing decodes."""
+    return EngineConfig(max_streams=rows, **{k: values[k] for k in _DIALOGUE_ENGINE})
+
+
 @dataclass(frozen=True)
 class DialogueSettings:
-    """The dialogue model's config.pbtxt `parameters`, typed."""
+    """The dialogue model's config.pbtxt `parameters`, typed; the steps' ones in `engine`."""
 
     model: str | None = _DIALOGUE["model"]
     dtype: str = _DIALOGUE["dtype"]
-    quantize: str = _DIALOGUE["quantize"]
-    forward: str = _DIALOGUE["forward"]
     max_beam_width: int = _DIALOGUE["max_beam_width"]
     default_output_len: int = _DIALOGUE["default_output_len"]
     cpu_threads: int = _DIALOGUE["cpu_threads"]  # on a CPU; 0: the cores / instances
+    # forward, quantize, prefix cache, prefill chunks, KV cache memory; max_streams: rows
+    engine: EngineConfig = field(
+        default_factory=lambda: dialogue_engine(
+            _DIALOGUE, DIALOGUE_MAX_BATCH * _DIALOGUE["max_beam_width"]
+        )
+    )
 
     @classmethod
     def from_config(cls, config: Mapping) -> DialogueSettings:
-        """Read the string parameters and the instance count of the model config."""
-        settings = cls(**DIALOGUE_PARAMETERS.parse(_config_parameters(config)))
+        """Read the string parameters, the batch size and the instance count of the model
+        config. Each instance holds at most a full batch of its widest beams; a KV cache
+        fraction and (with cpu_threads 0) the cores are shared among the instances."""
+        values = DIALOGUE_PARAMETERS.parse(_config_parameters(config))
+        instances = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
+        _, fraction = parse_memory(values["kv_cache_memory"])
+        if fraction is not None:
+            values["kv_cache_memory"] = f"{fraction / instances:g}"
+        rows = (config.get("max_batch_size") or DIALOGUE_MAX_BATCH) * values["max_beam_width"]
+        engine = dialogue_engine(values, rows)
+        settings = cls(
+            engine=engine, **{k: v for k, v in values.items() if k not in _DIALOGUE_ENGINE}
+        )
         if settings.cpu_threads:
             return settings
         # 0: share the cores among the instances. More threads than cores make each operation
         # wait for a descheduled thread: on a busy 2-core CPU a 16-token request of the tiny
         # model took 1.96 s with 2 threads and 0.29 s with 1.
-        instances = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
         threads = max(1, (os.cpu_count() or 1) // instances)
         return replace(settings, cpu_threads=threads)
 

@@ -1,24 +1,25 @@
-"""Batched, non-streaming generation: several requests (token ids in, token ids out) run together,
-one forward pass per step for every row of every request.
+"""Batched, non-streaming generation: the dialogue model's requests (token ids in, token ids
+out) on the chat model's steps (streaming_backend/steps): the same forwards, prefix cache and
+chunked prefill, one forward pass per step for every row of every request.
 
-Used by the dialogue_model, whose execute() receives a batch formed by Triton's dynamic batcher.
 A request is one row (sampling) or W rows (beam search, dialogue/beam.py; greedy is beam search
-of width 1). The rows' model state comes from a `BatchForward` (dialogue/batch_forward.py: slots
-of the compact forward, or a Hugging Face cache); after each step it keeps
-the rows that go on, each forked from the beam it continues, and finished requests' rows leave.
-Tokens are chosen by the same logits pipeline as the streaming engine's
-(streaming_backend.sampling.logits).
+of width 1). It joins when the steps have room for all its rows and is prefilled as one row;
+its beams then fork from it (`Steps.fork`: a beam with two children is a copy of its model
+state) and a row no beam continues leaves. Requests that wait for room join as others end, in
+the same call: Triton's dynamic batcher forms the batch, the steps run it. Tokens are chosen by
+the same logits pipeline as the streaming engine's (streaming_backend.sampling.logits).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from streaming_backend.dialogue.batch_forward import BatchForward, HfBatchForward
+from streaming_backend.configuration.models import EngineConfig
 from streaming_backend.dialogue.beam import BeamSearch, Hypothesis, step_all
 from streaming_backend.errors import InvalidRequest, StreamingError
 from streaming_backend.model.loading import LoadedModel
@@ -26,6 +27,8 @@ from streaming_backend.prompt_limits import PromptLimits
 from streaming_backend.sampling import sampling
 from streaming_backend.sampling.logits import NextTokenChooser
 from streaming_backend.sampling.settings import SamplingSettings
+from streaming_backend.steps import Steps
+from streaming_backend.steps.build import build_steps
 from streaming_backend.wire import DIALOGUE_INPUT_IDS, END_ID, REQUEST_OUTPUT_LEN
 
 log = logging.getLogger(__name__)
@@ -71,179 +74,250 @@ def validate(request: GenerationRequest, limits: PromptLimits, max_beam_width: i
     limits.check_in_vocab(sorted(request.end_ids or ()), END_ID)
 
 
-def generate_batch(
-    loaded: LoadedModel,
-    requests: Sequence[GenerationRequest],
-    max_beam_width: int,
-    forward: BatchForward | None = None,
-) -> list[GenerationResult | StreamingError]:
-    """Generate for every request together on `forward` (default: Hugging Face's); a request
-    that fails gets its own error instead."""
-    forward = forward or HfBatchForward(loaded)
-    results: list[GenerationResult | StreamingError | None] = [None] * len(requests)
-    valid = []
-    limits = PromptLimits.of(loaded)
-    for index, request in enumerate(requests):
+class Generator:
+    """The dialogue model's generation: requests in, each one's beams or error out, on steps
+    built once (`build_steps`: the compact forward where it runs, else Hugging Face's)."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, max_beam_width: int):
+        self.loaded = loaded
+        self.max_beam_width = max_beam_width
+        self.limits = PromptLimits.of(loaded)
+        self.steps: Steps[_Row] = build_steps(loaded, config, self._prefill_failed)
+
+    @property
+    def name(self) -> str:
+        """The forward the rows run on: "compact" or "hf"."""
+        return self.steps.name
+
+    def generate(
+        self, requests: Sequence[GenerationRequest]
+    ) -> list[GenerationResult | StreamingError]:
+        """Generate for every request together; a request that fails gets its own error."""
+        results: list[GenerationResult | StreamingError | None] = [None] * len(requests)
+        jobs = []
+        for index, request in enumerate(requests):
+            try:
+                validate(request, self.limits, self.max_beam_width)
+                jobs.append(_Job.start(index, request, self.loaded.eos_ids))
+            except InvalidRequest as error:
+                results[index] = error
+        self._run_isolated(jobs)
+        for job in jobs:
+            results[job.index] = job.outcome
+        return results
+
+    def _run_isolated(self, jobs: list[_Job]) -> None:
+        """Run the jobs together; if a step fails, rerun each unfinished one alone, so that only
+        a failing request errs."""
+        if not jobs:
+            return
         try:
-            validate(request, limits, max_beam_width)
-            valid.append(index)
-        except InvalidRequest as error:
-            results[index] = error
-    outcomes = _generate_isolated(forward, loaded.eos_ids, [requests[i] for i in valid])
-    for index, outcome in zip(valid, outcomes):
-        results[index] = outcome
-    return results
+            with torch.inference_mode():
+                self._run(jobs)
+        except Exception as error:  # a bug or an allocation failure: find who fails
+            self.steps.clear()
+            unfinished = [job for job in jobs if job.outcome is None]
+            if len(jobs) == 1:
+                log.exception("generation failed")
+                jobs[0].outcome = StreamingError(f"{type(error).__name__}: {error}")
+                return
+            for job in unfinished:
+                again = _Job.start(job.index, job.request, self.loaded.eos_ids)
+                self._run_isolated([again])
+                job.outcome = again.outcome
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def _run(self, jobs: list[_Job]) -> None:
+        """Admit what fits, prefill, step every decoding row; until every job has its outcome."""
+        waiting = collections.deque(jobs)
+        active: list[_Job] = []
+        while waiting or active:
+            self._admit(waiting, active)
+            for ready in self.steps.prefill():
+                self._advance(ready.streams, ready.logits)
+            if self.steps.decoding():
+                step = self.steps.decode()
+                self._advance(step.streams, step.logits)
+            active = [job for job in active if job.outcome is None]
+
+    def _admit(self, waiting: collections.deque[_Job], active: list[_Job]) -> None:
+        """Start the waiting jobs, in order, while the steps have room for all their rows (a job
+        holds one row until its beams fork: the rest is kept for it)."""
+        room = self.steps.capacity() - sum(job.width - len(job.rows) for job in active)
+        limit, tokens, new = self.steps.prompt_tokens_per_step, 0, []
+        while waiting and waiting[0].width <= room:
+            size = len(waiting[0].request.prompt_ids)
+            if new and limit is not None and tokens + size > limit:
+                break
+            job = waiting.popleft()
+            new.append(job.first_row())
+            active.append(job)
+            room -= job.width
+            tokens += size
+        if new:
+            self.steps.admit(new)
+        elif waiting and not active:  # all the room there is, and still too little
+            job = waiting.popleft()
+            job.outcome = StreamingError(
+                f"beam_width {job.width} needs {job.width} rows and this instance has room for "
+                f"{room} at most (its KV cache's slots: raise kv_cache_memory)"
+            )
+
+    def _prefill_failed(self, rows: list[_Row], error: Exception) -> None:
+        """Rows whose prefill failed alone (the steps freed them): their requests fail."""
+        for job in {id(row.job): row.job for row in rows}.values():
+            job.outcome = (
+                error
+                if isinstance(error, StreamingError)
+                else StreamingError(f"{type(error).__name__}: {error}")
+            )
+            self.steps.remove([r for r in job.rows if r not in rows], keep=False)
+
+    def _advance(self, rows: list[_Row], logits: torch.Tensor) -> None:
+        """Choose each job's next tokens from its rows of logits [N, V]; fork, prune, finish."""
+        position = {id(row): r for r, row in enumerate(rows)}
+        jobs = list({id(row.job): row.job for row in rows}.values())
+        sampled = [job for job in jobs if job.search is None]
+        if sampled:
+            first = [job.rows[0] for job in sampled]
+            at = [position[id(row)] for row in first]
+            ids, log_probs = _sample(first, logits[at], self.loaded.eos_ids)
+            for job, token, log_prob in zip(sampled, ids, log_probs):
+                job.take(token, log_prob)
+                if job.done:
+                    self._finish(job)
+        beams = [job for job in jobs if job.search is not None]
+        if beams:
+            # before the first step a job has one row (its prompt's) for its W beams
+            at = [position[id(job.beam_row(i))] for job in beams for i in range(job.width)]
+            log_probs = _beam_log_probs(beams, logits[at], self.loaded.eos_ids)
+            for job, (sources, _) in zip(beams, step_all([j.search for j in beams], log_probs)):
+                if sources:
+                    self._branch(job, sources)
+                else:
+                    self._finish(job)
+
+    def _branch(self, job: _Job, sources: list[int]) -> None:
+        """The job's rows after a beam step: beam i continues row sources[i] (a row continued
+        twice is forked, one continued by none leaves) with the search's tokens."""
+        parents = [job.beam_row(s) for s in sources]
+        claimed: set[int] = set()
+        rows, forks = [], []
+        for parent in parents:
+            if id(parent) in claimed:
+                child = job.new_row()
+                forks.append((parent, child))
+                rows.append(child)
+            else:
+                claimed.add(id(parent))
+                rows.append(parent)
+        self.steps.remove([row for row in job.rows if id(row) not in claimed], keep=False)
+        self.steps.fork(forks)  # copies of the parents' state, before they take their tokens
+        for row, tokens in zip(rows, job.search.tokens):
+            row.output_ids = list(tokens)
+        job.rows = rows
+
+    def _finish(self, job: _Job) -> None:
+        """The job's outcome; its first row's KV stays for the prefix cache, the others go."""
+        job.outcome = job.result()
+        self.steps.remove(job.rows[1:], keep=False)
+        self.steps.remove(job.rows[:1])
 
 
-def _generate_isolated(forward: BatchForward, eos_ids: frozenset[int], requests):
-    """Run the batch; if it fails, run each request alone so only a failing one errs."""
-    if not requests:
-        return []
-    try:
-        with torch.inference_mode():
-            return _generate(forward, eos_ids, requests)
-    except Exception as error:  # a bug or an allocation failure: find who fails
-        if len(requests) == 1:
-            log.exception("generation failed")
-            return [StreamingError(f"{type(error).__name__}: {error}")]
-        return [_generate_isolated(forward, eos_ids, [r])[0] for r in requests]
+# ---- one request ----------------------------------------------------------------------------
 
 
-# ---- one request's rows ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Handle:
+    """What the steps log of a row's request."""
+
+    request_id: str
 
 
-@dataclass
-class _Sampled:
-    """A request that samples: one row."""
+@dataclass(eq=False)  # rows compare by identity
+class _Row:
+    """One row of the steps (their `Stream`): the request's prompt and one sequence's tokens."""
 
-    request: GenerationRequest
-    end_ids: frozenset[int]
-    generator: torch.Generator
-    tokens: list[int] = field(default_factory=list)
-    cum_log_prob: float = 0.0
-    done: bool = False
-    rows: int = 1
+    job: _Job
+    prompt_ids: list[int]
+    settings: SamplingSettings
+    generator: torch.Generator | None  # sampling's; beams draw nothing
+    output_ids: list[int] = field(default_factory=list)
+    scheduled_ns: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache gave
     grammar: None = None  # the dialogue model takes no grammar
 
-    # the logits pipeline's view of this row (streaming_backend.sampling.logits.Row)
     @property
-    def settings(self) -> SamplingSettings:
-        return self.request.settings
-
-    @property
-    def prompt_ids(self) -> tuple[int, ...]:
-        return self.request.prompt_ids
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.tokens
-
-    def advance(self, token: int, log_prob: float) -> tuple[list[int], list[int]]:
-        """Append a sampled token -> (source rows, tokens) of the next step; empty when done."""
-        self.tokens.append(token)
-        self.cum_log_prob += log_prob
-        self.done = token in self.end_ids or len(self.tokens) >= self.request.max_new_tokens
-        return ([], []) if self.done else ([0], [token])
-
-    def result(self) -> GenerationResult:
-        score = self.cum_log_prob / (len(self.tokens) ** self.request.length_penalty)
-        return GenerationResult((Hypothesis(tuple(self.tokens), self.cum_log_prob, score),))
+    def handle(self) -> _Handle:
+        return _Handle(f"dialogue request {self.job.index}")
 
 
-@dataclass
-class _Beams:
-    """A request searched with beams (greedy = width 1): W rows."""
+@dataclass(eq=False)
+class _Job:
+    """A request on the steps: its rows, its beam search (None: it samples), its outcome."""
 
+    index: int  # in the call's requests
     request: GenerationRequest
-    search: BeamSearch
+    end_ids: frozenset[int]
+    search: BeamSearch | None
+    generator: torch.Generator | None = None
+    rows: list[_Row] = field(default_factory=list)
+    cum_log_prob: float = 0.0  # a sampled sequence's
+    done: bool = False  # a sampled sequence's
+    outcome: GenerationResult | StreamingError | None = None
+
+    @classmethod
+    def start(cls, index: int, request: GenerationRequest, model_end_ids: frozenset[int]) -> _Job:
+        end_ids = request.end_ids or model_end_ids
+        if request.uses_beams:
+            search = BeamSearch(
+                request.beam_width, request.max_new_tokens, end_ids, request.length_penalty
+            )
+            return cls(index, request, end_ids, search)
+        return cls(index, request, end_ids, None, sampling.new_generator(request.settings.seed))
 
     @property
-    def rows(self) -> int:
-        return self.search.width
+    def width(self) -> int:
+        """Rows this job holds at most."""
+        return self.search.width if self.search is not None else 1
 
-    @property
-    def done(self) -> bool:
-        return self.search.done
+    def new_row(self) -> _Row:
+        return _Row(self, list(self.request.prompt_ids), self.request.settings, self.generator)
+
+    def first_row(self) -> _Row:
+        """The row its prompt is prefilled in."""
+        self.rows = [self.new_row()]
+        return self.rows[0]
+
+    def beam_row(self, beam: int) -> _Row:
+        """The row holding beam `beam`: before the first step every beam is the prompt's row."""
+        return self.rows[beam] if beam < len(self.rows) else self.rows[0]
+
+    def take(self, token: int, log_prob: float) -> None:
+        """A sampled token: appended to its row; done at an end id or the length limit."""
+        tokens = self.rows[0].output_ids
+        tokens.append(token)
+        self.cum_log_prob += log_prob
+        self.done = token in self.end_ids or len(tokens) >= self.request.max_new_tokens
 
     def result(self) -> GenerationResult:
-        return GenerationResult(tuple(self.search.results()))
+        if self.search is not None:
+            return GenerationResult(tuple(self.search.results()))
+        tokens = tuple(self.rows[0].output_ids)
+        score = self.cum_log_prob / (len(tokens) ** self.request.length_penalty)
+        return GenerationResult((Hypothesis(tokens, self.cum_log_prob, score),))
 
 
-def _start(request: GenerationRequest, model_end_ids: frozenset[int]):
-    end_ids = request.end_ids or model_end_ids
-    if request.uses_beams:
-        search = BeamSearch(
-            request.beam_width, request.max_new_tokens, end_ids, request.length_penalty
-        )
-        return _Beams(request, search)
-    return _Sampled(request, end_ids, sampling.new_generator(request.settings.seed))
-
-
-# ---- the loop -------------------------------------------------------------------------------
-
-
-def _generate(
-    forward: BatchForward, eos_ids: frozenset[int], requests: Sequence[GenerationRequest]
-):
-    """Prefill all prompts together, then step every live row together until all are done."""
-    groups = [_start(r, eos_ids) for r in requests]
-    rows = sum(g.rows for g in groups)
-    length = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
-    state, logits = forward.prefill([r.prompt_ids for r in requests], rows, length)
-    try:
-        expand = [i for i, g in enumerate(groups) for _ in range(g.rows)]  # beams share a prompt
-        if len(expand) != len(groups):
-            state.select(expand)
-            logits = logits[expand]
-        live = groups
-        while True:
-            choices = _choose(live, logits, eos_ids)  # per group: (source rows, next tokens)
-            keep, next_tokens, still = [], [], []
-            offset = 0
-            for group, (sources, tokens) in zip(live, choices):
-                if sources:
-                    keep += [offset + s for s in sources]
-                    next_tokens += tokens
-                    still.append(group)
-                offset += group.rows
-            if not still:
-                break
-            if keep != list(range(offset)):
-                state.select(keep)  # finished requests leave; beams follow their parents
-            logits = state.decode(next_tokens)
-            live = still
-    finally:
-        state.clear()
-    return [g.result() for g in groups]
-
-
-def _choose(groups, logits: torch.Tensor, eos_ids) -> list[tuple[list[int], list[int]]]:
-    """Pick each group's next tokens from its rows of logits [R, V] (one logits pipeline)."""
-    starts = [0]
-    for group in groups:
-        starts.append(starts[-1] + group.rows)
-    choices: list[tuple[list[int], list[int]] | None] = [None] * len(groups)
-    sampled = [i for i, g in enumerate(groups) if isinstance(g, _Sampled)]
-    if sampled:
-        rows = [starts[i] for i in sampled]
-        tokens, log_probs = _sample([groups[i] for i in sampled], logits[rows], eos_ids)
-        for i, token, log_prob in zip(sampled, tokens, log_probs):
-            choices[i] = groups[i].advance(token, log_prob)
-    beams = [i for i, g in enumerate(groups) if isinstance(g, _Beams)]
-    if beams:
-        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in beams])
-        log_probs = _beam_log_probs([groups[i] for i in beams], logits[rows], eos_ids)
-        for i, choice in zip(beams, step_all([groups[i].search for i in beams], log_probs)):
-            choices[i] = choice
-    return choices
+# ---- choosing tokens ------------------------------------------------------------------------
 
 
 def _sample(
-    groups: list[_Sampled], logits: torch.Tensor, eos_ids: frozenset[int]
+    rows: list[_Row], logits: torch.Tensor, eos_ids: frozenset[int]
 ) -> tuple[list[int], list[float]]:
     """One token per sampling row (logits [N, V]) and its log-prob under the raw model."""
-    choice = NextTokenChooser.for_rows(groups, eos_ids, logits.device).choose(
-        logits, groups, logprobs=True
+    choice = NextTokenChooser.for_rows(rows, eos_ids, logits.device).choose(
+        logits, rows, logprobs=True
     )
     return choice.ids, [picked for picked, _ in choice.logprobs]
 
@@ -260,14 +334,14 @@ class _BeamRow:
 
 
 def _beam_log_probs(
-    groups: list[_Beams], logits: torch.Tensor, eos_ids: frozenset[int]
+    jobs: list[_Job], logits: torch.Tensor, eos_ids: frozenset[int]
 ) -> torch.Tensor:
-    """Log-softmax of the beam groups' stacked rows [R, V], after their logits processors
+    """Log-softmax of the beam jobs' stacked rows [R, V], after their logits processors
     (repetition penalty)."""
     rows = [
-        _BeamRow(group.request.settings, group.request.prompt_ids, tokens)
-        for group in groups
-        for tokens in group.search.tokens
+        _BeamRow(job.request.settings, job.request.prompt_ids, tokens)
+        for job in jobs
+        for tokens in job.search.tokens
     ]
     chooser = NextTokenChooser.for_rows(rows, eos_ids, logits.device)
     processed, _ = chooser.process(logits.clone(), rows)  # no grammars: nothing fails

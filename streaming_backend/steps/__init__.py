@@ -7,13 +7,14 @@ chunked prefill under a per-step token budget and prefix reuse across requests.
 
 Both take streams from the engine (`admit`), prefill them (`prefill` yields each group of streams
 whose prompt is done, with their next-token logits), step the decoding rows (`decode`, one
-`RunningBatch` step) and free a stream's row when it ends (`remove`). Choosing tokens (the
+`RunningBatch` step), fork a decoding stream into a new one with a copy of its model state
+(`fork`: beam search) and free a stream's row when it ends (`remove`). Choosing tokens (the
 batch's `NextTokenChooser`) and errors stay in the engine, events in `stream_events`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import NamedTuple, Protocol, TypeVar
 
 import torch
@@ -69,6 +70,9 @@ class Steps(Protocol[S]):
     def decoding(self) -> bool: ...  # True when a decode step has rows
 
     def decode(self) -> Decoded: ...
+
+    # each child (new to the steps) decodes on from a copy of its decoding parent's model state
+    def fork(self, pairs: Sequence[tuple[S, S]]) -> None: ...
 
     def remove(self, streams: Collection[S], keep: bool = True) -> None: ...
 

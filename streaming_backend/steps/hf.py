@@ -2,10 +2,9 @@
 
 Admitted prompts are left-padded into groups whose padding stays under `max_padding` and each
 group is prefilled in one forward pass; its rows then join the running batch (a DynamicCache whose
-rows are concatenated on join and selected on leave). No prefix reuse, no chunking: this is the
-fallback for architectures the compact forward does not know, and `forward=hf` for comparison.
-`HfForward` is the model's two calls (prompts in, one token per row), used by the dialogue model
-too.
+rows are concatenated on join, selected on leave and repeated on a fork). No prefix reuse, no
+chunking: this is the fallback for architectures the compact forward does not know, and
+`forward=hf` for comparison. `HfForward` is the model's two calls (prompts in, one token per row).
 """
 
 from __future__ import annotations
@@ -95,6 +94,11 @@ class HfSteps:
     def decode(self) -> Decoded:
         """One forward pass for every row of the batch, one new token each."""
         return self._batch.step()
+
+    def fork(self, pairs: Sequence[tuple]) -> None:
+        """Each child joins the batch with a copy of its parent's cache row and position."""
+        if pairs:
+            self._batch.fork([parent for parent, _ in pairs], [child for _, child in pairs])
 
     def remove(self, streams: Collection, keep: bool = True) -> None:
         gone = {id(s) for s in streams}

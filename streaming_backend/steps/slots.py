@@ -234,6 +234,21 @@ class SlotSteps:
         finally:
             self.cache.free(slot)
 
+    # ---- forks (beam search) --------------------------------------------------------------------
+
+    def fork(self, pairs: Sequence[tuple]) -> None:
+        """Each child takes a slot holding a copy of its decoding parent's (every position the
+        parent has written) and decodes on from there."""
+        slots = []
+        for parent, child in pairs:
+            source = self._slot[id(parent)]
+            slot = self._allocate()
+            self.cache.copy_prefix(source, slot, self.cache.lengths[source])
+            self._slot[id(child)] = slot
+            slots.append(slot)
+        if pairs:
+            self._batch.add([child for _, child in pairs], slots)
+
     # ---- leaving --------------------------------------------------------------------------------
 
     def remove(self, streams: Collection, keep: bool = True) -> None:

@@ -97,6 +97,29 @@ def test_remove_compares_by_identity():
     assert len(batch) == 0 and batch.state.cache is None and batch.state.positions.tolist() == []
 
 
+def test_fork_appends_a_copy_of_the_parents_state():
+    """A forked row (a beam continued twice) joins with its parent's cache row, mask and
+    position; the parent keeps its own, and the chooser covers the new row."""
+    batch, rows = _filled()
+    child = Row("b2", output_ids=[11])
+    batch.fork([rows[1]], [child])
+    assert batch.rows == [*rows, child]
+    assert batch.state.positions.tolist() == [3, 5, 2, 5]
+    assert _row_values(batch) == [1.0, 2.0, 3.0, 2.0]
+    assert batch.state.cache.mask.sum(-1).tolist() == [3, 5, 2, 5]
+    assert len(batch.chooser()) == 4
+
+
+def test_slot_rows_refuse_to_share_a_slot():
+    """On the compact forward a fork must copy the slot (steps/slots.py): naming a row twice is
+    a bug, caught at once."""
+    batch = RunningBatch(SlotRows(SlotEcho()), eos_ids=[0], device="cpu")
+    rows = [Row("a", output_ids=[1])]
+    batch.add(rows, [3])
+    with pytest.raises(ValueError, match="share a slot"):
+        batch.fork(rows, [Row("b", output_ids=[1])])
+
+
 def test_chooser_follows_the_rows():
     """The chooser is built once per batch and rebuilt after rows come or go."""
     batch, rows = _filled()

@@ -10,11 +10,11 @@ caps, where `auto` picks another dtype.
 from __future__ import annotations
 
 import pytest
+from conftest import generate
 
-from streaming_backend.dialogue.batch_forward import CompactBatchForward
-from streaming_backend.dialogue.generation import GenerationRequest, generate_batch
+from streaming_backend.dialogue.generation import GenerationRequest
 from streaming_backend.engine import Engine, EngineConfig
-from streaming_backend.model.loading import load_model, resolve_quantize
+from streaming_backend.model.loading import load_model
 from streaming_backend.prompts import encode_prompt
 from streaming_backend.sampling.settings import SamplingSettings
 
@@ -68,7 +68,7 @@ def test_the_same_chats_alone_and_in_a_crowd_give_the_same_tokens(served_tiny, q
 def test_a_dialogue_batch_gives_each_request_its_tokens_alone(served_tiny):
     """The dialogue model as served (quantize auto): greedy, sampled and beam requests give the
     same tokens and the same cumulative log-probabilities, exactly, alone and batched."""
-    forward = CompactBatchForward(served_tiny, resolve_quantize("auto", served_tiny))
+    forward = EngineConfig(forward="compact", quantize="auto")
     seeded = SamplingSettings(temperature=0.9, top_p=0.95, seed=5)
     requests = [
         GenerationRequest((1, 2, 3, 4, 5, 6, 7, 8), 8),
@@ -76,8 +76,8 @@ def test_a_dialogue_batch_gives_each_request_its_tokens_alone(served_tiny):
         GenerationRequest(tuple(range(20, 70)), 8, settings=seeded),
         GenerationRequest((11, 12, 13), 8, settings=SamplingSettings(temperature=1.0, seed=9)),
     ]
-    batch = generate_batch(served_tiny, requests, 4, forward=forward)
+    batch = generate(served_tiny, forward, requests, 4)
     for request, together in zip(requests, batch):
-        (alone,) = generate_batch(served_tiny, [request], 4, forward=forward)
+        (alone,) = generate(served_tiny, forward, [request], 4)
         assert [b.tokens for b in together.beams] == [b.tokens for b in alone.beams]
         assert [b.cum_log_prob for b in together.beams] == [b.cum_log_prob for b in alone.beams]

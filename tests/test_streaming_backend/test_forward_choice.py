@@ -9,7 +9,7 @@ import pytest
 from families import tiny_config_model
 
 from streaming_backend.configuration.models import EngineConfig
-from streaming_backend.dialogue.batch_forward import build_batch_forward
+from streaming_backend.dialogue.generation import Generator
 from streaming_backend.forward.llama import FAMILIES, UnsupportedModel
 from streaming_backend.forward_choice import ForwardChoice
 from streaming_backend.model.loading import LoadedModel
@@ -68,6 +68,6 @@ def test_forward_compact_refuses_a_family_outside_it_with_the_reason(outside_loa
     expected = rf"forward compact was asked for, but the compact .* not {OUTSIDE!r}"
     with pytest.raises(UnsupportedModel, match=expected):
         build_steps(outside_loaded, EngineConfig(forward="compact"), no_failures)
-    with pytest.raises(UnsupportedModel, match=expected):  # the dialogue model's
-        build_batch_forward(outside_loaded, "compact")
-    assert build_batch_forward(outside_loaded, "auto").name == "hf"
+    with pytest.raises(UnsupportedModel, match=expected):  # the dialogue model's, on the same steps
+        Generator(outside_loaded, EngineConfig(forward="compact"), 1)
+    assert Generator(outside_loaded, EngineConfig(forward="auto"), 1).name == "hf"

@@ -2,8 +2,8 @@
 
 `initialize` loads the model; `execute` copies each request's inputs (adapter/inputs.py), parses
 them (a bad request gets its own error response, built by adapter/sender.py), generates for all
-valid requests together in one batch (streaming_backend.dialogue.generation) and returns their
-responses in request order.
+valid requests together on the chat model's steps (streaming_backend.dialogue.generation) and
+returns their responses in request order.
 """
 
 from __future__ import annotations
@@ -17,13 +17,12 @@ import triton_python_backend_utils as pb_utils
 from streaming_backend.adapter.inputs import copy_inputs
 from streaming_backend.adapter.sender import error_response
 from streaming_backend.configuration.models import DialogueSettings
-from streaming_backend.dialogue.batch_forward import build_batch_forward
 from streaming_backend.dialogue.convert import (
     DialogueRequest,
     dialogue_outputs,
     parse_dialogue_request,
 )
-from streaming_backend.dialogue.generation import generate_batch
+from streaming_backend.dialogue.generation import Generator
 from streaming_backend.errors import StreamingError
 from streaming_backend.model.loading import instance_device, load_model
 from streaming_backend.wire import DIALOGUE_INPUT_NAMES
@@ -42,15 +41,13 @@ class TritonPythonModel:
         self.loaded = load_model(self.settings.model, self.settings.dtype, device)
         if self.loaded.device.type == "cpu":
             torch.set_num_threads(self.settings.cpu_threads)
-        self.forward = build_batch_forward(
-            self.loaded, self.settings.forward, self.settings.quantize
-        )
+        self.generator = Generator(self.loaded, self.settings.engine, self.settings.max_beam_width)
         log.info(
             "loaded %s on %s as %s, %s forward",
             self.loaded.name,
             self.loaded.device,
             self.loaded.dtype,
-            self.forward.name,
+            self.generator.name,
         )
         # A Metric is unusable once its MetricFamily is garbage-collected: keep the family.
         self.family = pb_utils.MetricFamily(
@@ -66,14 +63,7 @@ class TritonPythonModel:
         self.batch_size.observe(len(requests))
         parsed = [self._parse(request) for request in requests]
         valid = [p for p in parsed if isinstance(p, DialogueRequest)]
-        results = iter(
-            generate_batch(
-                self.loaded,
-                [p.generation for p in valid],
-                self.settings.max_beam_width,
-                self.forward,
-            )
-        )
+        results = iter(self.generator.generate([p.generation for p in valid]))
         return [self._response(p, p if isinstance(p, Exception) else next(results)) for p in parsed]
 
     def finalize(self):

@@ -44,7 +44,8 @@ def test_every_row_fills_a_settings_field() -> None:
     """Each parameter names a field of the settings its model reads, and every default parses."""
     chat_fields = {f.name for f in fields(EngineConfig)} | {f.name for f in fields(ModelSettings)}
     assert {p.target for p in CHAT_PARAMETERS} <= chat_fields
-    assert {p.target for p in DIALOGUE_PARAMETERS} == {f.name for f in fields(DialogueSettings)}
+    dialogue_fields = {f.name for f in fields(DialogueSettings)} - {"engine"}
+    assert {p.target for p in DIALOGUE_PARAMETERS} - dialogue_fields <= chat_fields
 
 
 def test_serve_options_name_every_model_that_takes_them() -> None:
@@ -59,9 +60,13 @@ def test_dataclass_defaults_are_the_tables() -> None:
     """The typed defaults are what the tables' default strings parse to."""
     assert ModelSettings().parameters() == CHAT_PARAMETERS.defaults()
     dialogue = DialogueSettings()
-    assert {k: getattr(dialogue, k) for k in dialogue.__dataclass_fields__} == (
-        DIALOGUE_PARAMETERS.default_values()
-    )
+    values = {p.key: getattr(dialogue, p.key, None) for p in DIALOGUE_PARAMETERS}
+    values |= {
+        p.key: getattr(dialogue.engine, p.key)
+        for p in DIALOGUE_PARAMETERS
+        if p.key in ({f.name for f in fields(EngineConfig)})
+    }
+    assert values == DIALOGUE_PARAMETERS.default_values()
 
 
 def test_dialogue_settings_share_the_cores_among_instances(monkeypatch) -> None:
@@ -75,6 +80,23 @@ def test_dialogue_settings_share_the_cores_among_instances(monkeypatch) -> None:
     }
     settings = DialogueSettings.from_config(config)
     assert (settings.cpu_threads, settings.max_beam_width) == (3, 2)
+
+
+def test_dialogue_instances_share_a_cache_fraction_and_hold_a_batch_of_beams() -> None:
+    """A kv_cache_memory fraction is divided among the instances, a size is each one's; an
+    instance's steps have room for max_batch_size requests of the widest beams."""
+    config = {
+        "max_batch_size": 16,
+        "instance_group": [{"count": 2}],
+        "parameters": {"max_beam_width": {"string_value": "4"}},
+    }
+    settings = DialogueSettings.from_config(config)
+    assert settings.engine.kv_cache_memory == "0.125"
+    assert settings.engine.max_streams == 64
+    config["parameters"]["kv_cache_memory"] = {"string_value": "2GiB"}
+    config["parameters"]["forward"] = {"string_value": "hf"}
+    settings = DialogueSettings.from_config(config)
+    assert (settings.engine.kv_cache_memory, settings.engine.forward) == ("2GiB", "hf")
 
 
 @pytest.mark.parametrize(

@@ -9,12 +9,11 @@ import math
 
 import pytest
 import torch
-from conftest import batch_forward_for, sequence_log_prob
+from conftest import generate, sequence_log_prob
 
 from streaming_backend.dialogue.beam import length_normalised
 from streaming_backend.dialogue.generation import (
     GenerationRequest,
-    generate_batch,
 )
 from streaming_backend.errors import InvalidRequest
 from streaming_backend.model.loading import LoadedModel
@@ -73,9 +72,7 @@ def exhaustive_top(loaded, length, width, eos, penalty):
 
 def beams(batch_forward, loaded, **kw):
     request = GenerationRequest(PROMPT, **kw)
-    (result,) = generate_batch(
-        loaded, [request], max_beam_width=64, forward=batch_forward_for(loaded, batch_forward)
-    )
+    (result,) = generate(loaded, batch_forward, [request], 64)
     return result.beams
 
 
@@ -134,9 +131,7 @@ def hf_beam_search(loaded, prompt, width, new_tokens, eos_id, penalty):
 def mid_beam_token(batch_forward, loaded, prompt) -> int:
     """A token the best beam picks half-way, so that as the end id it ends beams early."""
     request = GenerationRequest(tuple(prompt), max_new_tokens=10, beam_width=4)
-    (result,) = generate_batch(
-        loaded, [request], max_beam_width=4, forward=batch_forward_for(loaded, batch_forward)
-    )
+    (result,) = generate(loaded, batch_forward, [request], 4)
     return result.beams[0].tokens[5]
 
 
@@ -149,12 +144,7 @@ def test_matches_hugging_face_beam_search(batch_forward, tiny_loaded, penalty):
     request = GenerationRequest(
         tuple(prompt), 10, beam_width=4, end_ids=frozenset({eos}), length_penalty=penalty
     )
-    (result,) = generate_batch(
-        tiny_loaded,
-        [request],
-        max_beam_width=8,
-        forward=batch_forward_for(tiny_loaded, batch_forward),
-    )
+    (result,) = generate(tiny_loaded, batch_forward, [request], 8)
     assert [b.tokens for b in result.beams] == expected
     if penalty == 0.0:  # no length normalisation: the short beams ended by the end id win
         assert result.beams[0].tokens[-1] == eos and len(result.beams[0].tokens) < 10
@@ -169,12 +159,7 @@ def test_width_one_is_greedy(batch_forward, tiny_loaded):
     )
     expected = tuple(out[0, len(prompt) :].tolist())
     request = GenerationRequest(tuple(prompt), 12, beam_width=1, end_ids=frozenset({-1 % 7}))
-    (result,) = generate_batch(
-        tiny_loaded,
-        [request],
-        max_beam_width=1,
-        forward=batch_forward_for(tiny_loaded, batch_forward),
-    )
+    (result,) = generate(tiny_loaded, batch_forward, [request], 1)
     assert result.beams[0].tokens == expected
 
 
@@ -183,12 +168,7 @@ def test_four_beams_are_distinct_best_first_and_scored_by_the_model(batch_forwar
     prompt = (1, 4093, 314, 253, 2365)
     penalty = 0.7
     request = GenerationRequest(prompt, 8, beam_width=4, length_penalty=penalty)
-    (result,) = generate_batch(
-        tiny_loaded,
-        [request],
-        max_beam_width=4,
-        forward=batch_forward_for(tiny_loaded, batch_forward),
-    )
+    (result,) = generate(tiny_loaded, batch_forward, [request], 4)
     assert len(result.beams) == 4
     assert len({b.tokens for b in result.beams}) == 4
     scores = [b.score for b in result.beams]
@@ -203,12 +183,7 @@ def test_beam_width_above_the_maximum_is_refused(batch_forward, tiny_loaded):
     """A clear per-request error; the request beside it in the batch succeeds."""
     bad = GenerationRequest((1, 2), 4, beam_width=5)
     good = GenerationRequest((1, 2), 4, beam_width=2)
-    refused, served = generate_batch(
-        tiny_loaded,
-        [bad, good],
-        max_beam_width=4,
-        forward=batch_forward_for(tiny_loaded, batch_forward),
-    )
+    refused, served = generate(tiny_loaded, batch_forward, [bad, good], 4)
     assert isinstance(refused, InvalidRequest)
     assert "beam_width must be in [1, 4], got 5" in str(refused)
     assert len(served.beams) == 2
@@ -220,11 +195,6 @@ def test_sampling_settings_do_not_change_beam_search(batch_forward, tiny_loaded)
     sampled = GenerationRequest(
         (5, 6, 7), 6, beam_width=3, settings=SamplingSettings(temperature=1.5, top_p=0.5, seed=3)
     )
-    a, b = generate_batch(
-        tiny_loaded,
-        [plain, sampled],
-        max_beam_width=4,
-        forward=batch_forward_for(tiny_loaded, batch_forward),
-    )
+    a, b = generate(tiny_loaded, batch_forward, [plain, sampled], 4)
     assert [x.tokens for x in a.beams] == [x.tokens for x in b.beams]
     assert all(math.isfinite(x.cum_log_prob) for x in a.beams)
