@@ -260,6 +260,9 @@ class EngineConfig:
     # MemAvailable) such as "0.5", or a size such as "4GiB" or "512MiB". Its slots hold the live
     # streams and the prefix cache; admission waits for a slot, so a step never runs out of it.
     kv_cache_memory: str = _CHAT["kv_cache_memory"]
+    # Positions per KV cache slot (compact forward); None: the model's context. The dialogue
+    # model sets it to fit its batches (dialogue/generation.py).
+    max_len: int | None = None
     compile: bool = _CHAT["compile"]  # torch.compile the compact decode step
     quantize: str = _CHAT["quantize"]  # the compact forward's weights: auto, none, int8, int4
     # On a CPU: decode steps on fewer torch threads while fewer measure faster, as when another

@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -28,7 +28,7 @@ from streaming_backend.sampling import sampling
 from streaming_backend.sampling.logits import NextTokenChooser
 from streaming_backend.sampling.settings import SamplingSettings
 from streaming_backend.steps import Steps
-from streaming_backend.steps.build import build_steps
+from streaming_backend.steps.build import Carried, build_steps
 from streaming_backend.wire import DIALOGUE_INPUT_IDS, END_ID, REQUEST_OUTPUT_LEN
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class Generator:
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, max_beam_width: int):
         self.loaded = loaded
+        self.config = config
         self.max_beam_width = max_beam_width
         self.limits = PromptLimits.of(loaded)
         self.steps: Steps[_Row] = build_steps(loaded, config, self._prefill_failed)
@@ -101,10 +102,36 @@ class Generator:
                 jobs.append(_Job.start(index, request, self.loaded.eos_ids))
             except InvalidRequest as error:
                 results[index] = error
+        self._fit(jobs)
         self._run_isolated(jobs)
         for job in jobs:
             results[job.index] = job.outcome
         return results
+
+    def _fit(self, jobs: list[_Job]) -> None:
+        """Size the compact forward's slots to this batch, between batches.
+
+        Its KV cache is a fixed number of slots of one length within a memory budget: slots of
+        the model's whole context (8192 positions for the default model) leave room for a dozen
+        rows, where the dialogue model's usual requests (tens of tokens, up to 32 per batch
+        and W rows each) need a few hundred positions. So a slot is as long as the batch's
+        longest request rounded up to a power of two (`slot_length`), and the cache is rebuilt
+        (same model, same memory) when a request is longer than its slots, or when the batch
+        has more rows than slots and shorter slots would hold more. A rebuild drops the prefix
+        cache; Hugging Face's cache grows with its rows and needs none of this."""
+        cache = getattr(self.steps, "cache", None)
+        if cache is None or not jobs:
+            return
+        longest = max(len(j.request.prompt_ids) + j.request.max_new_tokens for j in jobs)
+        rows = min(sum(j.width for j in jobs), self.config.max_streams)
+        length = slot_length(longest, self.limits.context)
+        too_short = longest > cache.max_len
+        too_few = rows > cache.slots and length < cache.max_len
+        if not (too_short or too_few):
+            return
+        self.config = replace(self.config, max_len=length)
+        carried, self.steps, cache = Carried.of(self.steps), None, None  # the old cache goes
+        self.steps = build_steps(self.loaded, self.config, self._prefill_failed, carried)
 
     def _run_isolated(self, jobs: list[_Job]) -> None:
         """Run the jobs together; if a step fails, rerun each unfinished one alone, so that only
@@ -223,6 +250,14 @@ class Generator:
         job.outcome = job.result()
         self.steps.remove(job.rows[1:], keep=False)
         self.steps.remove(job.rows[:1])
+
+
+MIN_SLOT_LENGTH = 256  # positions of the shortest slots the dialogue model's cache is cut into
+
+
+def slot_length(positions: int, limit: int) -> int:
+    """The power of two at least `positions` (and MIN_SLOT_LENGTH), at most `limit`."""
+    return min(limit, max(MIN_SLOT_LENGTH, 1 << (positions - 1).bit_length()))
 
 
 # ---- one request ----------------------------------------------------------------------------

@@ -74,9 +74,12 @@ class SlotForward:
         self.compile_seconds: float | None = None
 
     @classmethod
-    def create(cls, loaded: LoadedModel, config: ForwardConfig) -> SlotForward:
-        """Build the forward for a loaded model (UnsupportedModel if not Llama-family)."""
-        model = CompactLlama(loaded.model, config.quantize, config.matmul)
+    def create(
+        cls, loaded: LoadedModel, config: ForwardConfig, model: CompactLlama | None = None
+    ) -> SlotForward:
+        """Build the forward for a loaded model (UnsupportedModel if not Llama-family), or for
+        its compact `model` already built (a new cache for it)."""
+        model = model or CompactLlama(loaded.model, config.quantize, config.matmul)
         max_len = min(config.max_len or loaded.context_length, model.shape.max_positions)
         cache = SlotCache.for_budget(
             model.shape, max_len, loaded.dtype, loaded.device, config.budget, config.max_slots

@@ -114,6 +114,11 @@ class SlotCache:
         return cls(shape, min(slots, max_slots or slots), max_len, dtype, device)
 
     @property
+    def slot_bytes(self) -> int:
+        """Bytes of K and V one slot takes."""
+        return 2 * self.k[:, 0].numel() * self.k.element_size()
+
+    @property
     def free_slots(self) -> int:
         """Slots not held by a stream."""
         return len(self._free)

@@ -3,20 +3,40 @@
 from __future__ import annotations
 
 import logging
+from typing import Any, NamedTuple
 
 from streaming_backend.configuration.models import EngineConfig, parse_memory
 from streaming_backend.forward_choice import fall_back
 from streaming_backend.model.loading import LoadedModel, resolve_quantize
 from streaming_backend.steps import OnFailure, Steps
 from streaming_backend.steps.hf import ASKED_FOR, HfSteps
+from streaming_backend.steps.pacing import PrefillPacer
 
 log = logging.getLogger(__name__)
 
 PREFIX_ENTRIES_PER_STREAM = 2  # KV cache slots per max_streams (the budget may allow fewer)
 
 
-def build_steps(loaded: LoadedModel, config: EngineConfig, on_failure: OnFailure) -> Steps:
-    """The compact forward's steps when asked for or possible ("auto"), else Hugging Face's."""
+class Carried(NamedTuple):
+    """What compact steps rebuilt with another slot length keep: the compact model (no weights
+    converted again), the cache's memory and the measured pacing (no calibration)."""
+
+    model: Any  # forward.llama.CompactLlama
+    cache_bytes: int
+    pacer: PrefillPacer
+
+    @classmethod
+    def of(cls, steps: Any) -> Carried:
+        """From compact steps (steps/slots.py SlotSteps), which are then no longer used."""
+        cache = steps.cache
+        return cls(steps.forward.model, (cache.slots + 1) * cache.slot_bytes, steps.pacer)
+
+
+def build_steps(
+    loaded: LoadedModel, config: EngineConfig, on_failure: OnFailure, carried: Carried | None = None
+) -> Steps:
+    """The compact forward's steps when asked for or possible ("auto"), else Hugging Face's;
+    `carried`: rebuilding compact steps with another slot length (`config.max_len`)."""
     if config.forward == "hf":
         log.info("the Hugging Face forward runs this model: %s", ASKED_FOR)
         return HfSteps(loaded, config, on_failure)
@@ -26,8 +46,12 @@ def build_steps(loaded: LoadedModel, config: EngineConfig, on_failure: OnFailure
     from streaming_backend.steps.slots import SlotSteps
 
     size, fraction = parse_memory(config.kv_cache_memory)
+    model = None
+    if carried is not None:
+        model, size, fraction = carried.model, carried.cache_bytes, None
     forward_config = ForwardConfig(
         budget=CacheBudget(bytes=size, fraction=fraction),
+        max_len=config.max_len,
         compile=config.compile,
         cuda_graphs=config.compile and loaded.device.type == "cuda",
         quantize=resolve_quantize(config.quantize, loaded),
@@ -36,12 +60,15 @@ def build_steps(loaded: LoadedModel, config: EngineConfig, on_failure: OnFailure
         max_slots=PREFIX_ENTRIES_PER_STREAM * config.max_streams,
     )
     try:
-        forward = SlotForward.create(loaded, forward_config)
+        forward = SlotForward.create(loaded, forward_config, model)
     except UnsupportedModel as exc:
         return HfSteps(loaded, config, on_failure, why=fall_back(exc, config.forward))
     cache = forward.cache
     steps = SlotSteps(forward, config, on_failure, loaded.eos_ids)
-    steps.calibrate()
+    if carried is None:
+        steps.calibrate()
+    else:
+        steps.pacer = carried.pacer
     log.info(
         "compact forward: %d KV cache slots of %d positions (%.0f MiB), prefix cache %s, %s%s",
         cache.slots,

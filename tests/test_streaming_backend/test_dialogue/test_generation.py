@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from conftest import generate, sequence_log_prob
+from conftest import generate, save_tiny_model, sequence_log_prob
 
 from streaming_backend.configuration.models import EngineConfig
 from streaming_backend.dialogue.generation import GenerationRequest, Generator
 from streaming_backend.errors import InvalidRequest, StreamingError
+from streaming_backend.model.loading import load_model
 from streaming_backend.sampling.settings import SamplingSettings
 
 MAX_BEAM = 4
@@ -185,4 +186,28 @@ def test_a_prompt_joining_running_rows_is_prefilled_in_chunks(tiny_loaded):
     assert [4] in calls  # the joining prompt, beside the running row
     for request, result in zip((short, running, joining), results):
         (alone,) = compact(tiny_loaded, prefix_cache="off").generate([request])
+        assert result.beams == alone.beams
+
+
+@pytest.fixture(scope="module")
+def long_loaded(tmp_path_factory, default_model_dir):
+    """The tiny model with a context of 2048 positions."""
+    path = tmp_path_factory.mktemp("tiny-2048")
+    return load_model(str(save_tiny_model(path, default_model_dir, context=2048)), "float32", "cpu")
+
+
+def test_slots_are_cut_to_fit_the_batch(long_loaded):
+    """In a budget of 4 slots of the whole context, a batch of 8 rows gets slots of its longest
+    request rounded up to 256 positions (32 of them), and a longer request then gets longer
+    ones; each request's tokens are those it gets alone."""
+    generator = compact(long_loaded, kv_cache_memory="5MiB", max_streams=16)
+    cache = generator.steps.cache
+    assert (cache.slots, cache.max_len) == (4, 2048)  # 1 MiB a slot, and the scratch slot
+    together = generator.generate(mixed_batch())
+    assert (generator.steps.cache.slots, generator.steps.cache.max_len) == (32, 256)
+    long = GenerationRequest(tuple(range(1, 300)), 12, beam_width=2)
+    (longer,) = generator.generate([long])
+    assert generator.steps.cache.max_len == 512
+    for request, result in zip([*mixed_batch(), long], [*together, longer]):
+        (alone,) = compact(long_loaded).generate([request])
         assert result.beams == alone.beams
