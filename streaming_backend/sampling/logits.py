@@ -68,6 +68,10 @@ class NextTokenChooser:
         self.params = sampling.BatchSampling.from_settings(settings, device)
         self.penalties = [s.repetition_penalty for s in settings]
         self.min_tokens = [s.min_tokens for s in settings]
+        # (row, min_p, temperature) of the sampled rows that set min_p
+        self.min_p = [
+            (r, s.min_p, s.temperature) for r, s in enumerate(settings) if s.min_p and not s.greedy
+        ]
         self.eos_ids = sorted(eos_ids)
 
     @classmethod
@@ -83,9 +87,9 @@ class NextTokenChooser:
     def process(
         self, logits: torch.Tensor, rows: Sequence[Row]
     ) -> tuple[torch.Tensor, dict[int, MaskFailed]]:
-        """The logits processors, in place where possible: repetition penalty, EOS banned on
-        rows short of min_tokens, then each grammar's mask -> (logits [B, V], the rows whose
-        grammar mask failed, with the error their streams must end with)."""
+        """The logits processors, in place where possible: repetition penalty, min_p, EOS
+        banned on rows short of min_tokens, then each grammar's mask -> (logits [B, V], the
+        rows whose grammar mask failed, with the error their streams must end with)."""
         self._check(rows)
         penalised = [
             (r, penalty, _seen(row))
@@ -93,6 +97,7 @@ class NextTokenChooser:
             if penalty != 1.0
         ]
         logits = sampling.apply_repetition_penalty(logits, penalised)
+        logits = sampling.apply_min_p(logits, self.min_p)
         early = [
             r
             for r, (row, least) in enumerate(zip(rows, self.min_tokens))

@@ -140,6 +140,13 @@ REQUEST_KEYS = (
         dialogue=wire.RUNTIME_TOP_K,
     ),
     RequestKey(
+        "min_p",
+        NUMBER,
+        0.0,
+        "drop tokens less likely than min_p times the likeliest one (after temperature); 0 = off",
+        Range(0, 1),
+    ),
+    RequestKey(
         REPETITION_PENALTY,
         NUMBER,
         1.0,

@@ -7,6 +7,7 @@ share the batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -84,6 +85,20 @@ def apply_repetition_penalty(
     scores = logits[row_ids, token_ids].float()  # [M]
     penalised = torch.where(scores > 0, scores / penalty, scores * penalty)
     logits[row_ids, token_ids] = penalised.to(logits.dtype)
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, rows: Sequence[tuple[int, float, float]]) -> torch.Tensor:
+    """Drop the tokens less likely than min_p times the likeliest at the row's temperature
+    (vLLM's min_p); rows: (row index, min_p > 0, temperature > 0). At temperature T,
+    p_i < min_p * p_max exactly when logit_i < logit_max + T * ln(min_p): no softmax needed."""
+    if not rows:
+        return logits
+    index = torch.tensor([row for row, _, _ in rows], device=logits.device)
+    floor = torch.tensor([t * math.log(p) for _, p, t in rows], device=logits.device)  # [R]
+    picked = logits[index].float()
+    cut = picked < picked.max(dim=-1, keepdim=True).values + floor[:, None]
+    logits[index] = logits[index].masked_fill(cut, float("-inf"))
     return logits
 
 

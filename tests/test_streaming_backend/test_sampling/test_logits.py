@@ -72,6 +72,29 @@ def test_repetition_penalty_counts_prompt_and_output():
     assert choose([penalised, plain], logits).ids == [4, 3]
 
 
+def test_min_p_drops_tokens_below_its_share_of_the_likeliest_after_temperature():
+    """min_p 0.5 over probabilities 0.5, 0.3, 0.2: at temperature 1 the 0.2 token (below 0.25)
+    is never drawn, the others are; at temperature 2 its share is sqrt(0.4) = 0.63 and it stays;
+    a row without min_p beside it is untouched."""
+    probs = torch.tensor([0.5, 0.3, 0.2, 0.0, 0.0, 0.0])
+    logits = probs.clamp(min=1e-9).log()[None].repeat(2, 1)
+
+    def drawn(temperature, min_p):
+        settings = SamplingSettings(temperature=temperature, min_p=min_p)
+        rows = [Row(settings, generator=sampling.new_generator(seed)) for seed in range(300)]
+        chooser = NextTokenChooser.for_rows(rows, [EOS])
+        return set(chooser.choose(logits[:1].repeat(300, 1), rows).ids)
+
+    assert drawn(1.0, 0.5) == {0, 1}
+    assert drawn(1.0, 0.0) == drawn(2.0, 0.5) == {0, 1, 2}
+    cut, plain = Row(SamplingSettings(temperature=1.0, min_p=0.5)), Row(SamplingSettings(1.0))
+    processed, _ = NextTokenChooser.for_rows([cut, plain], [EOS]).process(
+        logits.clone(), [cut, plain]
+    )
+    assert processed[0, 2] == float("-inf") and processed[0, :2].isfinite().all()
+    assert torch.equal(processed[1], logits[1])
+
+
 def test_a_non_finite_row_is_reported_and_the_others_are_unharmed():
     """NaN in one row: that row is flagged, the other is chosen as alone."""
     logits = torch.tensor([[float("nan")] * V, [0.0, 0.0, 5.0, 0.0, 0.0, 0.0]])
