@@ -63,10 +63,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, port in endpoints.TRITON_PORTS.items():
         parser.add_argument(f"--{name}-port", type=int, default=0, help=f"0: {port}")
     for parameter, models in OPTIONS:  # set on the models that take them, when given
+        own = [  # a model whose own default differs (the dialogue model's KV cache share)
+            f"{model}'s default {TABLES[model][parameter.key].default}"
+            for model in models
+            if TABLES[model][parameter.key].default != parameter.default
+        ]
         parser.add_argument(
             f"--{parameter.key.replace('_', '-')}",
             metavar=parameter.kind.metavar,
-            help=f"{parameter.option_help()}; {' and '.join(models)}",
+            help=f"{parameter.option_help()}; {' and '.join(models)}"
+            + (f" ({', '.join(own)})" if own else ""),
         )
     parser.add_argument("--log-level", type=int, default=0, help="tritonserver --log-verbose")
     parser.add_argument(
