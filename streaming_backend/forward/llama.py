@@ -11,7 +11,9 @@ tensors, so the weights are held once; Granite's output projections are scaled c
 One `forward` serves prefill and decode: N rows of T tokens each (decode is T = 1). Each row's
 new keys and values are written into the cache at their positions first, then every row attends
 over its slot's first `window` positions with a mask, so a slot's earlier positions (an earlier
-chunk, a reused prefix) are simply part of what it attends to.
+chunk, a reused prefix) are simply part of what it attends to. A sliding-window layer's cache
+may be a ring shorter than the context (forward/slots.py): position p lives in row p mod rows,
+which every path here and the C kernel address alike.
 """
 
 from __future__ import annotations
@@ -349,6 +351,7 @@ class CompactLlama(nn.Module):
         # for every weight and the attention kernel
         ours = all(isinstance(w, NATIVE_WEIGHTS) for w in weights)
         self.native = ours and self.kernel is not None and self.shape.head_dim % 2 == 0
+        self.windowed = any(w != NO_WINDOW for w in self.shape.windows)
         if self.native:  # its activations are float32 whatever the model's dtype
             self.native_blocks = [_float_params(block) for block in self.blocks]
             self.native_final_norm = self.final_norm.float()
@@ -365,12 +368,13 @@ class CompactLlama(nn.Module):
     ) -> torch.Tensor:
         """Run N rows of T tokens; return the logits [N, V] (fp32) of each row's `last` token.
 
-        k_cache, v_cache: [layers, slots, kv_heads, max_len, head_dim], written in place at
-        (write_slots, positions). With `spans` (prefill), each row's tokens attend one by one
-        over exactly their own positions, as a decode step's (`tokens_attention`). Without
-        (a compiled decode step of fixed shapes), `window` >= the largest position + 1: each
-        row attends over positions [0, window) of its slot, masked to those <= its own (and in
-        its sliding window), through `layer`, a compiled copy of `decoder_layer`.
+        k_cache, v_cache: per layer [slots, kv_heads, rows, head_dim] (a ring's rows: fewer than
+        the positions), written in place at (write_slots, positions). With `spans` (prefill),
+        each row's tokens attend one by one over exactly their own positions, as a decode
+        step's (`tokens_attention`). Without (a compiled decode step of fixed shapes), `window`
+        >= the largest position + 1: each row attends over positions [0, window) of its slot
+        (a ring: over its rows), masked to those <= its own (and in its sliding window),
+        through `layer`, a compiled copy of `decoder_layer`.
         """
         x = self.hidden(k_cache, v_cache, rows, window, layer, spans)  # [N, T, hidden]
         n = rows.tokens.shape[0]
@@ -400,21 +404,21 @@ class CompactLlama(nn.Module):
         x = self._embed(rows.tokens)  # [N, T, hidden]
         ropes = self._rope_at(rows.positions)  # [N, 1, T, head_dim] each
         dims, windows = self.shape.dims, self.shape.windows
+        at = self._cache_rows(rows.positions, k_cache)  # per layer: where positions are written
         if spans is not None:
             placed = _placed_tokens(spans, x.shape[1])
             for index, block in enumerate(self.blocks):
                 kv = (k_cache[index], v_cache[index])
-                where = (rows.write_slots, rows.positions, placed, windows[index])
+                where = (rows.write_slots, at[index], placed, windows[index])
                 h, (cos, sin) = pre_norm(x, block.norm1, dims.eps), ropes[self.layer_ropes[index]]
                 out = tokens_attention(h, block, kv, cos, sin, where, dims, self.kernel)
                 x = mlp(add_branch(x, out, block.attn_out_norm, dims.eps), block, dims)
             return x
         layer = layer or decoder_layer
-        key_pos = torch.arange(window, device=rows.tokens.device)
-        distance = rows.positions[:, :, None] - key_pos[None, None, :]  # [N, T, W]
-        masks = {w: self._grouped((distance >= 0) & (distance < w)) for w in set(windows)}
+        masks = self._masks(rows.positions, window, k_cache)
         for index, block in enumerate(self.blocks):
-            mask, (cos, sin) = masks[windows[index]], ropes[self.layer_ropes[index]]
+            mask = masks[windows[index], k_cache[index].shape[-2]]
+            cos, sin = ropes[self.layer_ropes[index]]
             kv = (k_cache[index], v_cache[index])
             x = layer(
                 x,
@@ -424,12 +428,44 @@ class CompactLlama(nn.Module):
                 sin,
                 mask,
                 rows.write_slots,
-                rows.positions,
+                at[index],
                 rows.read_slots,
                 window,
                 dims,
             )
         return x
+
+    def _cache_rows(self, positions: torch.Tensor, k_cache) -> Sequence[torch.Tensor]:
+        """Per layer, the rows of its cache that hold `positions`: the positions themselves
+        under full attention, modulo its rows in a sliding-window layer's ring."""
+        if not self.windowed:
+            return [positions] * len(k_cache)
+        wrapped: dict[int, torch.Tensor] = {}
+        at = []
+        for window, k in zip(self.shape.windows, k_cache):
+            rows = k.shape[-2]
+            if window != NO_WINDOW and rows not in wrapped:
+                wrapped[rows] = positions % rows
+            at.append(positions if window == NO_WINDOW else wrapped[rows])
+        return at
+
+    def _masks(self, positions: torch.Tensor, window: int, k_cache) -> dict:
+        """The attention masks [N, 1, groups * T, keys] of a call over each slot's first
+        `window` rows, by (layer window, layer rows): True where a row holds one of the token's
+        positions in its window (a ring: the row's latest position is (p - row) mod rows back)."""
+        key_pos = torch.arange(window, device=positions.device)
+        distance = positions[:, :, None] - key_pos[None, None, :]  # [N, T, W]
+        masks = {}
+        for w, k in zip(self.shape.windows, k_cache):
+            rows = k.shape[-2]
+            if (w, rows) in masks:
+                continue
+            if w == NO_WINDOW:
+                masks[w, rows] = self._grouped((distance >= 0) & (distance < w))
+                continue
+            back = distance[:, :, :rows] % rows  # [N, T, min(W, rows)]: positions back
+            masks[w, rows] = self._grouped((back <= positions[:, :, None]) & (back < w))
+        return masks
 
     def decode(
         self,
@@ -458,9 +494,10 @@ class CompactLlama(nn.Module):
         # the rows' places, for one indexed write of several rows' K/V (a lone row: a slice)
         placed = Placed.of(list(rows))
         places = placed.places.to(tokens.device) if len(rows) > 1 else None
+        at = self._cache_rows(positions, k_cache)
         for number, block in enumerate(self.blocks):
             kv = (k_cache[number], v_cache[number])
-            where = (places, positions, placed, self.shape.windows[number])
+            where = (places, at[number], placed, self.shape.windows[number])
             h, (cos, sin) = pre_norm(x, block.norm1, dims.eps), ropes[self.layer_ropes[number]]
             out = rows_attention(h, block, kv, cos, sin, where, dims, self.kernel)
             x = mlp(add_branch(x, out, block.attn_out_norm, dims.eps), block, dims)
@@ -698,12 +735,12 @@ def _turned_first(block: Block, shape: LlamaShape) -> Block:
 def decoder_layer(
     x: torch.Tensor,  # [N, T, hidden]
     block: Block,
-    kv: tuple[torch.Tensor, torch.Tensor],  # this layer's K, V [slots, kv_heads, max_len, D]
+    kv: tuple[torch.Tensor, torch.Tensor],  # this layer's K, V [slots, kv_heads, rows, D]
     cos: torch.Tensor,  # [N, 1, T, head_dim]
     sin: torch.Tensor,
     mask: torch.Tensor,  # [N, 1, groups * T, W] bool, True = attend
     write_slots: torch.Tensor,  # [N, T]: see Rows
-    positions: torch.Tensor,  # [N, T]
+    positions: torch.Tensor,  # [N, T]: the rows of this layer's cache they are written to
     read_slots: torch.Tensor,  # [N]
     window: int,
     dims: Dims,
@@ -837,7 +874,8 @@ def exact_attention(q, kv, placed: Placed, window: int, kernel, scale=None, cap:
     """Attention of n tokens, each over exactly its own positions -> [n, H * D].
 
     q: [n, Hkv, groups, D], each token's query heads grouped by the key/value head they share;
-    kv: this layer's K, V [places, Hkv, max_len, D]; placed: each token's place and position.
+    kv: this layer's K, V [places, Hkv, rows, D] (position p in row p mod rows: a sliding
+    window's ring); placed: each token's place and position.
     A token's numbers depend on its own query and positions alone, never on what shares the
     call: the C kernel (forward/native.py) computes each token on its own in a fixed order;
     without it, one torch call per token whose shapes its position alone fixes (torch's
@@ -852,10 +890,20 @@ def exact_attention(q, kv, placed: Placed, window: int, kernel, scale=None, cap:
     outs = []
     for token, (place, position) in enumerate(placed.rows):
         first = max(0, position + 1 - window)  # the sliding window
-        keys = k_layer[place][None, :, first : position + 1]  # [1, Hkv, L, D]: views, all valid
-        values = v_layer[place][None, :, first : position + 1]
+        keys = _positions(k_layer[place], first, position + 1)[None]  # [1, Hkv, L, D]
+        values = _positions(v_layer[place], first, position + 1)[None]
         outs.append(_attend(q[token][None], keys, values, scale, cap))
     return torch.cat(outs).reshape(len(placed.rows), -1)  # [n, Hkv * groups * D]
+
+
+def _positions(layer: torch.Tensor, first: int, end: int) -> torch.Tensor:
+    """Positions [first, end) of one place's keys or values [Hkv, rows, D], in order: a view
+    where they lie in one piece, else (a ring that wrapped) the two pieces joined."""
+    rows = layer.shape[1]
+    start, stop = first % rows, end % rows or rows
+    if end <= rows or start < stop:
+        return layer[:, start:stop]
+    return torch.cat((layer[:, start:], layer[:, :stop]), dim=1)
 
 
 def _attend(q, keys, values, scale: float, cap: float, mask=None) -> torch.Tensor:
@@ -873,9 +921,10 @@ def _attend(q, keys, values, scale: float, cap: float, mask=None) -> torch.Tenso
 def rows_attention(h, block: Block, kv, cos, sin, where, dims: Dims, kernel) -> torch.Tensor:
     """`attention` for N rows of one token each (h [N, hidden]), each row on its own.
 
-    kv: this layer's K, V [places, kv_heads, max_len, head_dim]; where: (places [N] and
-    positions [N] on the device, the rows' Placed, this layer's sliding window). Writes each
-    row's K/V at its place and position, then attends each row over exactly its own positions
+    kv: this layer's K, V [places, kv_heads, rows, head_dim]; where: (places [N] and the
+    rows [N] of the cache holding the positions, on the device, the rows' Placed, this layer's
+    sliding window). Writes each row's K/V at its place and position (row position mod rows),
+    then attends each row over exactly its own positions
     (`exact_attention`) and returns [N, hidden].
     """
     places, positions, placed, window = where
@@ -890,7 +939,8 @@ def rows_attention(h, block: Block, kv, cos, sin, where, dims: Dims, kernel) -> 
     k_new, v_new = qk[:, dims.heads :], qkv[:, q_size + kv_size :].reshape(n, dims.kv_heads, -1)
     if n == 1:  # a lone stream: a plain slice write (an indexed one costs more)
         place, position = placed.rows[0]
-        k_layer[place, :, position], v_layer[place, :, position] = k_new[0], v_new[0]
+        row = position % k_layer.shape[2]
+        k_layer[place, :, row], v_layer[place, :, row] = k_new[0], v_new[0]
     else:
         k_layer[places, :, positions], v_layer[places, :, positions] = k_new, v_new  # [N, Hkv, D]
     # the query heads sharing a key/value head stacked along the query axis, as in `attention`

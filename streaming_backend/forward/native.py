@@ -91,7 +91,8 @@ class AttentionKernel:
     def __call__(
         self,
         q: torch.Tensor,  # [n, kv_heads, groups, head_dim], contiguous
-        k_layer: torch.Tensor,  # [places, kv_heads, max_len, head_dim], contiguous
+        # [places, kv_heads, rows, head_dim], contiguous: position p in row p mod rows
+        k_layer: torch.Tensor,
         v_layer: torch.Tensor,
         placed: Placed,
         window: int,
@@ -99,8 +100,9 @@ class AttentionKernel:
         cap: float | None = None,
     ) -> torch.Tensor:
         """Each token's attention over positions [max(0, position + 1 - window), position] of
-        its place -> [n, kv_heads * groups * head_dim] in q's dtype. Scores times `scale`,
-        then soft-capped at `cap` where given (cap * tanh(score / cap))."""
+        its place (row position mod rows: a sliding window's ring; they must fit in the rows)
+        -> [n, kv_heads * groups * head_dim] in q's dtype. Scores times `scale`, then
+        soft-capped at `cap` where given (cap * tanh(score / cap))."""
         n, kv_heads, groups, head_dim = q.shape
         out = torch.empty_like(q)
         status = self._fn(
@@ -129,7 +131,7 @@ class AttentionKernel:
         self,
         qkv: torch.Tensor,  # [n, (heads + 2 kv_heads) * head_dim], contiguous
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [positions, head_dim]
-        k_layer: torch.Tensor,  # [places, kv_heads, max_len, head_dim], contiguous
+        k_layer: torch.Tensor,  # [places, kv_heads, rows, head_dim], contiguous (as __call__)
         v_layer: torch.Tensor,
         placed: Placed,
         window: int,
@@ -138,14 +140,15 @@ class AttentionKernel:
         cap: float | None = None,
     ) -> torch.Tensor:
         """From a layer's q/k/v projection: RoPE on the queries and keys, every token's key and
-        value written at its place and position, then each token's attention over exactly its
-        own positions (as `__call__`; scores times `scale`, 1/sqrt(head_dim) when None, and
-        soft-capped at `cap` where given) ->
-        [n, heads * head_dim] in qkv's dtype. The cache may
-        have another dtype (float32 activations over a bfloat16 cache); the turned queries stay
+        value written at its place and position (row position mod rows), then each token's
+        attention over exactly its own positions (as `__call__`; scores times `scale`,
+        1/sqrt(head_dim) when None, and soft-capped at `cap` where given) -> [n, heads *
+        head_dim] in qkv's dtype. All are written before any attends, so in a ring a call's
+        tokens of one place span at most rows - window + 1 positions. The cache may have
+        another dtype (float32 activations over a bfloat16 cache); the turned queries stay
         float32."""
         cos, sin = rope
-        places, kv_heads, max_len, head_dim = k_layer.shape
+        places, kv_heads, rows, head_dim = k_layer.shape
         n, heads = qkv.shape[0], kv_heads * groups
         tensors = (qkv, cos, sin, k_layer, v_layer)
         if (
@@ -163,7 +166,7 @@ class AttentionKernel:
             qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
             k_layer.data_ptr(), v_layer.data_ptr(), out.data_ptr(),
             placed.places.data_ptr(), placed.positions.data_ptr(),
-            n, places, kv_heads, groups, head_dim, max_len, min(window, 1 << 62),
+            n, places, kv_heads, groups, head_dim, rows, min(window, 1 << 62),
             head_dim**-0.5 if scale is None else scale,
             cap or 0.0,
             _threads(),

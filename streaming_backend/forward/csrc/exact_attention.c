@@ -11,9 +11,13 @@
  *
  * Shapes (elements, row-major, contiguous):
  *   q     [n, kv_heads, groups, head_dim]  the queries, rotated; query heads sharing a K/V head
- *   k, v  [places, kv_heads, max_len, head_dim]  one layer's cache
+ *   k, v  [places, kv_heads, rows, head_dim]  one layer's cache: position p in row p mod rows
+ *         (a sliding-window layer's ring; full attention: rows cover every position)
  *   out   [n, kv_heads, groups, head_dim]  = [n, heads * head_dim]
  *   places, positions  [n] int64: each token's slot in the cache and its position there
+ * A token attends over min(position + 1, window) positions, which must fit in the rows. Where
+ * they wrap around the ring's end they are read in two pieces, in position order; a token's
+ * pieces depend on its position alone, so its numbers still do not depend on the call.
  * dtype: 0 float32, 1 bfloat16 (q, k, v and out alike; sums in float32).
  * A score is q . k times `scale`; with `cap` > 0 it is then soft-capped, cap * tanh(score / cap)
  * (Gemma 2), before the softmax.
@@ -86,14 +90,15 @@ static float scores_of(float *scores, const float *q, const void *k, int64_t k_a
 }
 
 /* out[i] = sum over j < count of p[j] * v_j[i], j ascending, one fused multiply-add at a time
- * whatever the width that computes element i (so every element is summed the same way). */
+ * whatever the width that computes element i (so every element is summed the same way); with
+ * `more`, the sum goes on from out[i] (a ring's second piece continues the first's). */
 static void weighted_sum(float *out, const float *p, const void *v, int64_t v_at, int64_t count,
-                         int64_t d, int dtype) {
+                         int64_t d, int dtype, int more) {
     int64_t i = 0;
 #ifdef TS_AVX2
     for (; i + 64 <= d; i += 64) {
         __m256 a[8];
-        for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
+        for (int r = 0; r < 8; r++) a[r] = more ? _mm256_loadu_ps(out + i + 8 * r) : _mm256_setzero_ps();
         for (int64_t j = 0; j < count; j++) {
             const __m256 w = _mm256_set1_ps(p[j]);
             for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(w, load8(v, v_at + j * d + i + 8 * r, dtype), a[r]);
@@ -101,14 +106,14 @@ static void weighted_sum(float *out, const float *p, const void *v, int64_t v_at
         for (int r = 0; r < 8; r++) _mm256_storeu_ps(out + i + 8 * r, a[r]);
     }
     for (; i + 8 <= d; i += 8) {
-        __m256 a = _mm256_setzero_ps();
+        __m256 a = more ? _mm256_loadu_ps(out + i) : _mm256_setzero_ps();
         for (int64_t j = 0; j < count; j++)
             a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), load8(v, v_at + j * d + i, dtype), a);
         _mm256_storeu_ps(out + i, a);
     }
 #endif
     for (; i < d; i++) {
-        float a = 0.0f;
+        float a = more ? out[i] : 0.0f;
         for (int64_t j = 0; j < count; j++) a = fmaf(p[j], load1(v, v_at + j * d + i, dtype), a);
         out[i] = a;
     }
@@ -139,7 +144,7 @@ typedef struct {
     const void *q, *k, *v;
     void *out;
     const int64_t *places, *positions;
-    int64_t kv_heads, groups, head_dim, max_len, window;
+    int64_t kv_heads, groups, head_dim, rows, window;
     float scale, cap;
 } Call;
 
@@ -154,23 +159,31 @@ static float soft_cap(float *scores, int64_t count, float cap) {
 }
 
 /* One (token, key/value head): its `groups` query heads over positions [first, position], each
- * key and value row read once for all of them. work: groups * (max_len + 2 * head_dim) floats of
- * this thread's own. */
+ * key and value row read once for all of them. work: groups * (rows + 2 * head_dim) floats of
+ * this thread's own. The positions lie in rows [first mod rows, ...): up to the ring's end,
+ * then (if they wrap) on from row 0. */
 static void attend_one(const Call *c, int64_t token, int64_t head, float *work) {
     const int64_t d = c->head_dim, groups = c->groups, position = c->positions[token];
     const int64_t first = position + 1 > c->window ? position + 1 - c->window : 0;
-    const int64_t count = position + 1 - first;
-    const int64_t cache_at = ((c->places[token] * c->kv_heads + head) * c->max_len + first) * d;
+    const int64_t count = position + 1 - first, start = first % c->rows;
+    const int64_t head_at = (c->places[token] * c->kv_heads + head) * c->rows * d;
+    const int64_t before_end = count < c->rows - start ? count : c->rows - start, wrapped = count - before_end;
+    const int64_t cache_at = head_at + start * d;
     const int64_t q_at = (token * c->kv_heads + head) * groups * d;
-    float *scores = work, *query = work + groups * c->max_len, *acc = query + groups * d;
+    float *scores = work, *query = work + groups * c->rows, *acc = query + groups * d;
     float inverse[groups];
     for (int64_t i = 0; i < groups * d; i++) query[i] = load1(c->q, q_at + i, c->q_dtype) * c->scale;
     for (int64_t g = 0; g < groups; g++) {  /* the key and value rows stay in cache across g */
-        float *p = scores + g * c->max_len;
-        float max = scores_of(p, query + g * d, c->k, cache_at, count, d, c->dtype);
+        float *p = scores + g * c->rows;
+        float max = scores_of(p, query + g * d, c->k, cache_at, before_end, d, c->dtype);
+        if (wrapped) {
+            const float rest = scores_of(p + before_end, query + g * d, c->k, head_at, wrapped, d, c->dtype);
+            max = rest > max ? rest : max;
+        }
         if (c->cap > 0.0f) max = soft_cap(p, count, c->cap);
         inverse[g] = 1.0f / softmax_numerators(p, count, max);
-        weighted_sum(acc + g * d, p, c->v, cache_at, count, d, c->dtype);
+        weighted_sum(acc + g * d, p, c->v, cache_at, before_end, d, c->dtype, 0);
+        if (wrapped) weighted_sum(acc + g * d, p + before_end, c->v, head_at, wrapped, d, c->dtype, 1);
     }
     for (int64_t i = 0; i < groups * d; i++) {
         store1(c->out, q_at + i, c->out_dtype, acc[i] * inverse[i / d]);
@@ -180,7 +193,7 @@ static void attend_one(const Call *c, int64_t token, int64_t head, float *work) 
 /* Every (token, key/value head) of c on up to `threads` OpenMP threads (torch's own runtime when
  * torch is loaded first); the arguments are checked. */
 static int attend_all(const Call *c, int64_t n, int threads) {
-    const int64_t items = n * c->kv_heads, per_thread = c->groups * (c->max_len + 2 * c->head_dim);
+    const int64_t items = n * c->kv_heads, per_thread = c->groups * (c->rows + 2 * c->head_dim);
     if (threads > items) threads = items > 0 ? (int)items : 1;
     float *work = malloc((size_t)threads * (size_t)per_thread * sizeof(float));
     if (work == NULL) return TS_NO_MEMORY;
@@ -191,9 +204,13 @@ static int attend_all(const Call *c, int64_t n, int threads) {
     return TS_OK;
 }
 
-static int bad_positions(const int64_t *places, const int64_t *positions, int64_t n, int64_t max_len) {
-    for (int64_t t = 0; t < n; t++)
-        if (positions[t] < 0 || positions[t] >= max_len || places[t] < 0) return 1;
+/* A position past `limit`, a place below 0, or more positions attended than the rows hold. */
+static int bad_positions(const int64_t *places, const int64_t *positions, int64_t n, int64_t limit,
+                         int64_t rows, int64_t window) {
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t attended = positions[t] + 1 < window ? positions[t] + 1 : window;
+        if (positions[t] < 0 || positions[t] >= limit || places[t] < 0 || attended > rows) return 1;
+    }
     return 0;
 }
 
@@ -201,14 +218,14 @@ static int bad_positions(const int64_t *places, const int64_t *positions, int64_
  * TS_NO_MEMORY with nothing written. */
 int ts_exact_attention(int dtype, const void *q, const void *k, const void *v, void *out,
                        const int64_t *places, const int64_t *positions, int64_t n,
-                       int64_t kv_heads, int64_t groups, int64_t head_dim, int64_t max_len,
+                       int64_t kv_heads, int64_t groups, int64_t head_dim, int64_t rows,
                        int64_t window, float scale, float cap, int threads) {
     if ((dtype != TS_F32 && dtype != TS_BF16) || n < 0 || kv_heads < 1 || groups < 1 ||
-        head_dim < 1 || max_len < 1 || window < 1 || threads < 1 ||
-        bad_positions(places, positions, n, max_len))
+        head_dim < 1 || rows < 1 || window < 1 || threads < 1 ||
+        bad_positions(places, positions, n, INT64_MAX, rows, window))
         return TS_BAD_ARGS;
     const Call c = {dtype, dtype, dtype, q, k, v, out, places, positions, kv_heads, groups, head_dim,
-                    max_len, window, scale, cap};
+                    rows, window, scale, cap};
     return attend_all(&c, n, threads);
 }
 
@@ -227,8 +244,10 @@ static void rotate(void *to, int64_t to_at, int to_dtype, const void *x, int64_t
 }
 
 /* One decoder layer's attention from its q/k/v projection: RoPE on each token's query and key
- * heads, every token's key and value written into the cache at (place, position), then each
- * token's attention over exactly its own positions (so a chunk's tokens see each other).
+ * heads, every token's key and value written into the cache at (place, position mod rows), then
+ * each token's attention over exactly its own positions (so a chunk's tokens see each other).
+ * All are written before any attends: in a ring, a call's tokens of one place must span at most
+ * rows - window + 1 positions (SlotForward splits longer chunks; forward/slots.py).
  *
  *   qkv   [n, (heads + 2 kv_heads) * head_dim]  the projection: query heads, key heads, value heads
  *   cos, sin  [positions, head_dim]  RoPE tables, the rows indexed by position
@@ -238,10 +257,10 @@ static void rotate(void *to, int64_t to_at, int to_dtype, const void *x, int64_t
 int ts_rope_attention(int dtype, int cache_dtype, const void *qkv, const void *cos, const void *sin,
                       int64_t positions_in_table, void *k, void *v, void *out, const int64_t *places,
                       const int64_t *positions, int64_t n, int64_t place_count, int64_t kv_heads, int64_t groups,
-                      int64_t head_dim, int64_t max_len, int64_t window, float scale, float cap, int threads) {
+                      int64_t head_dim, int64_t rows, int64_t window, float scale, float cap, int threads) {
     if ((dtype != TS_F32 && dtype != TS_BF16) || (cache_dtype != TS_F32 && cache_dtype != TS_BF16) || n < 0 ||
-        kv_heads < 1 || groups < 1 || head_dim < 2 || head_dim % 2 || max_len < 1 || window < 1 || threads < 1 ||
-        bad_positions(places, positions, n, max_len < positions_in_table ? max_len : positions_in_table))
+        kv_heads < 1 || groups < 1 || head_dim < 2 || head_dim % 2 || rows < 1 || window < 1 || threads < 1 ||
+        bad_positions(places, positions, n, positions_in_table, rows, window))
         return TS_BAD_ARGS;
     for (int64_t t = 0; t < n; t++)  /* it writes there: a place past the cache is refused */
         if (places[t] >= place_count) return TS_BAD_ARGS;
@@ -253,14 +272,14 @@ int ts_rope_attention(int dtype, int cache_dtype, const void *qkv, const void *c
         for (int64_t h = 0; h < heads; h++)
             rotate(q, (t * heads + h) * d, TS_F32, qkv, at + h * d, cos, sin, cs_at, d, dtype);
         for (int64_t h = 0; h < kv_heads; h++) {
-            const int64_t cache_at = ((places[t] * kv_heads + h) * max_len + positions[t]) * d;
+            const int64_t cache_at = ((places[t] * kv_heads + h) * rows + positions[t] % rows) * d;
             rotate(k, cache_at, cache_dtype, qkv, at + (heads + h) * d, cos, sin, cs_at, d, dtype);
             const int64_t v_at = at + (heads + kv_heads + h) * d;
             for (int64_t i = 0; i < d; i++) store1(v, cache_at + i, cache_dtype, load1(qkv, v_at + i, dtype));
         }
     }
     const Call c = {cache_dtype, TS_F32, dtype, q, k, v, out, places, positions, kv_heads, groups, head_dim,
-                    max_len, window, scale, cap};
+                    rows, window, scale, cap};
     const int status = attend_all(&c, n, threads);
     free(q);
     return status;

@@ -175,6 +175,75 @@ def test_rope_attention_refuses_a_place_or_position_outside_the_cache(kernel):
         assert torch.equal(k, before)
 
 
+def ring_of(full: torch.Tensor, rows: int, held: dict[int, int]) -> torch.Tensor:
+    """A layer cache of `rows` rows per place holding, as a sliding window's ring does, the
+    last positions of `full` [places, kv_heads, max_len, head_dim] up to held[place]: position
+    p in row p mod rows. The other rows hold noise, never to be read."""
+    ring = torch.randn(full.shape[0], full.shape[1], rows, full.shape[3]).to(full.dtype) * 100
+    for place, last in held.items():
+        for position in range(max(0, last + 1 - rows), last + 1):
+            ring[place, :, position % rows] = full[place, :, position]
+    return ring
+
+
+# one token per place, positions before, at and far past a ring's wrap
+RING_ROWS = [(0, 3), (1, 12), (2, 13), (3, 30), (4, 255), (5, 299)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window, chunk", [(9, 1), (9, 8), (100, 1), (100, 21)])
+def test_a_ring_is_read_as_the_positions_it_holds(kernel, dtype, window, chunk):
+    """Over a ring of window + chunk - 1 rows (position p in row p mod rows), each token's
+    attention is the one over the full cache's positions: the kernel's and torch's paths,
+    where the window lies in one piece of the ring and where it wraps round its end."""
+    k, v = cache(dtype)
+    rows = window + chunk - 1
+    held = dict(RING_ROWS)
+    ring_k, ring_v = ring_of(k, rows, held), ring_of(v, rows, held)
+    q = queries(len(RING_ROWS), dtype)
+    placed = Placed.of(RING_ROWS)
+    atol, rtol = TOLERANCE[dtype]
+    expected = reference(q, k, v, RING_ROWS, window)
+    got = kernel(q, ring_k, ring_v, placed, window, HEAD_DIM**-0.5)
+    torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol)
+    by_torch = exact_attention(q, (ring_k, ring_v), placed, window, None)
+    if dtype == torch.bfloat16:  # torch rounds the weights to bf16 before they meet V
+        atol = 2**-7
+    torch.testing.assert_close(by_torch.double(), expected, atol=2 * atol, rtol=2 * rtol)
+
+
+def test_more_positions_than_a_ring_holds_are_refused(kernel):
+    """A token whose window (or whole context, under full attention) is longer than the rows
+    fails loudly: the ring cannot hold it."""
+    k, v = cache(torch.float32)
+    ring_k, ring_v = k[:, :, :13].contiguous(), v[:, :, :13].contiguous()
+    q = queries(1, torch.float32)
+    kernel(q, ring_k, ring_v, Placed.of([(0, 40)]), 13, 0.125)
+    for window in (14, NO_WINDOW):
+        with pytest.raises(RuntimeError, match="bad arguments"):
+            kernel(q, ring_k, ring_v, Placed.of([(0, 40)]), window, 0.125)
+
+
+def test_rope_attention_writes_a_ring_at_its_positions_modulo_its_rows(kernel):
+    """with_rope over a ring: each token's key and value land in row position mod rows, and a
+    call's tokens (within the ring's spare) attend as over the full cache."""
+    k, v = cache(torch.float32)
+    window, rows = 9, 13  # a spare of 5 positions: calls of up to 5 tokens per place
+    calls = [[(1, 20), (1, 21), (1, 22), (1, 23), (1, 24)], [(1, 25)], [(4, 11), (1, 26)]]
+    ring_k, ring_v = ring_of(k, rows, {1: 19, 4: 10}), ring_of(v, rows, {1: 19, 4: 10})
+    generator = torch.Generator().manual_seed(4)
+    width = (KV_HEADS * GROUPS + 2 * KV_HEADS) * HEAD_DIM
+    for rows_of_call in calls:
+        qkv = torch.randn(len(rows_of_call), width, generator=generator)
+        placed = Placed.of(rows_of_call)
+        full = kernel.with_rope(qkv, rope_tables(), k, v, placed, window, GROUPS)
+        got = kernel.with_rope(qkv, rope_tables(), ring_k, ring_v, placed, window, GROUPS)
+        torch.testing.assert_close(got, full, atol=1e-5, rtol=1e-5)
+        for place, position in rows_of_call:
+            assert torch.equal(ring_k[place, :, position % rows], k[place, :, position])
+            assert torch.equal(ring_v[place, :, position % rows], v[place, :, position])
+
+
 def test_no_compiler_means_torch_kernels_with_a_warning(monkeypatch, caplog):
     """Without a C compiler both kernels are None, the reason is logged, and quantized weights
     take torch's layouts (its weight-only kernels run them)."""
