@@ -113,7 +113,7 @@ class CudaGraphDecode:
 
     def __init__(self, model: CompactLlama, cache: SlotCache, scratch_rows: RowsFor):
         self.model, self.cache = model, cache
-        self.device = cache.k.device
+        self.device = cache.device
         self.batches = batch_buckets(cache.slots)
         self.windows = window_buckets(cache.max_len)
         self.inputs = {b: _cloned(scratch_rows(b)) for b in self.batches}  # static buffers

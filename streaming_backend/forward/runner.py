@@ -9,6 +9,9 @@
 A chunk is written at its slot's next free positions, so a long prompt can be prefilled in
 several chunks, and a slot whose first N positions were filled otherwise (a prefix cache:
 `cache.copy_prefix(source, slot, N)`) just has `cache.lengths[slot] == N` before its first chunk.
+Where the cache keeps sliding-window layers as rings, a chunk longer than the ring's spare
+(`cache.chunk_limit`) is run as several calls, in order: each token's numbers are its own
+whatever shares its call, so the logits are the same.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 from streaming_backend.forward.buckets import window_for
 from streaming_backend.forward.llama import CompactLlama, Rows, Span
 from streaming_backend.forward.quant import check_kind, check_matmul
-from streaming_backend.forward.slots import CacheBudget, SlotCache
+from streaming_backend.forward.slots import WINDOW_CHUNK, CacheBudget, SlotCache
 from streaming_backend.model.loading import LoadedModel
 
 
@@ -46,6 +49,9 @@ class ForwardConfig:
     # What runs quantized weights: "auto" (our C kernels where they build, else torch's) or
     # "aten" (torch's weight-only kernels; scripts/forward_bench.py's -aten systems compare)
     matmul: str = "auto"
+    # A sliding-window layer keeps window + window_chunk - 1 positions per slot (a ring), and a
+    # prefill call writes at most window_chunk per slot (forward/slots.py, WINDOW_CHUNK)
+    window_chunk: int = WINDOW_CHUNK
 
     def __post_init__(self) -> None:
         check_kind(self.quantize)
@@ -82,7 +88,13 @@ class SlotForward:
         model = model or CompactLlama(loaded.model, config.quantize, config.matmul)
         max_len = min(config.max_len or loaded.context_length, model.shape.max_positions)
         cache = SlotCache.for_budget(
-            model.shape, max_len, loaded.dtype, loaded.device, config.budget, config.max_slots
+            model.shape,
+            max_len,
+            loaded.dtype,
+            loaded.device,
+            config.budget,
+            config.max_slots,
+            config.window_chunk,
         )
         forward = cls(model, cache, loaded.device)
         forward._set_up_decode(config)
@@ -107,11 +119,30 @@ class SlotForward:
         if not chunks:
             raise ValueError("prefill needs at least one chunk")
         _check_distinct([c.slot for c in chunks])
-        starts = [self.cache.lengths[c.slot] for c in chunks]
         for chunk in chunks:
             if not chunk.tokens:
                 raise ValueError(f"empty prefill chunk for slot {chunk.slot}")
             self.cache.check_room(chunk.slot, len(chunk.tokens))
+        limit = self.cache.chunk_limit
+        if limit is None or all(len(c.tokens) <= limit for c in chunks):
+            return self._prefill(chunks)
+        return self._prefill_in_pieces(chunks, limit)
+
+    def _prefill_in_pieces(self, chunks: Sequence[PromptChunk], limit: int) -> torch.Tensor:
+        """`prefill` as calls of at most `limit` tokens per slot, in order (a ring's spare)."""
+        logits: list[torch.Tensor] = [torch.empty(0)] * len(chunks)
+        for done in range(0, max(len(c.tokens) for c in chunks), limit):
+            rows = [r for r, c in enumerate(chunks) if len(c.tokens) > done]
+            pieces = [
+                PromptChunk(chunks[r].slot, chunks[r].tokens[done : done + limit]) for r in rows
+            ]
+            for row, out in zip(rows, self._prefill(pieces)):
+                logits[row] = out
+        return torch.stack(logits)
+
+    def _prefill(self, chunks: Sequence[PromptChunk]) -> torch.Tensor:
+        """`prefill` in one call (the chunks checked, each within the cache's chunk_limit)."""
+        starts = [self.cache.lengths[c.slot] for c in chunks]
         rows = self._prefill_rows(chunks, starts)
         logits = self.model(self.cache.k, self.cache.v, rows, 0, spans=self._spans(chunks, starts))
         for start, chunk in zip(starts, chunks):
@@ -122,10 +153,16 @@ class SlotForward:
     def score(self, chunk: PromptChunk) -> torch.Tensor:
         """Prefill one chunk; return the logits [T, V] (fp32) after each of its tokens
         (teacher-forced checks: what the model would pick at every position)."""
-        start = self.cache.lengths[chunk.slot]
         if not chunk.tokens:
             raise ValueError(f"empty prefill chunk for slot {chunk.slot}")
         self.cache.check_room(chunk.slot, len(chunk.tokens))
+        limit = self.cache.chunk_limit or len(chunk.tokens)
+        pieces = [chunk.tokens[at : at + limit] for at in range(0, len(chunk.tokens), limit)]
+        return torch.cat([self._score(PromptChunk(chunk.slot, piece)) for piece in pieces])
+
+    def _score(self, chunk: PromptChunk) -> torch.Tensor:
+        """`score` in one call."""
+        start = self.cache.lengths[chunk.slot]
         rows = self._prefill_rows([chunk], [start])
         spans = self._spans([chunk], [start])
         logits = self.model.score(self.cache.k, self.cache.v, rows, spans)[0]

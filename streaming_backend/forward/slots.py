@@ -1,12 +1,23 @@
 """A preallocated KV cache of fixed slots, one per live stream, sized from a memory budget.
 
-K and V are each one tensor [layers, slots + 1, kv_heads, max_len, head_dim] allocated once on
+K and V are each one tensor per layer, [slots + 1, kv_heads, rows, head_dim], allocated once on
 the model's device: a stream holds one slot for its whole life, a step writes its new keys at
 their positions, and nothing is concatenated, padded or copied when streams join or leave. The
 extra last slot is scratch: padding rows of a batch write there.
 
+A full-attention layer keeps `max_len` rows, position p in row p. A sliding-window layer (Gemma
+2/3's local layers, Mistral's sliding_window) keeps a ring of window + chunk - 1 rows, position
+p in row p mod rows (`layer_rows`): its tokens attend over their last `window` positions only,
+and a prefill call writes all of its (up to `chunk`) tokens' keys before any of them attends,
+so the ring holds the window of the call's first token while the call writes its last
+(llama.cpp's SWA cache holds n_swa + n_ubatch likewise). SlotForward splits longer chunks
+(`chunk_limit`). Layers of one row count share one allocation.
+
 `lengths[slot]` counts the positions already filled; a slot whose first N positions hold a
-reused prefix or an earlier prompt chunk simply starts at length N.
+reused prefix or an earlier prompt chunk simply starts at length N. A ring that has wrapped has
+overwritten its slot's early positions, so a slot's first N positions can be reused (taken over
+with `truncate`, copied with `copy_prefix`) only while every ring still holds the window before
+position N: `reusable` is that rule, and both refuse what it refuses.
 
 `physical[slot]` is the place in k/v holding a slot's K/V; a decode step reads every row's keys
 as a view of its own place, wherever it is (forward/llama.py, `exact_attention`), so slots never
@@ -62,15 +73,34 @@ def free_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def slot_bytes(shape: LlamaShape, max_len: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V for one slot of `max_len` positions."""
+# The most positions one prefill call writes per slot where a layer keeps a ring: its ring
+# holds window + WINDOW_CHUNK - 1 positions. As llama.cpp's default micro-batch: calls of 512
+# tokens keep the matmuls efficient, and Gemma 3's rings (windows of 512 and 1024) stay small.
+WINDOW_CHUNK = 512
+
+
+def layer_rows(shape: LlamaShape, max_len: int, chunk: int = WINDOW_CHUNK) -> tuple[int, ...]:
+    """Positions each layer keeps per slot: max_len for full attention, window + chunk - 1
+    (a ring) for a sliding window, unless that is no shorter."""
+    if chunk < 1:
+        raise ValueError(f"a prefill call must write at least one position, not {chunk}")
+    return tuple(min(max_len, window + chunk - 1) for window in shape.windows)
+
+
+def slot_bytes(
+    shape: LlamaShape, max_len: int, dtype: torch.dtype, chunk: int = WINDOW_CHUNK
+) -> int:
+    """Bytes of K and V for one slot of `max_len` positions (sliding-window layers: their ring)."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * shape.layers * shape.kv_heads * max_len * shape.head_dim * element
+    rows = sum(layer_rows(shape, max_len, chunk))
+    return 2 * rows * shape.kv_heads * shape.head_dim * element
 
 
-def slots_for_budget(shape: LlamaShape, max_len: int, dtype: torch.dtype, budget: int) -> int:
+def slots_for_budget(
+    shape: LlamaShape, max_len: int, dtype: torch.dtype, budget: int, chunk: int = WINDOW_CHUNK
+) -> int:
     """How many full-context slots (plus the scratch slot) fit in `budget` bytes."""
-    per_slot = slot_bytes(shape, max_len, dtype)
+    per_slot = slot_bytes(shape, max_len, dtype, chunk)
     slots = budget // per_slot - 1  # one slot's worth is the scratch slot
     if slots < 1:
         raise CacheTooSmall(
@@ -85,13 +115,32 @@ class SlotCache:
     """K/V storage for `slots` streams of up to `max_len` positions, and which slots are free."""
 
     def __init__(
-        self, shape: LlamaShape, slots: int, max_len: int, dtype: torch.dtype, device: torch.device
+        self,
+        shape: LlamaShape,
+        slots: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        chunk: int = WINDOW_CHUNK,
     ):
         if slots < 1 or max_len < 1:
             raise ValueError(f"need at least one slot and one position, not {slots}, {max_len}")
-        size = (shape.layers, slots + 1, shape.kv_heads, max_len, shape.head_dim)
-        self.k = _zeroed(size, dtype, device)
-        self.v = _zeroed(size, dtype, device)
+        self.rows = layer_rows(shape, max_len, chunk)  # per layer
+        # the layers of each row count in one allocation: (their numbers, K, V)
+        self._stores = []
+        for rows in sorted(set(self.rows), reverse=True):
+            layers = [i for i, r in enumerate(self.rows) if r == rows]
+            size = (len(layers), slots + 1, shape.kv_heads, rows, shape.head_dim)
+            self._stores.append(
+                (layers, _zeroed(size, dtype, device), _zeroed(size, dtype, device))
+            )
+        # per layer: [slots + 1, kv_heads, rows, head_dim], a view of its store
+        self.k = _per_layer(self._stores, 1, shape.layers)
+        self.v = _per_layer(self._stores, 2, shape.layers)
+        # (window, rows) of the rings: the layers whose early positions get overwritten
+        self._rings = sorted({(w, r) for w, r in zip(shape.windows, self.rows) if r < max_len})
+        # the most positions a prefill call may write per slot; None: as many as fit
+        self.chunk_limit = chunk if self._rings else None
         self.slots = slots
         self.max_len = max_len
         self.scratch = slots  # the extra slot that padding rows write into
@@ -108,10 +157,29 @@ class SlotCache:
         device: torch.device,
         budget: CacheBudget,
         max_slots: int | None = None,
+        chunk: int = WINDOW_CHUNK,
     ) -> SlotCache:
         """As many slots as the budget holds (at most max_slots), or CacheTooSmall."""
-        slots = slots_for_budget(shape, max_len, dtype, budget.resolve(device))
-        return cls(shape, min(slots, max_slots or slots), max_len, dtype, device)
+        slots = slots_for_budget(shape, max_len, dtype, budget.resolve(device), chunk)
+        return cls(shape, min(slots, max_slots or slots), max_len, dtype, device, chunk)
+
+    @property
+    def bytes(self) -> int:
+        """The memory K and V take, the scratch slot's included."""
+        return sum(t.numel() * t.element_size() for _, k, v in self._stores for t in (k, v))
+
+    def describe_rings(self) -> str:
+        """How the sliding-window layers keep their positions, for the log ('' when none wrap)."""
+        if not self._rings:
+            return ""
+        layers = sum(rows < self.max_len for rows in self.rows)
+        sizes = "/".join(str(rows) for rows in sorted({rows for _, rows in self._rings}))
+        return f"; {layers} of {len(self.rows)} layers sliding-window rings of {sizes}"
+
+    @property
+    def device(self) -> torch.device:
+        """Where K and V live."""
+        return self.k[0].device
 
     @property
     def slot_bytes(self) -> int:
@@ -143,20 +211,50 @@ class SlotCache:
         self.lengths = [0] * self.slots
         self._free = list(range(self.slots - 1, -1, -1))
 
+    def reusable(self, slot: int, length: int) -> int:
+        """How many of `slot`'s first `length` positions a stream can continue from: `length`
+        while every sliding-window layer's ring still holds the window before position
+        `length`, else 0 (positions the ring overwrote are gone; a shorter prefix needs earlier
+        ones still, so nothing shorter is reusable either). Full-attention layers keep all.
+
+        A ring of R rows holds positions [held - R, held) of the `held` written; the token at
+        `length` attends back to length - window + 1. So a prefix is reusable up to R - window
+        + 1 (the chunk) positions short of what the slot holds: a conversation resent whole,
+        or a beam fork of the whole slot, always is.
+        """
+        held = self.lengths[slot]
+        if not 0 <= length <= held:
+            raise ValueError(f"slot {slot} holds {held} positions, not {length}")
+        kept = all(
+            held <= rows or length - window + 1 >= held - rows for window, rows in self._rings
+        )
+        return length if kept else 0
+
     def copy_prefix(self, source: int, target: int, length: int) -> None:
-        """Give `target` the first `length` positions of `source` (a shared prompt prefix)."""
-        if length > self.lengths[source]:
-            raise ValueError(f"slot {source} holds {self.lengths[source]} positions, not {length}")
+        """Give `target` the first `length` positions of `source` (a shared prompt prefix, a
+        beam fork); ValueError unless `reusable` allows that length."""
+        self._check_reusable(source, length)
         source_at, target_at = self.physical[source], self.physical[target]
-        self.k[:, target_at, :, :length] = self.k[:, source_at, :, :length]
-        self.v[:, target_at, :, :length] = self.v[:, source_at, :, :length]
+        held = self.lengths[source]
+        for _, k, v in self._stores:
+            rows = k.shape[3]  # a ring that has wrapped: all of it (the rows past `length`
+            count = length if held <= rows else rows  # are rewritten before they are read)
+            k[:, target_at, :, :count] = k[:, source_at, :, :count]
+            v[:, target_at, :, :count] = v[:, source_at, :, :count]
         self.lengths[target] = length
 
     def truncate(self, slot: int, length: int) -> None:
-        """Keep only the first `length` positions of a held slot (the rest is overwritten later)."""
-        if not 0 <= length <= self.lengths[slot]:
-            raise ValueError(f"slot {slot} holds {self.lengths[slot]} positions, not {length}")
+        """Keep only the first `length` positions of a held slot (the rest is overwritten later);
+        ValueError unless `reusable` allows that length."""
+        self._check_reusable(slot, length)
         self.lengths[slot] = length
+
+    def _check_reusable(self, slot: int, length: int) -> None:
+        if length and self.reusable(slot, length) != length:
+            raise ValueError(
+                f"slot {slot} holds {self.lengths[slot]} positions, but its sliding-window "
+                f"layers no longer hold the window before position {length} (ask reusable())"
+            )
 
     def check_room(self, slot: int, new_tokens: int) -> None:
         """Raise ValueError when `new_tokens` more positions would not fit in `slot`."""
@@ -165,6 +263,15 @@ class SlotCache:
                 f"slot {slot} holds {self.lengths[slot]} positions; {new_tokens} more exceed "
                 f"the cache's context of {self.max_len}"
             )
+
+
+def _per_layer(stores, which: int, layers: int) -> tuple[torch.Tensor, ...]:
+    """Each layer's view of its store's K (which 1) or V (2)."""
+    views: list[torch.Tensor | None] = [None] * layers
+    for store in stores:
+        for index, view in zip(store[0], store[which].unbind(0)):
+            views[index] = view
+    return tuple(views)
 
 
 # Above this size a CPU allocation is a fresh anonymous mapping (glibc's mmap threshold is at most

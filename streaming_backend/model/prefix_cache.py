@@ -14,7 +14,7 @@ messages through the chat template or as token ids hits the same entry.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 # Shorter shared prefixes are not worth a slot copy (and would evict a better idle entry).
@@ -57,12 +57,17 @@ class PrefixCache:
         return slot
 
     def best(
-        self, prompt: Sequence[int], live: Iterable[tuple[int, Sequence[int]]]
+        self,
+        prompt: Sequence[int],
+        live: Iterable[tuple[int, Sequence[int]]],
+        usable: Callable[[int, int], int] | None = None,
     ) -> Match | None:
         """The slot sharing the longest prefix with `prompt` (at least min_reuse), else None.
 
-        `live` gives (slot, tokens whose KV is written) of running streams. An idle entry wins a
-        tie: taking it over needs no copy.
+        `live` gives (slot, tokens whose KV is written) of running streams. `usable(slot,
+        shared)` says how many of a slot's `shared` tokens a new stream can start from (the
+        cache's rule: SlotCache.reusable); without it, all. An idle entry wins a tie: taking
+        it over needs no copy.
         """
         best: Match | None = None
         prompt = tuple(prompt)
@@ -70,6 +75,8 @@ class PrefixCache:
         candidates += [(slot, tuple(tokens), False) for slot, tokens in live]
         for slot, tokens, idle in candidates:
             length = common_prefix(prompt, tokens)
+            if usable is not None:
+                length = usable(slot, length)
             if length >= self.min_reuse and (best is None or length > best.length):
                 best = Match(slot, length, idle)
         return best

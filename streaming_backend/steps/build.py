@@ -70,10 +70,11 @@ def build_steps(
     else:
         steps.pacer = carried.pacer
     log.info(
-        "compact forward: %d KV cache slots of %d positions (%.0f MiB), prefix cache %s, %s%s",
+        "compact forward: %d KV cache slots of %d positions (%.0f MiB%s), prefix cache %s, %s%s",
         cache.slots,
         cache.max_len,
-        2 * cache.k.numel() * cache.k.element_size() / 2**20,
+        cache.bytes / 2**20,
+        cache.describe_rings(),
         config.prefix_cache,
         steps.pacer.describe(),
         f", decode step compiled in {forward.compile_seconds:.1f} s"

@@ -9,7 +9,10 @@ budget is `max_prefill_tokens`: no one is waiting.
 
 A new stream first looks for a slot whose tokens share a prefix with its prompt (PrefixCache): an
 idle slot left by an ended stream is taken over as it is; a live stream's slot is copied. Either
-way only the rest of the prompt is prefilled, and `cached_tokens` says how much was reused.
+way only the rest of the prompt is prefilled, and `cached_tokens` says how much was reused. A
+slot whose sliding-window layers' rings have moved past a prefix's window cannot give that
+prefix: the cache's one rule (SlotCache.reusable) decides which prefixes count, here and when
+an ended stream's slot is kept.
 """
 
 from __future__ import annotations
@@ -103,9 +106,13 @@ class SlotSteps:
         match = None
         if self.prefix is not None:
             live = [(self._slot[id(s)], self._reusable(s)) for s in self.live()]
-            match = self.prefix.best(prompt, live)
-        # at least the last prompt token is run again: its logits give the first new token
-        reused = min(match.length, len(prompt) - 1) if match else 0
+            # at least the last prompt token is run again: its logits give the first new token
+            match = self.prefix.best(
+                prompt,
+                live,
+                lambda slot, shared: self.cache.reusable(slot, min(shared, len(prompt) - 1)),
+            )
+        reused = match.length if match else 0
         if match is None or reused < self.prefix.min_reuse:
             return self._allocate(), 0
         if match.idle:
@@ -258,6 +265,7 @@ class SlotSteps:
             if slot is None:
                 continue
             reusable = self._reusable(stream) if keep and self.prefix is not None else ()
+            reusable = reusable[: self.cache.reusable(slot, len(reusable))]  # all, or none
             if reusable:
                 self.cache.truncate(slot, len(reusable))
                 self.prefix.keep(slot, reusable)

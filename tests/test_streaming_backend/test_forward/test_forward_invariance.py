@@ -124,14 +124,18 @@ def test_a_streams_logits_are_the_same_alone_or_in_a_crowd(tiny_model_dir, kind,
 def test_other_families_streams_are_the_same_alone_or_in_a_crowd(family, kind, dtype):
     """The same for Qwen3, whose heads' queries and keys are normalised between the C calls,
     Gemma 2 and 3 (norms after the attention and the MLP in torch, GELU and Gemma 2's capped
-    scores in C) and Qwen3's mixture of
+    scores in C; their sliding layers in rings of 23 positions, which the prompt wraps, and
+    prefill calls of at most 16 tokens per slot) and Qwen3's mixture of
     experts (each token routed on its own, its experts run among whichever tokens chose them)."""
     same_alone_or_in_a_crowd(tiny_config_model(family, getattr(torch, dtype)), kind)
 
 
 def same_alone_or_in_a_crowd(loaded, kind: str) -> None:
-    """The crowd test's body for one loaded model."""
-    config = ForwardConfig(CacheBudget(bytes=64 << 20), max_len=256, max_slots=20, quantize=kind)
+    """The crowd test's body for one loaded model (sliding-window layers in rings of their
+    window + 15 positions)."""
+    config = ForwardConfig(
+        CacheBudget(bytes=64 << 20), max_len=256, max_slots=20, quantize=kind, window_chunk=16
+    )
     probe = Probe(SlotForward.create(loaded, config))
     alone = probe.run("alone", 0)
     for prefill, mates in (("crowd", 0), ("chunk1", 0), ("chunk7", 0), ("chunk32", 0)):
@@ -182,6 +186,6 @@ def test_a_decoded_token_is_what_a_prefill_of_it_gives(tiny_model_dir, dtype):
     whole = forward.prefill([PromptChunk(prefilled, probe.prompt + probe.fed)])[0]
     assert torch.equal(whole, last)
     length = len(probe.prompt) + len(probe.fed)
-    for cache in (forward.cache.k, forward.cache.v):
-        places = [forward.cache.physical[s] for s in (decoded, prefilled)]
-        assert torch.equal(cache[:, places[0], :, :length], cache[:, places[1], :, :length])
+    places = [forward.cache.physical[s] for s in (decoded, prefilled)]
+    for layer in (*forward.cache.k, *forward.cache.v):
+        assert torch.equal(layer[places[0], :, :length], layer[places[1], :, :length])

@@ -1,4 +1,5 @@
-"""The slot KV cache: sized from a memory budget, slots handed out and given back."""
+"""The slot KV cache: sized from a memory budget, slots handed out and given back; sliding-window
+layers in rings, counted as such, and the rule for reusing a slot whose rings have wrapped."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ import torch
 
 from streaming_backend.forward.buckets import batch_buckets, batch_for, window_buckets, window_for
 from streaming_backend.forward.llama import NO_WINDOW, LlamaShape
-from streaming_backend.forward.slots import CacheBudget, CacheTooSmall, SlotCache, slot_bytes
+from streaming_backend.forward.slots import (
+    WINDOW_CHUNK,
+    CacheBudget,
+    CacheTooSmall,
+    SlotCache,
+    layer_rows,
+    slot_bytes,
+    slots_for_budget,
+)
 
 SHAPE = LlamaShape(
     layers=2,
@@ -33,7 +42,9 @@ def test_budget_sets_the_number_of_slots_and_one_scratch_slot():
     per_slot = slot_bytes(SHAPE, 128, torch.float32)
     cache = SlotCache.for_budget(SHAPE, 128, torch.float32, CPU, CacheBudget(bytes=5 * per_slot))
     assert cache.slots == 4 and cache.scratch == 4
-    assert cache.k.shape == (2, 5, 2, 128, 16) and cache.v.shape == cache.k.shape
+    assert [k.shape for k in cache.k] == [(5, 2, 128, 16)] * 2
+    assert [v.shape for v in cache.v] == [(5, 2, 128, 16)] * 2
+    assert cache.bytes == 5 * per_slot
     capped = SlotCache.for_budget(
         SHAPE, 128, torch.float32, CPU, CacheBudget(bytes=5 * per_slot), max_slots=2
     )
@@ -88,3 +99,91 @@ def test_buckets_are_powers_of_two_capped_by_the_cache():
     assert window_buckets(300) == [64, 128, 256, 300]
     assert batch_buckets(12) == [1, 2, 4, 8, 12] and batch_buckets(1) == [1]
     assert [batch_for(b, [1, 2, 4, 8, 12]) for b in (1, 3, 8, 9, 12)] == [1, 4, 8, 12, 12]
+
+
+# Gemma 3 1B's shape: 26 layers, every sixth of full attention, the others in windows of 512;
+# one key/value head of 256 values
+GEMMA3 = LlamaShape(
+    layers=26,
+    hidden=1152,
+    heads=4,
+    kv_heads=1,
+    head_dim=256,
+    vocab=262144,
+    max_positions=32768,
+    eps=1e-6,
+    windows=tuple(NO_WINDOW if layer % 6 == 5 else 512 for layer in range(26)),
+)
+
+
+def test_sliding_window_layers_keep_their_window_and_a_chunk():
+    """A sliding-window layer keeps window + chunk - 1 positions (a prefill call's first token
+    still sees its window while the call writes its last), full layers the whole context, and
+    a ring no shorter than the context is no ring."""
+    assert layer_rows(GEMMA3, 32768)[:6] == (1023, 1023, 1023, 1023, 1023, 32768)
+    assert WINDOW_CHUNK == 512 and layer_rows(GEMMA3, 32768, chunk=8)[0] == 519
+    assert layer_rows(GEMMA3, 600)[:6] == (600,) * 6
+    with pytest.raises(ValueError, match="at least one position"):
+        layer_rows(GEMMA3, 600, chunk=0)
+
+
+def test_rings_are_counted_so_a_budget_holds_more_slots():
+    """Gemma 3 1B at 32k positions in bfloat16: 4 full layers and 22 rings of 1023 per slot,
+    150 MiB instead of 832 MiB, so 8 GiB holds 53 slots instead of 8; the cache allocated
+    takes exactly what was counted."""
+    full = 2 * 26 * 32768 * 256 * 2  # keys and values of every layer, every position
+    per_slot = slot_bytes(GEMMA3, 32768, torch.bfloat16)
+    assert per_slot == 2 * (4 * 32768 + 22 * 1023) * 256 * 2 and full / per_slot > 5.5
+    flat = LlamaShape(**{**GEMMA3.__dict__, "windows": (NO_WINDOW,) * 26})
+    assert slot_bytes(flat, 32768, torch.bfloat16) == full
+    assert slots_for_budget(flat, 32768, torch.bfloat16, 8 << 30) == 8
+    assert slots_for_budget(GEMMA3, 32768, torch.bfloat16, 8 << 30) == 53
+    small = SlotCache(GEMMA3, 3, 2048, torch.bfloat16, CPU, chunk=64)
+    assert small.bytes == 4 * slot_bytes(GEMMA3, 2048, torch.bfloat16, chunk=64)
+    assert [k.shape[2] for k in small.k[:6]] == [575] * 5 + [2048]
+    assert "22 of 26 layers sliding-window rings of 575" in small.describe_rings()
+    assert SlotCache(SHAPE, 1, 64, torch.float32, CPU).describe_rings() == ""
+
+
+WINDOWED = LlamaShape(**{**SHAPE.__dict__, "windows": (4, NO_WINDOW)})
+
+
+def test_a_wrapped_ring_allows_only_the_prefixes_whose_window_it_still_holds():
+    """Window 4, chunk 2: a ring of 5 holds the last 5 positions written. A slot holding 12
+    can be continued from 10, 11 or 12 (the 3 positions before each are still there), not from
+    9 or less: reusable says 0, truncate and copy_prefix refuse. Before its ring wraps a slot
+    is reusable at every length; so is a slot without rings."""
+    cache = SlotCache(WINDOWED, 3, 64, torch.float32, CPU, chunk=2)
+    assert cache.rows == (5, 64) and cache.chunk_limit == 2
+    slot, other = cache.allocate(), cache.allocate()
+    cache.lengths[slot] = 12
+    assert [cache.reusable(slot, n) for n in (12, 11, 10, 9, 3, 0)] == [12, 11, 10, 0, 0, 0]
+    with pytest.raises(ValueError, match="no longer hold the window before position 9"):
+        cache.copy_prefix(slot, other, 9)
+    with pytest.raises(ValueError, match="no longer hold the window before position 9"):
+        cache.truncate(slot, 9)
+    with pytest.raises(ValueError, match="holds 12 positions, not 13"):
+        cache.reusable(slot, 13)
+    cache.copy_prefix(slot, other, 12)  # a beam fork: the whole slot
+    assert cache.lengths[other] == 12 and cache.reusable(other, 10) == 10
+    cache.truncate(slot, 10)
+    cache.truncate(slot, 0)
+    cache.lengths[slot] = 5  # not wrapped yet
+    assert [cache.reusable(slot, n) for n in (5, 1)] == [5, 1]
+    plain = SlotCache(SHAPE, 1, 64, torch.float32, CPU, chunk=2)
+    plain.lengths[plain.allocate()] = 60
+    assert plain.reusable(0, 1) == 1 and plain.chunk_limit is None
+
+
+def test_copy_prefix_copies_a_rings_rows_and_the_full_layers_prefix():
+    """copy_prefix gives the target what the source's rows hold: a wrapped ring whole, the
+    full-attention layer's first positions."""
+    cache = SlotCache(WINDOWED, 2, 64, torch.float32, CPU, chunk=2)
+    source, target = cache.allocate(), cache.allocate()
+    for k in cache.k:
+        k[source] = torch.arange(k[source].numel(), dtype=torch.float32).view(k[source].shape)
+    cache.lengths[source] = 12
+    cache.copy_prefix(source, target, 11)
+    assert torch.equal(cache.k[0][target], cache.k[0][source])  # the ring, all 5 rows
+    assert torch.equal(cache.k[1][target, :, :11], cache.k[1][source, :, :11])
+    assert not cache.k[1][target, :, 11:].any()

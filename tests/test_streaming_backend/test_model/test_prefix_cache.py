@@ -36,6 +36,19 @@ def test_best_match_is_the_longest_shared_prefix():
     assert cache.best([1, 2, 8], live=[]) is None  # 2 shared tokens < min_reuse
 
 
+def test_what_a_slot_can_give_decides_the_match():
+    """`usable` (the KV cache's rule: a ring may have overwritten a prefix's window) cuts what a
+    slot offers; the longest usable prefix wins, and one cut below min_reuse counts for nothing."""
+    cache = PrefixCache(min_reuse=3)
+    cache.keep(0, [1, 2, 3, 4, 5, 6])
+    cache.keep(1, [1, 2, 3, 4])
+    prompt = [1, 2, 3, 4, 5, 9]
+    ring_gone = {0: 0}  # slot 0 can give nothing
+    usable = lambda slot, shared: ring_gone.get(slot, shared)  # noqa: E731
+    assert cache.best(prompt, live=[], usable=usable) == Match(slot=1, length=4, idle=True)
+    assert cache.best(prompt, live=[], usable=lambda slot, shared: 2) is None
+
+
 def test_an_idle_entry_wins_a_tie():
     """Taking over an idle slot needs no copy: it is preferred to an equally long live one."""
     cache = PrefixCache(min_reuse=1)

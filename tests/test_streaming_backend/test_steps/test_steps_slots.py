@@ -3,12 +3,16 @@ tokens are computed, never which tokens come out."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import threading
 
 import pytest
+from families import tiny_config_model
 
 from streaming_backend.engine import Engine, EngineConfig
 from streaming_backend.events import FinishReason
+from streaming_backend.forward import runner
 from streaming_backend.sampling.settings import SamplingSettings
 
 GREEDY = SamplingSettings(temperature=0, max_tokens=10, ignore_eos=True)
@@ -119,6 +123,39 @@ def test_a_cancelled_streams_kv_is_reused_correctly(tiny_loaded):
         _, cached, after = _run(engine, follow_up)
     assert cached >= len(PROMPT) + 4
     _same(after, _reference(tiny_loaded, follow_up))
+
+
+def test_sliding_window_rings_give_only_the_prefixes_they_still_hold(tiny_loaded, monkeypatch):
+    """Gemma 3's sliding layer in a ring of 11 (window 8, prefill calls of at most 4 tokens): a
+    follow-up turn resending the whole conversation reuses all of it; a prompt sharing 30
+    tokens with a live stream 40 long, or a prompts-mode entry whose answer ran 9 positions on,
+    would need positions the ring overwrote, so nothing is reused (the entry is not even kept).
+    Every answer is the one without a cache."""
+    chunked = functools.partial(runner.ForwardConfig, window_chunk=4)
+    monkeypatch.setattr(runner, "ForwardConfig", chunked)  # steps/build.py's
+    gemma = dataclasses.replace(tiny_config_model("gemma3_text"), tokenizer=tiny_loaded.tokenizer)
+    prompt = list(range(100, 140))
+    with _engine(gemma, max_streams=4) as engine:
+        assert engine._steps.cache.rows == (11, 256)
+        first, _, _ = _run(engine, prompt)
+        follow_up = prompt + first + [200, 201, 202]
+        _, cached, events = _run(engine, follow_up)
+        assert cached == len(prompt) + len(first) - 1
+        _same(events, _reference(gemma, follow_up))
+        long = engine.submit(prompt, SamplingSettings(max_tokens=100, ignore_eos=True))
+        next(iter(long))  # its prompt is in the cache
+        second = prompt[:30] + [7, 8, 9]
+        _, cached, events = _run(engine, second)
+        long.cancel()
+        list(long)
+    assert cached == 0
+    _same(events, _reference(gemma, second))
+    with _engine(gemma, prefix_cache="prompts") as engine:
+        first, _, _ = _run(engine, prompt)
+        assert len(engine._steps.prefix) == 0  # 49 written, the prompt's 40 out of reach
+        _, cached, events = _run(engine, prompt + first + [200])
+    assert cached == 0
+    _same(events, _reference(gemma, prompt + first + [200]))
 
 
 def test_long_prompts_are_prefilled_in_chunks_between_decode_steps(tiny_loaded):
