@@ -20,7 +20,7 @@ from streaming_backend.forward.buckets import (
     batch_for,
     window_buckets,
 )
-from streaming_backend.forward.llama import CompactLlama, Rows, decoder_layer
+from streaming_backend.forward.llama import CompactLlama, LayerCache, Rows, decoder_layer
 from streaming_backend.forward.slots import SlotCache
 from streaming_backend.paths import cache_dir
 
@@ -41,7 +41,7 @@ class EagerFallback:
     def __init__(self, fast, eager: CompactLlama, what: str):
         self.fast, self.eager, self.what = fast, eager, what
 
-    def __call__(self, k: torch.Tensor, v: torch.Tensor, rows: Rows, window: int) -> torch.Tensor:
+    def __call__(self, k: LayerCache, v: LayerCache, rows: Rows, window: int) -> torch.Tensor:
         """The decode step: logits [B, V] fp32."""
         if self.fast is not None:
             try:
@@ -93,7 +93,7 @@ class CompiledStep:
     def __init__(self, model: CompactLlama, layer):
         self.model, self.layer = model, layer
 
-    def __call__(self, k: torch.Tensor, v: torch.Tensor, rows: Rows, window: int) -> torch.Tensor:
+    def __call__(self, k: LayerCache, v: LayerCache, rows: Rows, window: int) -> torch.Tensor:
         """The decode step: logits [B, V] fp32."""
         # Without this, sizes that happen to be equal at compile time (a window of 64 and a
         # hidden size of 64, a batch of 2 and 2 KV heads) are assumed equal forever, and every
@@ -133,7 +133,7 @@ class CudaGraphDecode:
             logits = self.model(self.cache.k, self.cache.v, rows, window)
         self.graphs[batch, window] = (graph, logits)
 
-    def __call__(self, k: torch.Tensor, v: torch.Tensor, rows: Rows, window: int) -> torch.Tensor:
+    def __call__(self, k: LayerCache, v: LayerCache, rows: Rows, window: int) -> torch.Tensor:
         """Copy the rows into the bucket's buffers, replay its graph -> logits [B, V] fp32."""
         if k is not self.cache.k or v is not self.cache.v:
             raise ValueError("a captured decode step only runs on the cache it was captured with")

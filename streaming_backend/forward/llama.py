@@ -88,6 +88,8 @@ SUPPORTED_TYPES = tuple(FAMILIES)
 # LongRoPE (Phi-3/4) is too within its original context (loading.rope_context bounds the model's).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 NO_WINDOW = 1 << 62  # "sliding window" of a full-attention layer
+# K or V of every layer, one tensor each [slots + 1, kv_heads, rows, head_dim] (forward/slots.py)
+LayerCache = Sequence[torch.Tensor]
 # Hugging Face's activation name -> ours (Dims.activation; native.MatmulKernel's `{ours}_mul`)
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -359,8 +361,8 @@ class CompactLlama(nn.Module):
 
     def forward(
         self,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: LayerCache,
+        v_cache: LayerCache,
         rows: Rows,
         window: int,
         layer: Callable[..., torch.Tensor] | None = None,
@@ -382,7 +384,7 @@ class CompactLlama(nn.Module):
         return self.normed_logits(x)  # [N, V]
 
     def score(
-        self, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: Rows, spans: Sequence[Span]
+        self, k_cache: LayerCache, v_cache: LayerCache, rows: Rows, spans: Sequence[Span]
     ) -> torch.Tensor:
         """`forward`, but the logits [N, T, V] (fp32) of every token (`rows.last` unused):
         teacher-forced quality checks."""
@@ -391,8 +393,8 @@ class CompactLlama(nn.Module):
 
     def hidden(
         self,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: LayerCache,
+        v_cache: LayerCache,
         rows: Rows,
         window: int,
         layer: Callable[..., torch.Tensor] | None = None,
@@ -435,7 +437,7 @@ class CompactLlama(nn.Module):
             )
         return x
 
-    def _cache_rows(self, positions: torch.Tensor, k_cache) -> Sequence[torch.Tensor]:
+    def _cache_rows(self, positions: torch.Tensor, k_cache: LayerCache) -> list[torch.Tensor]:
         """Per layer, the rows of its cache that hold `positions`: the positions themselves
         under full attention, modulo its rows in a sliding-window layer's ring."""
         if not self.windowed:
@@ -449,7 +451,7 @@ class CompactLlama(nn.Module):
             at.append(positions if window == NO_WINDOW else wrapped[rows])
         return at
 
-    def _masks(self, positions: torch.Tensor, window: int, k_cache) -> dict:
+    def _masks(self, positions: torch.Tensor, window: int, k_cache: LayerCache) -> dict:
         """The attention masks [N, 1, groups * T, keys] of a call over each slot's first
         `window` rows, by (layer window, layer rows): True where a row holds one of the token's
         positions in its window (a ring: the row's latest position is (p - row) mod rows back)."""
@@ -469,8 +471,8 @@ class CompactLlama(nn.Module):
 
     def decode(
         self,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: LayerCache,
+        v_cache: LayerCache,
         index: torch.Tensor,
         rows: Sequence[tuple[int, int]],
     ) -> torch.Tensor:

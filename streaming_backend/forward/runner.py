@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from streaming_backend.forward.buckets import window_for
-from streaming_backend.forward.llama import CompactLlama, Rows, Span
+from streaming_backend.forward.llama import CompactLlama, LayerCache, Rows, Span
 from streaming_backend.forward.quant import check_kind, check_matmul
 from streaming_backend.forward.slots import WINDOW_CHUNK, CacheBudget, SlotCache
 from streaming_backend.model.loading import LoadedModel
@@ -65,7 +65,7 @@ class PromptChunk(NamedTuple):
     tokens: Sequence[int]
 
 
-DecodeFn = Callable[[torch.Tensor, torch.Tensor, Rows, int], torch.Tensor]
+DecodeFn = Callable[[LayerCache, LayerCache, Rows, int], torch.Tensor]
 
 
 class SlotForward:

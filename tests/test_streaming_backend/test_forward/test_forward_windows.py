@@ -171,3 +171,24 @@ def test_a_reuse_whose_window_is_gone_is_refused():
     with pytest.raises(ValueError, match="window before position 40"):
         cache.truncate(donor, 40)
     assert cache.lengths[donor] == 45 and cache.lengths[other] == 0
+
+
+def test_the_compiled_step_reads_rings_as_hf(caplog):
+    """The decode step through torch.compile (traced by dynamo; the eager backend, so that no
+    C++ compiles) with rings in the cache: warmed up, it decodes two rows past several wraps as
+    Hugging Face does, without falling back to the eager step."""
+    from streaming_backend.forward import compiled
+
+    loaded = tiny_config_model("gemma3_text")
+    forward = ring_forward(loaded, 3)
+    step, seconds = compiled.compile_decode(
+        forward.model, forward.cache, forward.scratch_rows, backend="eager"
+    )
+    assert seconds is not None and step is not forward.model
+    forward._decode_fn = step
+    prompts = [ids(PROMPT, seed=1), ids(23, seed=2)]
+    slots = [forward.cache.allocate() for _ in prompts]
+    first = forward.prefill([PromptChunk(s, p) for s, p in zip(slots, prompts)])
+    fed, logits = decode_greedy(forward, slots, first.argmax(-1).tolist(), ANSWER)
+    assert_decoded_as_hf(loaded, prompts, fed, logits)
+    assert step.fast is not None and "eagerly" not in caplog.text
