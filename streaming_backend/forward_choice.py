@@ -33,11 +33,16 @@ class ForwardChoice:
     quantize: str  # the linear weights' format: none, int8, int4 (forward/quant.py)
     matmul: str  # what runs the linear weights: c-avx512, c-avx2, c-generic, aten, dense; or hf
     attention: str  # what computes attention: c-avx512, c-avx2, c-generic, torch; or hf
+    # the compact forward's KV cache: slots, positions, bytes, layers in sliding-window rings
+    # and their rows (forward/slots.py, SlotCache.report); None on hf
+    kv_cache: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, steps: Steps) -> ForwardChoice:
         """The choice the steps embody (steps/build.py's build_steps)."""
-        return cls(steps.name, steps.why, steps.quantize, steps.matmul, steps.attention)
+        return cls(
+            steps.name, steps.why, steps.quantize, steps.matmul, steps.attention, steps.kv_cache
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """The choice by name."""

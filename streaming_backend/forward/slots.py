@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -168,13 +169,26 @@ class SlotCache:
         """The memory K and V take, the scratch slot's included."""
         return sum(t.numel() * t.element_size() for _, k, v in self._stores for t in (k, v))
 
+    def report(self) -> dict[str, Any]:
+        """What the cache holds, for /status: slots, positions per slot, bytes (the scratch
+        slot's included), and how many layers keep a ring of how many rows (0, [] when none)."""
+        return {
+            "slots": self.slots,
+            "positions": self.max_len,
+            "bytes": self.bytes,
+            "ring_layers": sum(rows < self.max_len for rows in self.rows),
+            "ring_rows": sorted({rows for _, rows in self._rings}),
+        }
+
     def describe_rings(self) -> str:
         """How the sliding-window layers keep their positions, for the log ('' when none wrap)."""
-        if not self._rings:
+        report = self.report()
+        if not report["ring_layers"]:
             return ""
-        layers = sum(rows < self.max_len for rows in self.rows)
-        sizes = "/".join(str(rows) for rows in sorted({rows for _, rows in self._rings}))
-        return f"; {layers} of {len(self.rows)} layers sliding-window rings of {sizes}"
+        sizes = "/".join(map(str, report["ring_rows"]))
+        return (
+            f"; {report['ring_layers']} of {len(self.rows)} layers sliding-window rings of {sizes}"
+        )
 
     @property
     def device(self) -> torch.device:

@@ -58,6 +58,7 @@ class Steps(Protocol[S]):
     attention: str  # what computes attention: c-avx2, c-generic, torch (compact) or hf
     matmul: str  # what runs the linear weights: c-avx2, c-generic, aten, dense (compact) or hf
     prompt_tokens_per_step: int | None  # admission cap on prompt tokens; None: prefill is chunked
+    kv_cache: dict | None  # the compact forward's slot cache (SlotCache.report); None on hf
 
     def capacity(self) -> int: ...  # streams that can be admitted now
 

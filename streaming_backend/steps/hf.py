@@ -35,6 +35,7 @@ class HfSteps:
     decode_path = "eager"
     attention = "hf"  # the Hugging Face modelling code's own
     matmul = "hf"
+    kv_cache = None  # a DynamicCache per batch, grown as it goes: nothing preallocated to report
 
     def __init__(
         self, loaded: LoadedModel, config: EngineConfig, on_failure: OnFailure, why: str = ASKED_FOR

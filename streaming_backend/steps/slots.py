@@ -76,6 +76,11 @@ class SlotSteps:
         return self.forward.model.matmul
 
     @property
+    def kv_cache(self) -> dict:
+        """The slot cache's size and rings (SlotCache.report), for /status."""
+        return self.cache.report()
+
+    @property
     def decode_path(self) -> str:
         """eager, or the faster step steps/build.py set up: CUDA graphs on a GPU, else compiled."""
         if self.forward.compile_seconds is None:  # not asked for, or it failed: eager

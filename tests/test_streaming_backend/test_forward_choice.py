@@ -33,10 +33,14 @@ def outside_loaded() -> LoadedModel:
 
 def test_the_compact_forward_names_its_weights_and_kernels(tiny_loaded):
     """A family of the compact forward runs on it: no reason to give, and the weight format,
-    matmul and attention it runs with, as JSON."""
+    matmul and attention it runs with, and its KV cache (no rings: the tiny Llama has no
+    sliding window), as JSON."""
     steps = build_steps(tiny_loaded, EngineConfig(quantize="int4"), no_failures)
     choice = ForwardChoice.of(steps)
-    assert choice == ForwardChoice("compact", None, "int4", steps.matmul, steps.attention)
+    cache = steps.cache
+    kv_cache = {"slots": cache.slots, "positions": cache.max_len, "bytes": cache.bytes}
+    kv_cache |= {"ring_layers": 0, "ring_rows": []}
+    assert choice == ForwardChoice("compact", None, "int4", steps.matmul, steps.attention, kv_cache)
     assert choice.matmul not in ("hf", "dense") and choice.attention != "hf"
     assert json.loads(json.dumps(choice.as_dict())) == {
         "forward": "compact",
@@ -44,6 +48,7 @@ def test_the_compact_forward_names_its_weights_and_kernels(tiny_loaded):
         "quantize": "int4",
         "matmul": steps.matmul,
         "attention": steps.attention,
+        "kv_cache": kv_cache,
     }
 
 
@@ -60,7 +65,7 @@ def test_a_family_outside_the_compact_forward_runs_on_hf_and_says_why(outside_lo
 def test_forward_hf_says_it_was_asked_for(tiny_loaded):
     """forward hf runs Hugging Face's forward even for a compact family, and says it was asked."""
     choice = ForwardChoice.of(build_steps(tiny_loaded, EngineConfig(forward="hf"), no_failures))
-    assert (choice.forward, choice.why) == ("hf", ASKED_FOR)
+    assert (choice.forward, choice.why, choice.kv_cache) == ("hf", ASKED_FOR, None)
 
 
 def test_forward_compact_refuses_a_family_outside_it_with_the_reason(outside_loaded):

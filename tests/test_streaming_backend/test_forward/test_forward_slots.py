@@ -130,7 +130,7 @@ def test_sliding_window_layers_keep_their_window_and_a_chunk():
 def test_rings_are_counted_so_a_budget_holds_more_slots():
     """Gemma 3 1B at 32k positions in bfloat16: 4 full layers and 22 rings of 1023 per slot,
     150 MiB instead of 832 MiB, so 8 GiB holds 53 slots instead of 8; the cache allocated
-    takes exactly what was counted."""
+    takes exactly what was counted, and reports it (the log line, /status)."""
     full = 2 * 26 * 32768 * 256 * 2  # keys and values of every layer, every position
     per_slot = slot_bytes(GEMMA3, 32768, torch.bfloat16)
     assert per_slot == 2 * (4 * 32768 + 22 * 1023) * 256 * 2 and full / per_slot > 5.5
@@ -142,6 +142,13 @@ def test_rings_are_counted_so_a_budget_holds_more_slots():
     assert small.bytes == 4 * slot_bytes(GEMMA3, 2048, torch.bfloat16, chunk=64)
     assert [k.shape[2] for k in small.k[:6]] == [575] * 5 + [2048]
     assert "22 of 26 layers sliding-window rings of 575" in small.describe_rings()
+    assert small.report() == {
+        "slots": 3,
+        "positions": 2048,
+        "bytes": small.bytes,
+        "ring_layers": 22,
+        "ring_rows": [575],
+    }
     assert SlotCache(SHAPE, 1, 64, torch.float32, CPU).describe_rings() == ""
 
 
