@@ -198,7 +198,7 @@ class SlotCache:
     @property
     def slot_bytes(self) -> int:
         """Bytes of K and V one slot takes."""
-        return 2 * self.k[:, 0].numel() * self.k.element_size()
+        return self.bytes // (self.slots + 1)  # every slot, the scratch one too, alike
 
     @property
     def free_slots(self) -> int:

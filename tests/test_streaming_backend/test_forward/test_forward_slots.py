@@ -140,6 +140,7 @@ def test_rings_are_counted_so_a_budget_holds_more_slots():
     assert slots_for_budget(GEMMA3, 32768, torch.bfloat16, 8 << 30) == 53
     small = SlotCache(GEMMA3, 3, 2048, torch.bfloat16, CPU, chunk=64)
     assert small.bytes == 4 * slot_bytes(GEMMA3, 2048, torch.bfloat16, chunk=64)
+    assert small.slot_bytes == slot_bytes(GEMMA3, 2048, torch.bfloat16, chunk=64)
     assert [k.shape[2] for k in small.k[:6]] == [575] * 5 + [2048]
     assert "22 of 26 layers sliding-window rings of 575" in small.describe_rings()
     assert small.report() == {
