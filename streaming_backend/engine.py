@@ -291,7 +291,9 @@ class Engine:
                 except Exception as exc:  # a bug must not kill the thread: fail the batch
                     log.exception("engine step failed")
                     self._note_failure(exc)
-                    self._fail(self._steps.clear(), exc)
+                    # and the streams just taken from the queue, which a failed admission may
+                    # have left outside the steps (one that already ended gets nothing more)
+                    self._fail(self._steps.clear() + new, exc)
         self._shutdown_streams()
         _set_threads(self._torch_threads)  # leave torch's global count as the engine found it
 

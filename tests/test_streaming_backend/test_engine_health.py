@@ -97,3 +97,21 @@ def test_repeated_failed_steps_make_the_engine_unhealthy(tiny_loaded):
             assert _final(_submit(engine, tiny_loaded)).finish_reason is FinishReason.ERROR
         wait_for(lambda: not engine.health()[0])
         assert f"{MAX_FAILED_STEPS} steps in a row failed" in engine.health()[1]
+
+
+def test_a_failed_admission_ends_the_streams_it_took(tiny_loaded):
+    """Streams taken from the queue when admitting them fails (a bug in the steps) end with an
+    error instead of waiting forever; the next request is served."""
+    with Engine(tiny_loaded, EngineConfig(max_streams=4)) as engine:
+        admit, calls = engine._steps.admit, []
+
+        def failing_once(streams):
+            calls.append(len(streams))
+            if len(calls) == 1:
+                raise RuntimeError("admission bug")
+            admit(streams)
+
+        engine._steps.admit = failing_once
+        final = _final(_submit(engine, tiny_loaded, SHORT))
+        assert final.finish_reason == FinishReason.ERROR and "admission bug" in str(final.error)
+        assert _final(_submit(engine, tiny_loaded, SHORT)).finish_reason == FinishReason.LENGTH
