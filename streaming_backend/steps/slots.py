@@ -226,25 +226,34 @@ class SlotSteps:
         if self.forward.device.type == "cuda":
             torch.cuda.synchronize(self.forward.device)
 
-    def calibrate(self, sizes: tuple[int, ...] = (32, 160)) -> None:
+    def calibrate(self, sizes: tuple[int, ...] = (32, 160), rounds: int = 3) -> None:
         """Time prefill chunks of two sizes (their fixed and per-token costs) and one decode
         step on a spare slot, so the first steps' budget is already sized in time (the
-        engine's own steps keep it current)."""
+        engine's own steps keep it current). A round whose times give no positive per-token
+        cost (another process took the cores mid-round) is followed by another, `rounds` at
+        most; after that the budget starts from the pacer's start until the steps measure."""
         if self.pacer.fixed is not None or not self.cache.free_slots:
             return
         slot = self.cache.allocate()
         try:
-            # the first call pays allocations and kernel selection: it is not counted
-            for index, size in enumerate((sizes[0], *sizes, *sizes)):
-                chunk = [PromptChunk(slot, [0] * min(size, self.cache.max_len - 1))]
-                self.cache.truncate(slot, 0)
-                _, seconds = timed(lambda c=chunk: self.forward.prefill(c), self._sync)
-                if index:
-                    self.pacer.observe_prefill(len(chunk[0].tokens), seconds)
+            self._time_prefill(slot, sizes[0])  # pays allocations and kernel selection: not counted
+            for _ in range(rounds):
+                for size in (*sizes, *sizes):
+                    self.pacer.observe_prefill(*self._time_prefill(slot, size))
+                if self.pacer.seconds_per_token is not None:
+                    break
             _, seconds = timed(lambda: self.forward.decode([slot], [0]), self._sync)
             self.pacer.observe_decode(seconds)
         finally:
             self.cache.free(slot)
+
+    def _time_prefill(self, slot: int, size: int) -> tuple[int, float]:
+        """(tokens, seconds) of one prefill of `size` tokens (at most the slot's room) from
+        the start of `slot`."""
+        tokens = [0] * min(size, self.cache.max_len - 1)
+        self.cache.truncate(slot, 0)
+        _, seconds = timed(lambda: self.forward.prefill([PromptChunk(slot, tokens)]), self._sync)
+        return len(tokens), seconds
 
     # ---- forks (beam search) --------------------------------------------------------------------
 
