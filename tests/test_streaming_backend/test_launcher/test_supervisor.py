@@ -328,7 +328,12 @@ def test_health_endpoints_tell_ready_live_status_and_metrics(supervised) -> None
         "quantize": numerics["quantize"],
         "matmul": numerics["matmul"],
         "attention": numerics["attention"],
+        "kv_cache": status_body[FORWARD]["kv_cache"],
     }
+    # the tiny model's slots: its whole context of 256 positions each, no sliding-window rings
+    kv_cache = status_body[FORWARD]["kv_cache"]
+    assert kv_cache["slots"] >= 1 and kv_cache["positions"] == 256 and kv_cache["bytes"] > 0
+    assert (kv_cache["ring_layers"], kv_cache["ring_rows"]) == (0, [])
     assert status_body[NUMERICS]["dtype"] == supervisor.dtype.dtype == "float32"
     status, text = get(f"{url}/metrics")
     assert status == 200 and 'tokenstream_supervisor_restarts_total{cause="stub_died"}' in text
