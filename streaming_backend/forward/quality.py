@@ -8,14 +8,16 @@ perplexity against the unquantized forward, on the shipped chats.
 Each text is a chat prompt followed by the unquantized model's own greedy answer (what a
 temperature-0 request would stream). Both forwards then read every text once (teacher forcing):
 agreement is the share of positions where both would pick the same next token; perplexity is
-over every next token of the texts.
+over every next token of the texts. `compare_scorers` does the same for any two scorers (a text ->
+its teacher-forced logits), e.g. Hugging Face's forward against ours, over each text's answer.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -23,6 +25,9 @@ from streaming_backend.forward.runner import PromptChunk, SlotForward
 
 MIN_AGREEMENT = 0.95
 MAX_PERPLEXITY_CHANGE = 0.02
+
+# a text -> the logits [len - 1, V] (fp32) predicting its tokens 1.. (teacher_forced on a forward)
+Scorer = Callable[[list[int]], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -77,12 +82,22 @@ def compare(
     reference: SlotForward, candidate: SlotForward, texts: Sequence[list[int]], kind: str
 ) -> Quality:
     """Agreement and perplexities of `candidate` against `reference` over `texts`."""
+    return compare_scorers(
+        partial(teacher_forced, reference), partial(teacher_forced, candidate), texts, kind
+    )
+
+
+def compare_scorers(
+    reference: Scorer, candidate: Scorer, texts: Sequence[list[int]], kind: str, start: int = 1
+) -> Quality:
+    """Agreement and perplexities of `candidate` against `reference` over the tokens of each text
+    from index `start` on (1: all but the first; the prompt's length: the answer only)."""
     same = positions = 0
     nll = {"reference": 0.0, "candidate": 0.0}
     for text in texts:
-        targets = torch.tensor(text[1:])  # [T]
-        logits = {"reference": teacher_forced(reference, text)}
-        logits["candidate"] = teacher_forced(candidate, text)
+        targets = torch.tensor(text[start:])  # [T]
+        logits = {"reference": reference(text)[start - 1 :]}  # [T, V]
+        logits["candidate"] = candidate(text)[start - 1 :]
         same += int((logits["reference"].argmax(-1) == logits["candidate"].argmax(-1)).sum())
         positions += len(targets)
         for name, values in logits.items():

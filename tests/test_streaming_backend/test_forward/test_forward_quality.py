@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from streaming_backend.forward.quality import Quality, compare, reference_texts
+from streaming_backend.forward.quality import Quality, compare, compare_scorers, reference_texts
 from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
 from streaming_backend.forward.slots import CacheBudget
 from streaming_backend.model.loading import load_model
@@ -55,6 +56,22 @@ def test_reference_texts_are_greedy_and_stop_at_eos(tiny):
     assert text[3:] == logits[2:6].argmax(-1).tolist()
     stopped = reference_texts(forward, [[5, 6, 7]], 4, frozenset({text[3]}))[0]
     assert stopped == text[:4]
+
+
+def test_compare_scorers_reads_each_text_from_start():
+    """Scorers that differ only on a text's first predictions agree fully from `start` on, and
+    the positions and perplexities are those of the tokens from there."""
+    text = [3, 1, 4, 1, 5, 9]
+    truth = torch.nn.functional.one_hot(torch.tensor(text[1:]), 10).float() * 5  # [5, 10]
+
+    def off_at_first_two(ids: list[int]) -> torch.Tensor:
+        return torch.cat([truth[:2].roll(1, dims=-1), truth[2:]])
+
+    everywhere = compare_scorers(lambda ids: truth, off_at_first_two, [text], "int8")
+    assert everywhere.positions == 5 and everywhere.agreement == 3 / 5
+    answer = compare_scorers(lambda ids: truth, off_at_first_two, [text], "int8", start=3)
+    assert answer.positions == 3 and answer.agreement == 1.0
+    assert answer.perplexity == pytest.approx(answer.reference_perplexity)
 
 
 def run_gate(*args: str) -> subprocess.CompletedProcess:
