@@ -1,11 +1,19 @@
 """Tiny random models of the families the compact forward runs, made from their config classes
-(no files, no downloads): what the forward tests check against the Hugging Face forward."""
+(no files, no downloads): what the forward tests check against the Hugging Face forward; and the
+same models trained for seconds to recite a text, so that their greedy tokens are as clear as a
+trained model's."""
 
 from __future__ import annotations
 
+import contextlib
+import math
+from collections.abc import Iterator
+
 import torch
+import torch.nn.functional as F
 
 from streaming_backend.model.loading import LoadedModel
+from streaming_backend.prompts import load_chat_prompts
 
 # What a family's tiny model sets beyond the sizes, so that a forward which skips the family's
 # difference fails its test: Granite's multipliers far from 1, SmolLM3's layers without RoPE
@@ -74,6 +82,10 @@ PARTIAL_ROPE = {
 }
 
 
+# a sliding window shorter than the tests' prompts on the first layer (Qwen2's and Qwen3's
+# max_window_layers)
+SLIDING = {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}
+
 # every model_type on the compact forward, as tests/families.py makes them
 COMPACT_FAMILIES = (
     "llama",
@@ -135,3 +147,78 @@ def tiny_config_model(kind: str, dtype: torch.dtype = torch.float32, **overrides
     torch.manual_seed(1)
     model = model_class(config).eval().to(dtype)
     return LoadedModel(model, None, torch.device("cpu"), dtype, frozenset(), 256, kind)
+
+
+# A random model's next-token logits are nearly flat, so any rounding flips its argmax and greedy
+# agreement says nothing. A trained one recites: each family's tiny model learns the first
+# RECITED rows of RECITED_LENGTH bytes of the shipped chats (their messages, one a line, as UTF-8:
+# token ids 0-255 of the tiny vocabulary), every row at every step, until its greedy tokens lead
+# by several logits (docs/configuration.md#model-families has the margins)
+RECITED, RECITED_LENGTH = 3, 80
+# 200 steps: at 100-125 Granite's and SmolLM3's still tied on some tokens (loss 0.2-1.4), at 150
+# their smallest lead was 1.0-2.9 logits, at 200 at least 4.7 (2026-12-03, also with the weights
+# nudged by 1e-6 at the start to stand for another CPU kind's rounding)
+TRAINING_STEPS = 200
+# What a trained model sets beyond DIFFERENCES: Gemma's real final cap (2, there for random O(1)
+# logits, caps any lead at 4 and rounds learnt logits to ties at the cap), and Mistral's and
+# Qwen2's sliding windows, shorter than the rows (without them Mistral's model is Llama's)
+TRAINED = {
+    "mistral": {"sliding_window": 8},
+    "qwen2": SLIDING,
+    "gemma2": {"final_logit_softcapping": 30.0},
+    "gemma3_text": {"final_logit_softcapping": 30.0},
+}
+
+
+def recited_rows() -> torch.Tensor:
+    """The text the trained models learn: [RECITED, RECITED_LENGTH] byte ids of the shipped
+    chats' messages."""
+    lines = [message["content"] for chat in load_chat_prompts() for message in chat]
+    text = "\n".join(lines).encode()[: RECITED * RECITED_LENGTH]
+    return torch.tensor(list(text)).view(RECITED, RECITED_LENGTH)
+
+
+def trained_config_model(kind: str) -> LoadedModel:
+    """The tiny model of the family `kind` (tiny_config_model, TRAINED) in float32, trained to
+    recite recited_rows(): the same weights every run on one CPU kind."""
+    loaded = tiny_config_model(kind, **TRAINED.get(kind, {}))
+    with one_thread():
+        _train(loaded.model, recited_rows())
+    return loaded
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread within: figures that do not depend on the core count, and for a tiny
+    model's ops faster than two threads that wait for each other at every op when the machine is
+    busy (the greedy tests of test_forward_quality.py: 27 s against 60 s on a busy 2-core one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(model: torch.nn.Module, rows: torch.Tensor) -> None:
+    """TRAINING_STEPS of AdamW on all rows at once: no sampling, nothing random."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _learning_rate_factor)
+    model.train()
+    for _ in range(TRAINING_STEPS):
+        logits = model(input_ids=rows[:, :-1]).logits  # [RECITED, RECITED_LENGTH - 1, V]
+        loss = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        # without the clip a loss spike now and then undid what some families had learnt
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+    model.eval()
+
+
+def _learning_rate_factor(step: int, warm_up: int = 10) -> float:
+    """A linear warm-up over `warm_up` steps, then a cosine decay to 0 at TRAINING_STEPS."""
+    if step < warm_up:
+        return (step + 1) / warm_up
+    return 0.5 * (1 + math.cos(math.pi * (step - warm_up) / (TRAINING_STEPS - warm_up)))

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from families import COMPACT_FAMILIES, LONGROPE, PARTIAL_ROPE, tiny_config_model
+from families import COMPACT_FAMILIES, LONGROPE, PARTIAL_ROPE, SLIDING, tiny_config_model
 
 from streaming_backend.forward.llama import FAMILIES, UnsupportedModel
 from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
@@ -139,7 +139,6 @@ def test_prefill_after_a_copied_prefix_equals_whole_prefill(family_model):
 
 
 # every family beyond Llama as its tiny model shows it, and the RoPE and window variants
-SLIDING = {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}
 FAMILY_CASES = [
     ("qwen2", SLIDING),
     ("mistral", {"sliding_window": 8}),
