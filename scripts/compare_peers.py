@@ -170,6 +170,14 @@ def measure(server: Server, args: argparse.Namespace) -> dict[str, dict]:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         log.close()
+        remove_openmp_registration(process.pid)
+
+
+def remove_openmp_registration(pid: int) -> None:
+    """Remove the /dev/shm file an LLVM or Intel OpenMP runtime (llama.cpp built with clang)
+    registers for process `pid`: it goes at a normal exit, not when the server is stopped."""
+    for path in Path("/dev/shm").glob(f"__KMP_REGISTERED_LIB_{pid}_*"):
+        path.unlink(missing_ok=True)
 
 
 BUSY_LIMIT_S = 1800  # a busy process ends by itself after this long, whatever happens here
