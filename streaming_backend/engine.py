@@ -407,11 +407,7 @@ class Engine:
 
     def _fail(self, streams: list[_Stream], exc: Exception) -> None:
         """End streams with an error event carrying a StreamingError."""
-        error = (
-            exc
-            if isinstance(exc, StreamingError)
-            else StreamingError(f"{type(exc).__name__}: {exc}")
-        )
+        error = StreamingError.of(exc)
         for stream in streams:
             self._events.finish(stream, FinishReason.ERROR, error)
         self._steps.remove(streams, keep=False)

@@ -18,6 +18,11 @@ class StreamingError(Exception):
     def __str__(self) -> str:
         return f"{self.kind.prefix}: {super().__str__()}"
 
+    @classmethod
+    def of(cls, exc: Exception) -> StreamingError:
+        """`exc` itself when it is a StreamingError, else an internal one naming it."""
+        return exc if isinstance(exc, StreamingError) else cls(f"{type(exc).__name__}: {exc}")
+
 
 class InvalidRequest(StreamingError):
     """The request itself is wrong (bad settings, empty or too long prompt)."""

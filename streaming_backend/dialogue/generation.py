@@ -130,7 +130,8 @@ class Generator:
         if not (too_short or too_few):
             return
         self.config = replace(self.config, max_len=length)
-        carried, self.steps, cache = Carried.of(self.steps), None, None  # the old cache goes
+        carried = Carried.of(self.steps)
+        self.steps = cache = None  # nothing holds the old cache while the new one is made
         self.steps = build_steps(self.loaded, self.config, self._prefill_failed, carried)
 
     def _run_isolated(self, jobs: list[_Job]) -> None:
@@ -143,12 +144,11 @@ class Generator:
                 self._run(jobs)
         except Exception as error:  # a bug or an allocation failure: find who fails
             self.steps.clear()
-            unfinished = [job for job in jobs if job.outcome is None]
             if len(jobs) == 1:
                 log.exception("generation failed")
                 jobs[0].outcome = StreamingError(f"{type(error).__name__}: {error}")
                 return
-            for job in unfinished:
+            for job in [job for job in jobs if job.outcome is None]:
                 again = _Job.start(job.index, job.request, self.loaded.eos_ids)
                 self._run_isolated([again])
                 job.outcome = again.outcome
@@ -194,11 +194,7 @@ class Generator:
     def _prefill_failed(self, rows: list[_Row], error: Exception) -> None:
         """Rows whose prefill failed alone (the steps freed them): their requests fail."""
         for job in {id(row.job): row.job for row in rows}.values():
-            job.outcome = (
-                error
-                if isinstance(error, StreamingError)
-                else StreamingError(f"{type(error).__name__}: {error}")
-            )
+            job.outcome = StreamingError.of(error)
             self.steps.remove([r for r in job.rows if r not in rows], keep=False)
 
     def _advance(self, rows: list[_Row], logits: torch.Tensor) -> None:
