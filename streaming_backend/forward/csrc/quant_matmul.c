@@ -19,10 +19,11 @@
  * the activations' rounding was the whole difference from the unquantized model.)
  *
  * One model whatever the load: the value of y[r, c] depends on row r of x and row c of W alone.
- * Its blocks are summed in an order fixed by k (two chains, even and odd blocks, then added, then
- * the 8 lanes in one fixed tree), whatever m, n, the tile a row falls in or the thread that
- * computes it. So a row's numbers are the same alone, in a crowd, decoded or prefilled, and on
- * any number of threads.
+ * Its blocks are summed in an order fixed by k (q4: 16 lanes over groups of 4 blocks, see
+ * q4_tile; q8: two chains, even and odd blocks, then added, then the 8 lanes in one fixed tree),
+ * whatever m, n, the tile a row falls in or the thread that computes it. So a row's numbers are
+ * the same alone, in a crowd, decoded or prefilled, and on any number of threads; and q4's are
+ * the same from the AVX-512, AVX2 and portable builds (q8's from the first two).
  *
  * Layouts (row-major, contiguous):
  *   q4: packed [n, k / 2] uint8: byte j of a block holds input j in its low nibble and input
@@ -51,6 +52,8 @@
 #define V_MAX 16256.0f   /* 127 * 128: the largest |v| of an activation block */
 #define ROW_TILE 4       /* activation rows that share one read of a weight block */
 #define COL_CHUNK 64     /* weight rows a thread takes at a time (they stay in its cache) */
+#define GROUP 4          /* blocks of a q4 group: 128 inputs, 16 lanes (see q4_tile) */
+#define SCALE_GROUP 16   /* blocks whose q4 steps and lows are converted at once */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096  /* how far ahead a thread asks for its weight rows */
 #endif
@@ -58,12 +61,21 @@
 
 enum { KIND_Q8 = 0, KIND_Q4 = 1, KIND_DENSE = 2 };  /* the weight formats */
 
-/* The activation rows, quantized: row r's block b is v = 128 * q + r at q[r * k + 32 b ...] and
- * r[...], with step d[r * blocks + b] (x ~ v * d) and s[r * blocks + b] = d * sum(v). */
+/* The activation rows, quantized: row r's block b is v = 128 * q + r in q[r * q_stride + ...] and
+ * r[...], with step d[r * ds_stride + b] (x ~ v * d) and s[r * ds_stride + b] = d * sum(v).
+ * For q8 the halves lie in input order (q_stride = k, ds_stride = blocks); for q4 grouped as its
+ * weights' nibbles are (`grouped_at`), each row padded with zeros to whole groups of 4 blocks
+ * (q_stride) and its steps and sums to whole groups of 16 (ds_stride). */
 typedef struct {
     int8_t *q, *r;
     float *d, *s;
+    int64_t q_stride, ds_stride;
 } Quantized;
+
+/* Where block b's inputs 0..15 start in a grouped activation row; its inputs 16..31 lie 64 bytes
+ * on. A group's 4 blocks thus give [inputs 0..15 of each | inputs 16..31 of each], as the low and
+ * the high nibbles of its 64 packed weight bytes give them. */
+static inline int64_t grouped_at(int64_t b) { return b / GROUP * 128 + b % GROUP * 16; }
 
 static inline float half_to_float(uint16_t h) {
 #ifdef TS_AVX2
@@ -87,11 +99,13 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
-/* One row of x (k values from x_at) as k / QK blocks: halves q and r, steps d, d * sum(v) s. */
+/* One row of x (k values from x_at) as k / QK blocks: halves q and r (in input order, or
+ * `grouped`), steps d, d * sum(v) s. */
 static void quantize_row(int8_t *qs, int8_t *rs, float *ds, float *ss, const void *x, int64_t x_at,
-                         int64_t k, int dtype) {
+                         int64_t k, int dtype, int grouped) {
     for (int64_t b = 0; b < k / QK; b++) {
         const int64_t at = x_at + b * QK;
+        const int64_t first = grouped ? grouped_at(b) : b * QK, second = grouped ? first + 64 : first + 16;
 #ifdef TS_AVX2
         __m256 v[4];
         const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -119,8 +133,12 @@ static void quantize_row(int8_t *qs, int8_t *rs, float *ds, float *ss, const voi
         const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
         const __m256i q8 = _mm256_packs_epi16(_mm256_packs_epi32(high[0], high[1]), _mm256_packs_epi32(high[2], high[3]));
         const __m256i r8 = _mm256_packs_epi16(_mm256_packs_epi32(low[0], low[1]), _mm256_packs_epi32(low[2], low[3]));
-        _mm256_storeu_si256((__m256i *)(qs + b * QK), _mm256_permutevar8x32_epi32(q8, order));
-        _mm256_storeu_si256((__m256i *)(rs + b * QK), _mm256_permutevar8x32_epi32(r8, order));
+        const __m256i q_in_order = _mm256_permutevar8x32_epi32(q8, order);
+        const __m256i r_in_order = _mm256_permutevar8x32_epi32(r8, order);
+        _mm_storeu_si128((__m128i *)(qs + first), _mm256_castsi256_si128(q_in_order));
+        _mm_storeu_si128((__m128i *)(qs + second), _mm256_extracti128_si256(q_in_order, 1));
+        _mm_storeu_si128((__m128i *)(rs + first), _mm256_castsi256_si128(r_in_order));
+        _mm_storeu_si128((__m128i *)(rs + second), _mm256_extracti128_si256(r_in_order, 1));
         ds[b] = d;
         ss[b] = d * (float)_mm_cvtsi128_si32(s4);
 #else
@@ -134,8 +152,9 @@ static void quantize_row(int8_t *qs, int8_t *rs, float *ds, float *ss, const voi
         for (int i = 0; i < QK; i++) {
             const int value = (int)nearbyintf(load1(x, at + i, dtype) * id);
             const int high = (value + 64) >> 7;  /* floor: an arithmetic shift, as srai */
-            qs[b * QK + i] = (int8_t)high;
-            rs[b * QK + i] = (int8_t)(value - high * 128);
+            const int64_t to = i < 16 ? first + i : second + i - 16;
+            qs[to] = (int8_t)high;
+            rs[to] = (int8_t)(value - high * 128);
             sum += value;
         }
         ds[b] = d;
@@ -251,13 +270,6 @@ static inline void emit(const Call *c, int64_t row, int64_t col, float value) {
 }
 
 #ifdef TS_AVX2
-/* 32 bytes l[0..31] from a block's 16 packed bytes (0..15: low nibbles, 16..31: high ones). */
-static inline __m256i unpack_nibbles(const uint8_t *p) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)p);
-    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1);
-    return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
-}
-
 /* The 8 int32 sums of u . s over 4 bytes each (u unsigned, s signed, both below 128 in size, so
  * AVX2's 16-bit pair sums cannot saturate): exact, so VNNI's one instruction gives the same. */
 static inline __m256i dot_u8s8(__m256i u, __m256i s) {
@@ -268,69 +280,11 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
-/* l . v = 128 * (l . q) + l . r, 8 int32 lanes of 4 inputs each (u: unsigned weight bytes; the
- * halves q, r signed, as dot_u8s8 takes them). */
-static inline __m256i dot_v(__m256i u, const int8_t *q, const int8_t *r) {
-    const __m256i high = dot_u8s8(u, _mm256_loadu_si256((const __m256i *)q));
-#ifdef TS_AVX512
-    return _mm256_dpbusd_epi32(_mm256_slli_epi32(high, 7), u, _mm256_loadu_si256((const __m256i *)r));
-#else
-    return _mm256_add_epi32(_mm256_slli_epi32(high, 7), dot_u8s8(u, _mm256_loadu_si256((const __m256i *)r)));
-#endif
-}
-
 /* The same for a signed weight block l: its magnitude meets the halves with l's sign. */
 static inline __m256i dot_v_signed(__m256i l, __m256i magnitude, const int8_t *q, const int8_t *r) {
     const __m256i high = dot_u8s8(magnitude, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)q), l));
     const __m256i low = dot_u8s8(magnitude, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)r), l));
     return _mm256_add_epi32(_mm256_slli_epi32(high, 7), low);
-}
-
-/* For blocks b .. b + 7 of a q4 weight row: each row's 8 products d * step (into scale[r]) and
- * its sums of low * s, lane j for block b + j (into low_acc[r]). */
-static inline void q4_group(const Call *c, const uint16_t *steps, const uint16_t *lows, int64_t row,
-                            int R, int64_t b, float scale[][8], __m256 *low_acc) {
-    const int64_t blocks = c->k / QK;
-    const __m256 step8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(steps + b)));
-    const __m256 low8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(lows + b)));
-    for (int r = 0; r < R; r++) {
-        const int64_t at = (row + r) * blocks + b;
-        _mm256_storeu_ps(scale[r], _mm256_mul_ps(_mm256_loadu_ps(c->xq.d + at), step8));
-        low_acc[r] = _mm256_fmadd_ps(low8, _mm256_loadu_ps(c->xq.s + at), low_acc[r]);
-    }
-}
-
-/* Block b of a q4 weight row into chain `chain` of R rows' accumulators (its low * s into
- * low_tail[r]). */
-static inline void q4_block(const Call *c, const uint8_t *w, const uint16_t *steps, const uint16_t *lows,
-                            int64_t row, int R, int64_t b, int chain, __m256 acc[][2], float *low_tail) {
-    const int64_t blocks = c->k / QK;
-    const __m256i l = unpack_nibbles(w + b * (QK / 2));
-    const float step = half_to_float(steps[b]), low = half_to_float(lows[b]);
-    for (int r = 0; r < R; r++) {
-        const int64_t at = (row + r) * blocks + b;
-        const int64_t v_at = (row + r) * c->k + b * QK;
-        const __m256 f = _mm256_cvtepi32_ps(dot_v(l, c->xq.q + v_at, c->xq.r + v_at));
-        acc[r][chain] = _mm256_fmadd_ps(f, _mm256_set1_ps(c->xq.d[at] * step), acc[r][chain]);
-        low_tail[r] = fmaf(low, c->xq.s[at], low_tail[r]);
-    }
-}
-
-/* Blocks b .. blocks - 1 of a q4 weight row (b even) into the two chains, then y. */
-static inline void q4_finish(const Call *c, const uint16_t *steps, const uint16_t *lows, int64_t row,
-                             int R, int64_t col, int64_t b, __m256 acc[][2], const __m256 *low_acc,
-                             float *low_tail) {
-    const int64_t blocks = c->k / QK;
-    const uint8_t *w = c->w + col * (c->k / 2);
-    for (; b + 2 <= blocks; b += 2) {  /* the chain of a block is its index's parity */
-        q4_block(c, w, steps, lows, row, R, b, 0, acc, low_tail);
-        q4_block(c, w, steps, lows, row, R, b + 1, 1, acc, low_tail);
-    }
-    if (b < blocks) q4_block(c, w, steps, lows, row, R, b, 0, acc, low_tail);
-    for (int r = 0; r < R; r++) {
-        const float lows_sum = hsum8(low_acc[r]) + low_tail[r];
-        emit(c, row + r, col, hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + lows_sum);
-    }
 }
 
 /* Blocks b .. blocks - 1 of a q8 weight row one by one into the two chains, then y. */
@@ -354,72 +308,13 @@ static inline void q8_finish(const Call *c, int64_t row, int R, int64_t col, int
 }
 
 #ifdef TS_AVX512
-/* AVX-512 with VNNI: two blocks at a time, even block in lanes 0-7 and odd in 8-15, which are
- * the AVX2 build's two chains; every product and sum is the AVX2 build's, so both builds give
+/* q8 on AVX-512 with VNNI: two blocks at a time, even block in lanes 0-7 and odd in 8-15, which
+ * are the AVX2 build's two chains; every product and sum is the AVX2 build's, so both builds give
  * the same bits (tested). */
-
-/* l for blocks b and b + 1 (their 32 packed bytes at p): [l_b, l_b+1], 64 bytes. */
-static inline __m512i unpack_nibbles2(const uint8_t *p) {
-    const __m256i raw = _mm256_loadu_si256((const __m256i *)p);
-    const __m256i mask = _mm256_set1_epi8(0x0f);
-    const __m256i low = _mm256_and_si256(raw, mask), high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-    /* [low_b, low_b+1, high_b, high_b+1] -> [low_b, high_b, low_b+1, high_b+1] */
-    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
-    return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
-}
-
-/* dot_v for two blocks at once: l as unpack_nibbles2 gives it, q and r the halves of both. */
-static inline __m512i dot_v2(__m512i l, const int8_t *q, const int8_t *r) {
-    const __m512i high = _mm512_dpbusd_epi32(_mm512_setzero_si512(), l, _mm512_loadu_si512(q));
-    return _mm512_dpbusd_epi32(_mm512_slli_epi32(high, 7), l, _mm512_loadu_si512(r));
-}
 
 static inline void split(__m512 wide, __m256 acc[2]) {
     acc[0] = _mm512_castps512_ps256(wide);
     acc[1] = _mm512_extractf32x8_ps(wide, 1);
-}
-
-static inline void q4_tile(const Call *c, int64_t row, int R, int64_t col) {
-    const int64_t blocks = c->k / QK;
-    const uint8_t *w = c->w + col * (c->k / 2);
-    const uint16_t *steps = c->steps + col * blocks, *lows = c->lows + col * blocks;
-    __m512 wide[ROW_TILE];
-    __m256 acc[ROW_TILE][2], low_acc[ROW_TILE];
-    float scale[ROW_TILE][8];
-    for (int r = 0; r < R; r++) {
-        wide[r] = _mm512_setzero_ps();
-        low_acc[r] = _mm256_setzero_ps();
-    }
-    int64_t b = 0;
-    for (; b + 8 <= blocks; b += 8) {
-        q4_group(c, steps, lows, row, R, b, scale, low_acc);
-        for (int j = 0; j < 8; j += 2) {
-            const __m512i l = unpack_nibbles2(w + (b + j) * (QK / 2));
-            const __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(j), _mm256_set1_epi32(j + 1), 1);
-            for (int r = 0; r < R; r++) {
-                const int64_t v_at = (row + r) * c->k + (b + j) * QK;
-                const __m512i dot = dot_v2(l, c->xq.q + v_at, c->xq.r + v_at);
-                const __m512 s = _mm512_permutexvar_ps(pick, _mm512_castps256_ps512(_mm256_loadu_ps(scale[r])));
-                wide[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, wide[r]);
-            }
-        }
-    }
-    float low_tail[ROW_TILE];
-    for (int r = 0; r < R; r++) low_tail[r] = 0.0f;
-    for (; b + 2 <= blocks; b += 2) {  /* pairs after the groups of 8, as q4_finish sums them */
-        const __m512i l = unpack_nibbles2(w + b * (QK / 2));
-        const float step0 = half_to_float(steps[b]), step1 = half_to_float(steps[b + 1]);
-        const float low0 = half_to_float(lows[b]), low1 = half_to_float(lows[b + 1]);
-        for (int r = 0; r < R; r++) {
-            const int64_t at = (row + r) * blocks + b, v_at = (row + r) * c->k + b * QK;
-            const __m512i dot = dot_v2(l, c->xq.q + v_at, c->xq.r + v_at);
-            const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(c->xq.d[at] * step0), _mm256_set1_ps(c->xq.d[at + 1] * step1), 1);
-            wide[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, wide[r]);
-            low_tail[r] = fmaf(low1, c->xq.s[at + 1], fmaf(low0, c->xq.s[at], low_tail[r]));
-        }
-    }
-    for (int r = 0; r < R; r++) split(wide[r], acc[r]);
-    q4_finish(c, steps, lows, row, R, col, b, acc, low_acc, low_tail);
 }
 
 static inline void q8_tile(const Call *c, int64_t row, int R, int64_t col) {
@@ -449,33 +344,6 @@ static inline void q8_tile(const Call *c, int64_t row, int R, int64_t col) {
     q8_finish(c, row, R, col, b, acc);
 }
 #else
-/* y[r, c] for R rows from `row` and weight row c, q4 (see the top of this file). Blocks go 8 at
- * a time (their steps and lows converted at once), the rest one by one; which way a block is
- * summed depends on its index b and on k alone. */
-static inline void q4_tile(const Call *c, int64_t row, int R, int64_t col) {
-    const int64_t blocks = c->k / QK;
-    const uint8_t *w = c->w + col * (c->k / 2);
-    const uint16_t *steps = c->steps + col * blocks, *lows = c->lows + col * blocks;
-    __m256 acc[ROW_TILE][2], low_acc[ROW_TILE];
-    float scale[ROW_TILE][8];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = low_acc[r] = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 8 <= blocks; b += 8) {
-        q4_group(c, steps, lows, row, R, b, scale, low_acc);
-        for (int j = 0; j < 8; j++) {
-            const __m256i l = unpack_nibbles(w + (b + j) * (QK / 2));
-            for (int r = 0; r < R; r++) {
-                const int64_t v_at = (row + r) * c->k + (b + j) * QK;
-                const __m256 f = _mm256_cvtepi32_ps(dot_v(l, c->xq.q + v_at, c->xq.r + v_at));
-                acc[r][j & 1] = _mm256_fmadd_ps(f, _mm256_broadcast_ss(&scale[r][j]), acc[r][j & 1]);
-            }
-        }
-    }
-    float low_tail[ROW_TILE];
-    for (int r = 0; r < R; r++) low_tail[r] = 0.0f;
-    q4_finish(c, steps, lows, row, R, col, b, acc, low_acc, low_tail);
-}
-
 /* The same for q8: y = scale * sum over blocks of d * (l . q). */
 static inline void q8_tile(const Call *c, int64_t row, int R, int64_t col) {
     __m256 acc[ROW_TILE][2];
@@ -484,29 +352,8 @@ static inline void q8_tile(const Call *c, int64_t row, int R, int64_t col) {
 }
 #endif
 #else
-/* Portable versions: the same sums, one value at a time (their own numbers, as named by the
- * build's variant). */
-static inline void q4_tile(const Call *c, int64_t row, int R, int64_t col) {
-    const int64_t blocks = c->k / QK;
-    const uint8_t *w = c->w + col * (c->k / 2);
-    for (int r = 0; r < R; r++) {
-        float acc[2] = {0.0f, 0.0f}, low_acc[2] = {0.0f, 0.0f};
-        for (int64_t b = 0; b < blocks; b++) {
-            const int64_t at = (row + r) * blocks + b;
-            const int8_t *q = c->xq.q + (row + r) * c->k + b * QK, *rest = c->xq.r + (row + r) * c->k + b * QK;
-            const uint8_t *p = w + b * (QK / 2);
-            int32_t dot = 0;  /* l . v, v = 128 * q + r */
-            for (int j = 0; j < QK / 2; j++)
-                dot += (p[j] & 0x0f) * (128 * q[j] + rest[j]) + (p[j] >> 4) * (128 * q[j + QK / 2] + rest[j + QK / 2]);
-            const float step = half_to_float(c->steps[col * blocks + b]);
-            const float low = half_to_float(c->lows[col * blocks + b]);
-            acc[b & 1] = fmaf((float)dot, c->xq.d[at] * step, acc[b & 1]);
-            low_acc[b & 1] = fmaf(low, c->xq.s[at], low_acc[b & 1]);
-        }
-        emit(c, row + r, col, (acc[0] + acc[1]) + (low_acc[0] + low_acc[1]));
-    }
-}
-
+/* Portable q8: the same sums, one value at a time (their own numbers, as named by the build's
+ * variant). */
 static inline void q8_tile(const Call *c, int64_t row, int R, int64_t col) {
     const int64_t blocks = c->k / QK;
     const int8_t *w = (const int8_t *)c->w + col * c->k;
@@ -519,6 +366,202 @@ static inline void q8_tile(const Call *c, int64_t row, int R, int64_t col) {
             acc[b & 1] = fmaf((float)dot, c->xq.d[(row + r) * blocks + b], acc[b & 1]);
         }
         emit(c, row + r, col, (acc[0] + acc[1]) * c->scales[col]);
+    }
+}
+#endif
+
+/* ---- int4 weights: y = sum over groups of 4 blocks, in 16 lanes, then one fixed tree --------
+ *
+ * A group of 4 blocks (128 inputs) is 64 packed bytes. Its low nibbles are inputs 0..15 of each
+ * block and its high nibbles inputs 16..31, 16 bytes a block, so they meet the activations as
+ * they lie, with no shuffle: the activation rows are stored grouped to match (`grouped_at`).
+ * Lane L (0..15) of a group holds the exact int32 partial of block j = L / 4 over its inputs
+ * 4i .. 4i + 3 and 16 + 4i .. 16 + 4i + 3 (i = L % 4):
+ *
+ *   P = 128 * (l . q) + l . r   over those 8 inputs (|P| < 2^21: exact in float32)
+ *   acc[L] = fma(float(P), d_b * step_b, acc[L])            group after group (b = 4g + j)
+ *   low[L] = fma(low_b, s_b, low[L])                        b = 16h + L, 16 blocks at a time
+ *   y = tree(acc) + tree(low), tree(v) = hsum8(v[0..7] + v[8..15])
+ *
+ * Blocks past k / 32 count as zeros (zero weights, steps and activations), which leave every
+ * lane as it was. The AVX-512 build computes a group in one register, the AVX2 build in two
+ * (lanes 0..7 and 8..15) and the portable build lane by lane: the same integers, products and
+ * sums in the same order, so the same bits from all three (tested). */
+
+#ifdef TS_AVX512
+static inline float tree16(__m512 v) {
+    return hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+}
+
+static inline void q4_tile(const Call *c, int64_t row, int R, int64_t col) {
+    const int64_t blocks = c->k / QK;
+    const uint8_t *w = c->w + col * (c->k / 2);
+    const uint16_t *steps = c->steps + col * blocks, *lows = c->lows + col * blocks;
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    __m512 acc[ROW_TILE], low[ROW_TILE];
+    for (int r = 0; r < R; r++) acc[r] = low[r] = _mm512_setzero_ps();
+    for (int64_t h = 0; h < blocks; h += SCALE_GROUP) {
+        const int64_t count = blocks - h < SCALE_GROUP ? blocks - h : SCALE_GROUP;
+        const __mmask16 present = (__mmask16)((1u << count) - 1u);
+        const __m512 step = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(present, steps + h));
+        const __m512 low16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(present, lows + h));
+        __m512 scale[ROW_TILE];
+        for (int r = 0; r < R; r++) {
+            const int64_t at = (row + r) * c->xq.ds_stride + h;
+            scale[r] = _mm512_mul_ps(_mm512_loadu_ps(c->xq.d + at), step);
+            low[r] = _mm512_fmadd_ps(low16, _mm512_loadu_ps(c->xq.s + at), low[r]);
+        }
+        for (int64_t g = 0; g * GROUP < count; g++) {
+            const int64_t first = h + g * GROUP, bytes = (blocks - first) * (QK / 2);
+            const uint8_t *p = w + first * (QK / 2);
+            const __m512i raw = bytes >= 64 ? _mm512_loadu_si512(p)
+                                            : _mm512_maskz_loadu_epi8((__mmask64)((1ull << bytes) - 1ull), p);
+            const __m512i lo = _mm512_and_si512(raw, nibble);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+            /* lane L takes the scale of block 4g + L / 4 */
+            const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32((int)(4 * g)),
+                                                  _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2));
+            for (int r = 0; r < R; r++) {
+                const int64_t at = (row + r) * c->xq.q_stride + grouped_at(first);
+                const int8_t *q = c->xq.q + at, *rest = c->xq.r + at;
+                __m512i high = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
+                high = _mm512_dpbusd_epi32(high, hi, _mm512_loadu_si512(q + 64));
+                __m512i dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(high, 7), lo, _mm512_loadu_si512(rest));
+                dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(rest + 64));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick, scale[r]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) emit(c, row + r, col, tree16(acc[r]) + tree16(low[r]));
+}
+#elif defined(TS_AVX2)
+/* 8 lanes of P (see above) for two blocks: lo, hi their nibbles (32 bytes each), q and r the
+ * halves at their grouped places (their inputs 16.. 64 bytes on). */
+static inline __m256i q4_partials(__m256i lo, __m256i hi, const int8_t *q, const int8_t *r) {
+    const __m256i high = _mm256_add_epi32(dot_u8s8(lo, _mm256_loadu_si256((const __m256i *)q)),
+                                          dot_u8s8(hi, _mm256_loadu_si256((const __m256i *)(q + 64))));
+    const __m256i rest = _mm256_add_epi32(dot_u8s8(lo, _mm256_loadu_si256((const __m256i *)r)),
+                                          dot_u8s8(hi, _mm256_loadu_si256((const __m256i *)(r + 64))));
+    return _mm256_add_epi32(_mm256_slli_epi32(high, 7), rest);
+}
+
+/* Leading ones: a load from FIRST_ONES + 64 - n masks all but the first n bytes. */
+static const uint8_t FIRST_ONES[128] = {
+    255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255,
+    255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255,
+    255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255,
+    255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255};
+
+/* `width` (32 or 64) bytes from p into `to`, of which only the first n (< width) are a row's:
+ * where the array holds `room` bytes from p, the rest are read too (the next rows') and masked
+ * off; else the n are copied, as nothing past the array may be read. Zeros after the n. */
+static inline void q4_tail(uint8_t *to, const uint8_t *p, int64_t n, int width, int64_t room) {
+    if (room < width) {
+        memset(to, 0, (size_t)width);
+        memcpy(to, p, (size_t)n);
+        return;
+    }
+    for (int i = 0; i < width; i += 32) {
+        const __m256i keep = _mm256_loadu_si256((const __m256i *)(FIRST_ONES + 64 - n + i));
+        _mm256_storeu_si256((__m256i *)(to + i), _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + i)), keep));
+    }
+}
+
+static inline void q4_tile(const Call *c, int64_t row, int R, int64_t col) {
+    const int64_t blocks = c->k / QK;
+    const uint8_t *w = c->w + col * (c->k / 2);
+    const uint16_t *steps = c->steps + col * blocks, *lows = c->lows + col * blocks;
+    const __m256i nibble = _mm256_set1_epi8(0x0f);
+    const int64_t rows_left = c->n - col;  /* this weight row and those after it */
+    __m256 acc[ROW_TILE][2], low[ROW_TILE][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = low[r][0] = low[r][1] = _mm256_setzero_ps();
+    for (int64_t h = 0; h < blocks; h += SCALE_GROUP) {
+        const int64_t count = blocks - h < SCALE_GROUP ? blocks - h : SCALE_GROUP;
+        const uint16_t *step_bits = steps + h, *low_bits = lows + h;
+        uint16_t step_tail[SCALE_GROUP], low_tail[SCALE_GROUP];  /* the last blocks, zero-padded */
+        if (count < SCALE_GROUP) {
+            const int64_t room = 2 * (rows_left * blocks - h);
+            q4_tail((uint8_t *)step_tail, (const uint8_t *)step_bits, 2 * count, 32, room);
+            q4_tail((uint8_t *)low_tail, (const uint8_t *)low_bits, 2 * count, 32, room);
+            step_bits = step_tail, low_bits = low_tail;
+        }
+        const __m256 step[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)step_bits)),
+                                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(step_bits + 8)))};
+        for (int half = 0; half < 2; half++) {
+            const __m256 low8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(low_bits + 8 * half)));
+            for (int r = 0; r < R; r++) {
+                const float *s = c->xq.s + (row + r) * c->xq.ds_stride + h + 8 * half;
+                low[r][half] = _mm256_fmadd_ps(low8, _mm256_loadu_ps(s), low[r][half]);
+            }
+        }
+        for (int64_t g = 0; g * GROUP < count; g++) {
+            const int64_t first = h + g * GROUP, bytes = (blocks - first) * (QK / 2);
+            uint8_t tail[64];  /* the last group's blocks, zero-padded */
+            const uint8_t *p = w + first * (QK / 2);
+            if (bytes < 64) {
+                q4_tail(tail, p, bytes, 64, rows_left * (c->k / 2) - first * (QK / 2));
+                p = tail;
+            }
+            const __m256i raw0 = _mm256_loadu_si256((const __m256i *)p), raw1 = _mm256_loadu_si256((const __m256i *)(p + 32));
+            const __m256i lo0 = _mm256_and_si256(raw0, nibble), hi0 = _mm256_and_si256(_mm256_srli_epi16(raw0, 4), nibble);
+            const __m256i lo1 = _mm256_and_si256(raw1, nibble), hi1 = _mm256_and_si256(_mm256_srli_epi16(raw1, 4), nibble);
+            /* blocks 4g .. 4g + 3 are lanes o .. o + 3 of the scales of half g / 2 */
+            const int o = (int)(4 * (g % 2));
+            const __m256i pick0 = _mm256_setr_epi32(o, o, o, o, o + 1, o + 1, o + 1, o + 1);
+            const __m256i pick1 = _mm256_setr_epi32(o + 2, o + 2, o + 2, o + 2, o + 3, o + 3, o + 3, o + 3);
+            for (int r = 0; r < R; r++) {
+                const float *d = c->xq.d + (row + r) * c->xq.ds_stride + h + 8 * (g / 2);
+                const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(d), step[g / 2]);
+                const int64_t at = (row + r) * c->xq.q_stride + grouped_at(first);
+                const int8_t *q = c->xq.q + at, *rest = c->xq.r + at;
+                const __m256 f0 = _mm256_cvtepi32_ps(q4_partials(lo0, hi0, q, rest));
+                const __m256 f1 = _mm256_cvtepi32_ps(q4_partials(lo1, hi1, q + 32, rest + 32));
+                acc[r][0] = _mm256_fmadd_ps(f0, _mm256_permutevar8x32_ps(scale, pick0), acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(f1, _mm256_permutevar8x32_ps(scale, pick1), acc[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const float value = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + hsum8(_mm256_add_ps(low[r][0], low[r][1]));
+        emit(c, row + r, col, value);
+    }
+}
+#else
+/* hsum8(v[0..7] + v[8..15]) one value at a time, in hsum8's order. */
+static inline float tree16(const float *v) {
+    float e[8];
+    for (int i = 0; i < 8; i++) e[i] = v[i] + v[i + 8];
+    const float a = e[0] + e[4], b = e[1] + e[5], c = e[2] + e[6], d = e[3] + e[7];
+    return (a + c) + (b + d);
+}
+
+static inline void q4_tile(const Call *c, int64_t row, int R, int64_t col) {
+    const int64_t blocks = c->k / QK;
+    const uint8_t *w = c->w + col * (c->k / 2);
+    const uint16_t *steps = c->steps + col * blocks, *lows = c->lows + col * blocks;
+    for (int r = 0; r < R; r++) {
+        float acc[16] = {0.0f}, low[16] = {0.0f};
+        const float *d = c->xq.d + (row + r) * c->xq.ds_stride, *s = c->xq.s + (row + r) * c->xq.ds_stride;
+        for (int64_t h = 0; h < blocks; h += SCALE_GROUP) {
+            for (int64_t lane = 0; lane < 16 && h + lane < blocks; lane++)
+                low[lane] = fmaf(half_to_float(lows[h + lane]), s[h + lane], low[lane]);
+            for (int64_t b0 = h; b0 < h + SCALE_GROUP && b0 < blocks; b0 += GROUP) {
+                for (int lane = 0; lane < 16; lane++) {
+                    const int64_t b = b0 + lane / 4, i = lane % 4;
+                    if (b >= blocks) continue;
+                    const int8_t *q = c->xq.q + (row + r) * c->xq.q_stride + grouped_at(b), *rest = c->xq.r + (q - c->xq.q);
+                    const uint8_t *p = w + b * (QK / 2);
+                    int32_t high = 0, low_part = 0;
+                    for (int t = 4 * (int)i; t < 4 * (int)i + 4; t++) {
+                        high += (p[t] & 0x0f) * q[t] + (p[t] >> 4) * q[64 + t];
+                        low_part += (p[t] & 0x0f) * rest[t] + (p[t] >> 4) * rest[64 + t];
+                    }
+                    const float scale = d[b] * half_to_float(steps[b]);
+                    acc[lane] = fmaf((float)(high * 128 + low_part), scale, acc[lane]);
+                }
+            }
+        }
+        emit(c, row + r, col, tree16(acc) + tree16(low));
     }
 }
 #endif
@@ -646,19 +689,22 @@ static int matmul(Call *c, int kind, const void *x, const Prologue *pre, int thr
         (dense && c->w_dtype != TS_F32 && c->w_dtype != TS_BF16))
         return TS_BAD_ARGS;
     if (c->m == 0) return TS_OK;
-    /* one allocation: both halves, then the steps and sums (float-aligned: k is a multiple of 32);
-     * dense: the float rows */
+    /* one allocation: both halves, then the steps and sums (float-aligned: strides are multiples
+     * of 32 bytes); dense: the float rows */
+    const int grouped = kind == KIND_Q4;
+    c->xq.q_stride = grouped ? (blocks + GROUP - 1) / GROUP * 128 : c->k;
+    c->xq.ds_stride = grouped ? (blocks + SCALE_GROUP - 1) / SCALE_GROUP * SCALE_GROUP : blocks;
     const size_t bytes = dense ? (size_t)(c->m * c->k) * sizeof(float)
-                               : 2 * (size_t)(c->m * c->k) + 2 * (size_t)(c->m * blocks) * sizeof(float);
+                               : 2 * (size_t)(c->m * c->xq.q_stride) + 2 * (size_t)(c->m * c->xq.ds_stride) * sizeof(float);
     char *memory = malloc(bytes);
     if (memory == NULL) return TS_NO_MEMORY;
     if (dense) {
         c->xf = (float *)memory;
     } else {
         c->xq.q = (int8_t *)memory;
-        c->xq.r = c->xq.q + c->m * c->k;
-        c->xq.d = (float *)(memory + 2 * c->m * c->k);
-        c->xq.s = c->xq.d + c->m * blocks;
+        c->xq.r = c->xq.q + c->m * c->xq.q_stride;
+        c->xq.d = (float *)(memory + 2 * c->m * c->xq.q_stride);
+        c->xq.s = c->xq.d + c->m * c->xq.ds_stride;
     }
     const int64_t work = c->n * c->k * (c->m < ROW_TILE ? 1 : c->m / ROW_TILE);
     int64_t most = work / MIN_THREAD_WORK, chunks = (c->n + COL_CHUNK - 1) / COL_CHUNK;
@@ -680,8 +726,15 @@ static int matmul(Call *c, int kind, const void *x, const Prologue *pre, int thr
                 continue;
             }
             prologue_row(row, x, r, c->k, c->dtype, pre);
-            quantize_row(c->xq.q + r * c->k, c->xq.r + r * c->k, c->xq.d + r * blocks, c->xq.s + r * blocks, row, 0,
-                         c->k, TS_F32);
+            int8_t *q = c->xq.q + r * c->xq.q_stride, *rest = c->xq.r + r * c->xq.q_stride;
+            float *d = c->xq.d + r * c->xq.ds_stride, *s = c->xq.s + r * c->xq.ds_stride;
+            if (grouped) {  /* the padding: zeros, which leave every lane as it was (q4_tile) */
+                const int64_t last = blocks / GROUP * 128;
+                memset(q + last, 0, (size_t)(c->xq.q_stride - last));
+                memset(rest + last, 0, (size_t)(c->xq.q_stride - last));
+                for (int64_t b = blocks; b < c->xq.ds_stride; b++) d[b] = s[b] = 0.0f;
+            }
+            quantize_row(q, rest, d, s, row, 0, c->k, TS_F32, grouped);
         }
         free(row);
         int stop;

@@ -417,3 +417,29 @@ def test_the_matmuls_prefetch_their_weight_rows(tmp_path, monkeypatch):
     path = native.build(native.compiler(), native.variant())
     listing = subprocess.run(["objdump", "-d", str(path)], capture_output=True, text=True, check=True)
     assert "prefetcht0" in listing.stdout
+
+
+@pytest.mark.skipif(not cpu_has("avx512"), reason="the CPU has no AVX-512 with VNNI")
+def test_q4_gives_the_same_bits_from_the_avx512_avx2_and_portable_builds(tmp_path, monkeypatch):
+    """q4's sums are defined lane by lane (csrc/quant_matmul.c, q4_tile), so the portable build
+    gives the SIMD builds' bits too (with no prologue: the portable RMS norm sums its squares
+    in another order). Block counts cover every tail of a group of 4 and of 16, and weight
+    matrices of 1 and 2 rows of 1 block, where a row's last group is read by copy rather than
+    past its end; activation rows 1 to 5 cover every row tile."""
+    monkeypatch.setenv("TOKENSTREAM_CACHE", str(tmp_path))
+    cc = native.compiler()
+    kernels = [
+        native.MatmulKernel(ctypes.CDLL(str(native.build(cc, v))), v)
+        for v in ("avx512", "avx2", "generic")
+    ]
+    generator = torch.Generator().manual_seed(3)
+    for blocks, outputs in [(b, 37) for b in range(1, 34)] + [(1, 1), (1, 2), (3, 1), (17, 2)]:
+        inputs = 32 * blocks
+        weight = quant.quantize_int4_native(torch.randn(outputs, inputs, generator=generator))
+        for rows in (1, 2, 3, 4, 5):
+            x = torch.randn(rows, inputs, generator=generator)
+            norm = torch.rand(inputs, generator=generator)
+            options = {"prologue": "rms_norm", "norm": norm, "eps": 1e-5} if rows % 2 else {}
+            got = [kernel.q4(x, *weight, **options) for kernel in kernels]
+            assert torch.equal(got[0], got[1]), (blocks, outputs, rows)
+            assert options or torch.equal(got[0], got[2]), (blocks, outputs, rows)
