@@ -358,6 +358,8 @@ class CompactLlama(nn.Module):
             self.native_blocks = [_float_params(block) for block in self.blocks]
             self.native_final_norm = self.final_norm.float()
             self.native_ropes = self._used_ropes(inner.rotary_emb, torch.float32)
+        # every layer in one C call where none needs torch between its calls (native.DecoderStack)
+        self.native_stack = self._decoder_stack() if self.native else None
 
     def forward(
         self,
@@ -524,9 +526,38 @@ class CompactLlama(nn.Module):
             return logits
         return torch.tanh(logits / self.logit_cap) * self.logit_cap
 
+    def _decoder_stack(self) -> native.DecoderStack | None:
+        """The native layers as one C call, where every one is plain: pre-norms, no head or
+        post norms, no experts; else None (native_layer's calls from Python)."""
+        plain = all(
+            b.norm1 is not None and b.norm2 is not None and b.gate_up is not None
+            and b.q_norm is None and b.attn_out_norm is None and b.mlp_out_norm is None
+            and b.experts is None
+            for b in self.native_blocks
+        )  # fmt: skip
+        if not plain:
+            return None
+        dims = self.shape.dims
+        layers = [
+            native.StackSpec(
+                block.norm1,
+                block.norm2,
+                *[(tuple(getattr(block, n)), getattr(block, f"{n}_bias")) for n in LINEAR_WEIGHTS],
+                self.native_ropes[self.layer_ropes[number]],
+                self.shape.windows[number],
+            )
+            for number, block in enumerate(self.native_blocks)
+        ]
+        sizes = (self.shape.hidden, dims.heads, dims.kv_heads, dims.head_dim)
+        settings = {"activation": dims.activation, "eps": dims.eps, "scale": dims.scale}
+        return native.decoder_stack(layers, dims=sizes, cap=dims.cap, **settings)
+
     def _native_layers(self, x, k_cache, v_cache, placed: Placed) -> torch.Tensor:
         """Every decoder layer on n tokens (x [n, hidden] float32, contiguous; placed: where
-        each attends) through native_layer -> the last layer's output [n, hidden] float32."""
+        each attends) through native_layer, or the stack of them in one call -> the last
+        layer's output [n, hidden] float32."""
+        if self.native_stack is not None:
+            return self.native_stack(x, k_cache, v_cache, placed)
         windows, dims = self.shape.windows, self.shape.dims
         for number, block in enumerate(self.native_blocks):
             kv = (k_cache[number], v_cache[number])

@@ -259,6 +259,121 @@ class MatmulKernel:
         return y
 
 
+class _StackLinear(ctypes.Structure):
+    """csrc/quant_matmul.c's StackLinear: a quantized weight [n, k] and its float32 bias."""
+
+    _fields_ = [
+        *[(name, ctypes.c_int64) for name in ("kind", "n", "k")],
+        *[(name, ctypes.c_void_p) for name in ("w", "steps", "lows", "scales", "bias")],
+    ]
+
+
+class _StackLayer(ctypes.Structure):
+    """csrc/quant_matmul.c's StackLayer: one decoder layer's weights, norms and RoPE tables."""
+
+    _fields_ = [
+        *[(name, ctypes.c_void_p) for name in ("norm1", "norm2", "cos", "sin")],
+        ("table_positions", ctypes.c_int64),
+        ("window", ctypes.c_int64),
+        *[(name, _StackLinear) for name in ("qkv", "o", "gate_up", "down")],
+    ]
+
+
+class StackSpec(NamedTuple):
+    """One layer of a DecoderStack: what llama.native_layer takes of a block with nothing
+    between its calls. Weights are quant.NativeInt4Weight or NativeInt8Weight (their fields
+    as named here); norms, biases and the RoPE tables float32."""
+
+    norm1: torch.Tensor
+    norm2: torch.Tensor
+    qkv: tuple[tuple[torch.Tensor, ...], torch.Tensor | None]  # (weight's tensors, bias)
+    o: tuple[tuple[torch.Tensor, ...], torch.Tensor | None]
+    gate_up: tuple[tuple[torch.Tensor, ...], torch.Tensor | None]
+    down: tuple[tuple[torch.Tensor, ...], torch.Tensor | None]
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [positions, head_dim]
+    window: int
+
+
+class DecoderStack:
+    """Every decoder layer of a model on n tokens in one C call (`ts_decoder_stack`): the five
+    calls of llama.native_layer per layer, run by the same functions in the same order, so the
+    same bits, without the Python and ctypes between them. For layers with no head norms, post
+    norms or experts, whose weights are all ours (int4 or int8)."""
+
+    KINDS = {3: 1, 2: 0}  # a weight's tensor count -> the kernel's kind (q4: 1, q8: 0)
+
+    def __init__(self, library: ctypes.CDLL, layers: list[StackSpec], dims: tuple[int, ...],
+                 activation: str, eps: float, scale: float, cap: float):  # fmt: skip
+        self.hidden, self.heads, self.kv_heads, self.head_dim = dims
+        self.activation = MatmulKernel.PROLOGUES[f"{activation}_mul"]
+        self.eps, self.scale, self.cap = eps, scale, cap
+        self._keep = layers  # the tensors the structures point into
+        self._layers = (_StackLayer * len(layers))(*[self._layer(spec) for spec in layers])
+        fn = library.ts_decoder_stack
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 5]
+        fn.argtypes += [ctypes.c_int, *[ctypes.c_float] * 3, ctypes.c_int, *[ctypes.c_void_p] * 3]
+        fn.argtypes += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        self._fn = fn
+
+    def _layer(self, spec: StackSpec) -> _StackLayer:
+        cos, sin = spec.rope
+        floats = (*spec.rope, spec.norm1, spec.norm2)
+        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in floats):
+            raise ValueError("decoder stack: float32 contiguous norms and RoPE tables")
+        linears = [self._linear(*getattr(spec, name)) for name in ("qkv", "o", "gate_up", "down")]
+        return _StackLayer(
+            spec.norm1.data_ptr(), spec.norm2.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            cos.shape[0], min(spec.window, 1 << 62), *linears,
+        )  # fmt: skip
+
+    def _linear(self, tensors: tuple[torch.Tensor, ...], bias: torch.Tensor | None) -> _StackLinear:
+        kind = self.KINDS[len(tensors)]
+        first = tensors[0]
+        n, k = first.shape[0], first.shape[1] * (2 if kind == 1 else 1)
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
+            raise ValueError(f"decoder stack: bias must be float32 ({n},)")
+        pointers = [t.data_ptr() for t in tensors]  # q4: packed, steps, lows; q8: weight, scales
+        q8 = [pointers[0], None, None, pointers[-1]]
+        w, steps, lows, scales = [*pointers, None] if kind == 1 else q8
+        return _StackLinear(kind, n, k, w, steps, lows, scales, _ptr(bias))
+
+    def __call__(self, x: torch.Tensor, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
+                 placed: Placed) -> torch.Tensor:  # fmt: skip
+        """x [n, hidden] float32, contiguous, through every layer, written into x; k_cache,
+        v_cache: each layer's [places, kv_heads, rows, head_dim] (llama.native_layer's)."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.hidden:
+            raise ValueError(f"decoder stack: x {tuple(x.shape)} {x.dtype}")
+        if not x.is_contiguous():
+            raise ValueError(f"decoder stack: x {tuple(x.shape)} {x.dtype}")
+        count = len(self._keep)
+        if len(k_cache) != count or len(v_cache) != count:
+            raise ValueError(f"decoder stack: {count} layers' caches needed")
+        first = k_cache[0]
+        places, dtype = first.shape[0], first.dtype
+        for k, v in zip(k_cache, v_cache):
+            if (
+                k.dtype != dtype or v.dtype != dtype or k.shape != v.shape or k.shape[0] != places
+                or k.shape[1] != self.kv_heads or k.shape[3] != self.head_dim
+                or not k.is_contiguous() or not v.is_contiguous()
+            ):  # fmt: skip
+                raise ValueError("decoder stack: caches of [places, kv_heads, rows, head_dim]")
+        if dtype not in DTYPES:
+            raise ValueError(f"decoder stack: a {dtype} cache")
+        status = self._fn(
+            ctypes.addressof(self._layers), count, x.data_ptr(), x.shape[0], self.hidden,
+            self.heads, self.kv_heads, self.head_dim, self.activation, self.eps, self.scale,
+            self.cap, DTYPES[dtype],
+            (ctypes.c_void_p * count)(*[k.data_ptr() for k in k_cache]),
+            (ctypes.c_void_p * count)(*[v.data_ptr() for v in v_cache]),
+            (ctypes.c_int64 * count)(*[k.shape[2] for k in k_cache]),
+            places, placed.places.data_ptr(), placed.positions.data_ptr(), _threads(),
+        )  # fmt: skip
+        if status:
+            raise RuntimeError(f"decoder stack kernel: {STATUS.get(status, status)}")
+        return x
+
+
 def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
@@ -350,6 +465,13 @@ def attention_kernel() -> AttentionKernel | None:
     """The exact attention kernel; None where the library cannot be built."""
     loaded = library()
     return AttentionKernel(*loaded) if loaded else None
+
+
+def decoder_stack(layers: list[StackSpec], **settings) -> DecoderStack | None:
+    """DecoderStack over `layers` (settings: DecoderStack's dims, activation, eps, scale,
+    cap); None where the library cannot be built."""
+    loaded = library()
+    return DecoderStack(loaded[0], layers, **settings) if loaded else None
 
 
 @functools.cache
