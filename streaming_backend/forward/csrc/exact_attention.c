@@ -158,11 +158,12 @@ static float soft_cap(float *scores, int64_t count, float cap) {
     return max;
 }
 
-/* One (token, key/value head): its `groups` query heads over positions [first, position], each
- * key and value row read once for all of them. work: groups * (rows + 2 * head_dim) floats of
- * this thread's own. The positions lie in rows [first mod rows, ...): up to the ring's end,
- * then (if they wrap) on from row 0. */
-static void attend_one(const Call *c, int64_t token, int64_t head, float *work) {
+/* One (token, key/value head): its query heads g_first .. g_last - 1 (of `groups`) over positions
+ * [first, position], each key and value row read once for all of them. work: groups * (rows +
+ * 2 * head_dim) floats of this thread's own. The positions lie in rows [first mod rows, ...): up
+ * to the ring's end, then (if they wrap) on from row 0. A query head's result is computed alone,
+ * the same whichever heads share the call. */
+static void attend_one(const Call *c, int64_t token, int64_t head, int64_t g_first, int64_t g_last, float *work) {
     const int64_t d = c->head_dim, groups = c->groups, position = c->positions[token];
     const int64_t first = position + 1 > c->window ? position + 1 - c->window : 0;
     const int64_t count = position + 1 - first, start = first % c->rows;
@@ -172,8 +173,8 @@ static void attend_one(const Call *c, int64_t token, int64_t head, float *work) 
     const int64_t q_at = (token * c->kv_heads + head) * groups * d;
     float *scores = work, *query = work + groups * c->rows, *acc = query + groups * d;
     float inverse[groups];
-    for (int64_t i = 0; i < groups * d; i++) query[i] = load1(c->q, q_at + i, c->q_dtype) * c->scale;
-    for (int64_t g = 0; g < groups; g++) {  /* the key and value rows stay in cache across g */
+    for (int64_t i = g_first * d; i < g_last * d; i++) query[i] = load1(c->q, q_at + i, c->q_dtype) * c->scale;
+    for (int64_t g = g_first; g < g_last; g++) {  /* the key and value rows stay in cache across g */
         float *p = scores + g * c->rows;
         float max = scores_of(p, query + g * d, c->k, cache_at, before_end, d, c->dtype);
         if (wrapped) {
@@ -185,7 +186,7 @@ static void attend_one(const Call *c, int64_t token, int64_t head, float *work) 
         weighted_sum(acc + g * d, p, c->v, cache_at, before_end, d, c->dtype, 0);
         if (wrapped) weighted_sum(acc + g * d, p + before_end, c->v, head_at, wrapped, d, c->dtype, 1);
     }
-    for (int64_t i = 0; i < groups * d; i++) {
+    for (int64_t i = g_first * d; i < g_last * d; i++) {
         store1(c->out, q_at + i, c->out_dtype, acc[i] * inverse[i / d]);
     }
 }
@@ -193,13 +194,18 @@ static void attend_one(const Call *c, int64_t token, int64_t head, float *work) 
 /* Every (token, key/value head) of c on up to `threads` OpenMP threads (torch's own runtime when
  * torch is loaded first); the arguments are checked. */
 static int attend_all(const Call *c, int64_t n, int threads) {
-    const int64_t items = n * c->kv_heads, per_thread = c->groups * (c->rows + 2 * c->head_dim);
+    /* an item is a (token, key/value head), or each of its query heads alone where there are
+     * too few for the threads to share evenly (a lone stream: 3 key/value heads on 2 threads) */
+    const int64_t split = n * c->kv_heads < 4 * threads ? c->groups : 1, per_item = c->groups / split;
+    const int64_t items = n * c->kv_heads * split, per_thread = c->groups * (c->rows + 2 * c->head_dim);
     if (threads > items) threads = items > 0 ? (int)items : 1;
     float *work = malloc((size_t)threads * (size_t)per_thread * sizeof(float));
     if (work == NULL) return TS_NO_MEMORY;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t item = 0; item < items; item++)
-        attend_one(c, item / c->kv_heads, item % c->kv_heads, work + (int64_t)omp_get_thread_num() * per_thread);
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t pair = item / split, g = item % split * per_item;
+        attend_one(c, pair / c->kv_heads, pair % c->kv_heads, g, g + per_item, work + (int64_t)omp_get_thread_num() * per_thread);
+    }
     free(work);
     return TS_OK;
 }
