@@ -100,6 +100,11 @@ def test_a_non_finite_row_is_reported_and_the_others_are_unharmed():
     logits = torch.tensor([[float("nan")] * V, [0.0, 0.0, 5.0, 0.0, 0.0, 0.0]])
     choice = choose([Row(SamplingSettings(temperature=0)), Row(SamplingSettings(0))], logits)
     assert choice.finite == [False, True] and choice.ids[1] == 2
+    for bad in (float("inf"), float("-inf"), float("nan")):  # one value among finite ones
+        logits = torch.zeros(2, V)
+        logits[0, 3] = bad
+        choice = choose([Row(SamplingSettings(temperature=0)), Row(SamplingSettings(0))], logits)
+        assert choice.finite == [False, True], bad
 
 
 def test_a_rows_draw_does_not_depend_on_its_neighbours():

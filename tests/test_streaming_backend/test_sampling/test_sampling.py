@@ -30,6 +30,16 @@ def test_greedy_is_argmax():
     assert torch.equal(ids, logits.argmax(-1))
 
 
+def test_greedy_takes_the_first_of_tied_tokens():
+    """A tie goes to the lowest id, as argmax gives it, wherever the tied values lie."""
+    logits = torch.zeros(3, 64)
+    logits[0, [5, 40]] = 2.0
+    logits[1, [63, 0]] = 1.0
+    logits[2, :] = -3.0
+    ids = _sample(logits, SamplingSettings(temperature=0))
+    assert ids.tolist() == [5, 0, 0]
+
+
 def test_tiny_top_p_keeps_exactly_the_top_token():
     """top_p close to 0 still keeps one token: the most likely."""
     logits = _logits(8)
