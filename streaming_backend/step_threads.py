@@ -32,7 +32,10 @@ log = logging.getLogger(__name__)
 
 SWITCH_MARGIN = 0.8  # a probe wins when it takes less than this share of the current count's time
 FIRST_PROBE_STEPS = 16  # decode steps between probes after a switch (or at load)
-LAST_PROBE_STEPS = 2048  # the longest wait between probes, after repeated losses
+# the longest wait between probes, after repeated losses: a count chosen in a busy spell that
+# the spell's end does not make clearly faster (one thread, when the other process stops) is
+# kept at most this many steps; on an idle machine one step in this many runs on the other count
+LAST_PROBE_STEPS = 256
 SMOOTHING = 0.2  # weight of the newest step in a row count's running mean
 CHANGE = 1.3  # a running mean this many times slower or faster than at the last probe: probe now
 
