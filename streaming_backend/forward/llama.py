@@ -537,20 +537,17 @@ class CompactLlama(nn.Module):
         )  # fmt: skip
         if not plain:
             return None
-        dims = self.shape.dims
         layers = [
             native.StackSpec(
                 block.norm1,
                 block.norm2,
-                *[(tuple(getattr(block, n)), getattr(block, f"{n}_bias")) for n in LINEAR_WEIGHTS],
+                *[(getattr(block, n), getattr(block, f"{n}_bias")) for n in LINEAR_WEIGHTS],
                 self.native_ropes[self.layer_ropes[number]],
                 self.shape.windows[number],
             )
             for number, block in enumerate(self.native_blocks)
         ]
-        sizes = (self.shape.hidden, dims.heads, dims.kv_heads, dims.head_dim)
-        settings = {"activation": dims.activation, "eps": dims.eps, "scale": dims.scale}
-        return native.decoder_stack(layers, dims=sizes, cap=dims.cap, **settings)
+        return native.decoder_stack(layers, self.shape.hidden, self.shape.dims)
 
     def _native_layers(self, x, k_cache, v_cache, placed: Placed) -> torch.Tensor:
         """Every decoder layer on n tokens (x [n, hidden] float32, contiguous; placed: where

@@ -281,15 +281,16 @@ class _StackLayer(ctypes.Structure):
 
 class StackSpec(NamedTuple):
     """One layer of a DecoderStack: what llama.native_layer takes of a block with nothing
-    between its calls. Weights are quant.NativeInt4Weight or NativeInt8Weight (their fields
-    as named here); norms, biases and the RoPE tables float32."""
+    between its calls. Each linear is (weight, bias): a quant.NativeInt4Weight (packed, steps,
+    lows) or NativeInt8Weight (weight, scales), and a float32 bias or None; norms and the RoPE
+    tables float32."""
 
     norm1: torch.Tensor
     norm2: torch.Tensor
-    qkv: tuple[tuple[torch.Tensor, ...], torch.Tensor | None]  # (weight's tensors, bias)
-    o: tuple[tuple[torch.Tensor, ...], torch.Tensor | None]
-    gate_up: tuple[tuple[torch.Tensor, ...], torch.Tensor | None]
-    down: tuple[tuple[torch.Tensor, ...], torch.Tensor | None]
+    qkv: tuple[NamedTuple, torch.Tensor | None]
+    o: tuple[NamedTuple, torch.Tensor | None]
+    gate_up: tuple[NamedTuple, torch.Tensor | None]
+    down: tuple[NamedTuple, torch.Tensor | None]
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [positions, head_dim]
     window: int
 
@@ -300,13 +301,19 @@ class DecoderStack:
     same bits, without the Python and ctypes between them. For layers with no head norms, post
     norms or experts, whose weights are all ours (int4 or int8)."""
 
-    KINDS = {3: 1, 2: 0}  # a weight's tensor count -> the kernel's kind (q4: 1, q8: 0)
+    Q8, Q4 = 0, 1  # the kernel's weight kinds (csrc/quant_matmul.c)
 
-    def __init__(self, library: ctypes.CDLL, layers: list[StackSpec], dims: tuple[int, ...],
-                 activation: str, eps: float, scale: float, cap: float):  # fmt: skip
-        self.hidden, self.heads, self.kv_heads, self.head_dim = dims
-        self.activation = MatmulKernel.PROLOGUES[f"{activation}_mul"]
-        self.eps, self.scale, self.cap = eps, scale, cap
+    def __init__(self, library: ctypes.CDLL, layers: list[StackSpec], hidden: int, dims):
+        """dims: the layers' llama.Dims (heads, kv_heads, head_dim, eps, scale, activation,
+        cap)."""
+        self.hidden, self.heads, self.kv_heads = hidden, dims.heads, dims.kv_heads
+        self.head_dim, self.eps, self.scale, self.cap = (
+            dims.head_dim,
+            dims.eps,
+            dims.scale,
+            dims.cap,
+        )
+        self.activation = MatmulKernel.PROLOGUES[f"{dims.activation}_mul"]
         self._keep = layers  # the tensors the structures point into
         self._layers = (_StackLayer * len(layers))(*[self._layer(spec) for spec in layers])
         fn = library.ts_decoder_stack
@@ -327,24 +334,26 @@ class DecoderStack:
             cos.shape[0], min(spec.window, 1 << 62), *linears,
         )  # fmt: skip
 
-    def _linear(self, tensors: tuple[torch.Tensor, ...], bias: torch.Tensor | None) -> _StackLinear:
-        kind = self.KINDS[len(tensors)]
-        first = tensors[0]
-        n, k = first.shape[0], first.shape[1] * (2 if kind == 1 else 1)
+    def _linear(self, weight: NamedTuple, bias: torch.Tensor | None) -> _StackLinear:
+        if hasattr(weight, "packed"):  # int4: two inputs a byte
+            n, k = weight.packed.shape[0], weight.packed.shape[1] * 2
+            parts = (self.Q4, weight.packed, weight.steps, weight.lows, None)
+        else:
+            n, k = weight.weight.shape
+            parts = (self.Q8, weight.weight, None, None, weight.scales)
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
             raise ValueError(f"decoder stack: bias must be float32 ({n},)")
-        pointers = [t.data_ptr() for t in tensors]  # q4: packed, steps, lows; q8: weight, scales
-        q8 = [pointers[0], None, None, pointers[-1]]
-        w, steps, lows, scales = [*pointers, None] if kind == 1 else q8
-        return _StackLinear(kind, n, k, w, steps, lows, scales, _ptr(bias))
+        kind, *tensors = parts
+        return _StackLinear(kind, n, k, *[_ptr(t) for t in tensors], _ptr(bias))
 
     def __call__(self, x: torch.Tensor, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
                  placed: Placed) -> torch.Tensor:  # fmt: skip
         """x [n, hidden] float32, contiguous, through every layer, written into x; k_cache,
         v_cache: each layer's [places, kv_heads, rows, head_dim] (llama.native_layer's)."""
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.hidden:
-            raise ValueError(f"decoder stack: x {tuple(x.shape)} {x.dtype}")
-        if not x.is_contiguous():
+        if (
+            x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.hidden
+            or not x.is_contiguous()
+        ):  # fmt: skip
             raise ValueError(f"decoder stack: x {tuple(x.shape)} {x.dtype}")
         count = len(self._keep)
         if len(k_cache) != count or len(v_cache) != count:
@@ -467,11 +476,11 @@ def attention_kernel() -> AttentionKernel | None:
     return AttentionKernel(*loaded) if loaded else None
 
 
-def decoder_stack(layers: list[StackSpec], **settings) -> DecoderStack | None:
-    """DecoderStack over `layers` (settings: DecoderStack's dims, activation, eps, scale,
-    cap); None where the library cannot be built."""
+def decoder_stack(layers: list[StackSpec], hidden: int, dims) -> DecoderStack | None:
+    """DecoderStack over `layers` (dims: their llama.Dims); None where the library cannot be
+    built."""
     loaded = library()
-    return DecoderStack(loaded[0], layers, **settings) if loaded else None
+    return DecoderStack(loaded[0], layers, hidden, dims) if loaded else None
 
 
 @functools.cache

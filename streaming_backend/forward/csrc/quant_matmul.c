@@ -788,11 +788,6 @@ int ts_dense_matmul(const void *x, void *y, int dtype, int64_t m, int64_t k, int
  * same functions in the same order as the five calls from Python, so the same bits; what goes is
  * the Python and ctypes between them (about 1 ms of a 6 ms step of the default model). */
 
-int ts_rope_attention(int dtype, int cache_dtype, const void *qkv, const void *cos, const void *sin,
-                      int64_t positions_in_table, void *k, void *v, void *out, const int64_t *places,
-                      const int64_t *positions, int64_t n, int64_t place_count, int64_t kv_heads, int64_t groups,
-                      int64_t head_dim, int64_t rows, int64_t window, float scale, float cap, int threads);
-
 /* A quantized linear weight [n, k] (kind KIND_Q4 or KIND_Q8, as ts_q4_matmul / ts_q8_matmul take
  * it) and its float32 bias or NULL. */
 typedef struct {
