@@ -11,7 +11,8 @@ its own argmax; only the decode steps are timed. The Hugging Face step is the en
 --rounds rounds and the median round is reported, since the machine is shared and noisy.
 Systems: hf, eager, compiled (the compact forward with torch.compile), graphs (with CUDA graphs,
 a GPU only), int8 and int4 (eager, quantized weights on our C kernels, the CPU only), int8-aten
-and int4-aten (the same on torch's weight-only kernels) and int4-compiled, each in
+and int4-aten (the same on torch's weight-only kernels), int4-compiled and int4-small-pages
+(the weights left in 4 KiB pages, forward/huge_pages.py), each in
 --dtype or in its own (`eager@float32`); ratios and greedy agreement are against the first
 system named.
 """
@@ -42,6 +43,7 @@ COMPACT = {
     "int8": {"quantize": "int8"},  # int8 weight-only weights (the CPU only)
     "int4": {"quantize": "int4"},
     "int4-compiled": {"quantize": "int4", "compile": True},
+    "int4-small-pages": {"quantize": "int4", "huge_pages": False},  # the weights in 4 KiB pages
     "int8-aten": {"quantize": "int8", "matmul": "aten"},  # torch's kernels, not ours
     "int4-aten": {"quantize": "int4", "matmul": "aten"},
 }

@@ -18,7 +18,7 @@ which every path here and the C kernel address alike.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from streaming_backend.forward import native
+from streaming_backend.forward.huge_pages import place as place_in_huge_pages
 from streaming_backend.forward.native import AttentionKernel, Placed
 from streaming_backend.forward.quant import (
     HEAD_KIND,
@@ -305,13 +306,16 @@ class CompactLlama(nn.Module):
 
     `quantize` ("none", "int8", "int4"): the linear weights quantized for our C kernels (or,
     without a C compiler, torch's CPU weight-only kernels), the head in int8 (forward/quant.py);
-    the embedding and norms stay as loaded.
+    the embedding and norms stay as loaded. With `huge_pages`, what a step reads is moved into
+    transparent huge pages on the CPU (forward/huge_pages.py).
     Every call, a lone stream's step, a batch of them or a prefill chunk, runs on these same
     weights through the same kernels, whose rows do not depend on each other: a row's logits
     are the same whatever shares its call (docs/performance.md, "One model whatever the load").
     """
 
-    def __init__(self, model: Any, quantize: str = "none", matmul: str = "auto"):
+    def __init__(
+        self, model: Any, quantize: str = "none", matmul: str = "auto", huge_pages: bool = True
+    ):
         super().__init__()
         self.shape = model_shape(model)
         self.quantize = check_kind(quantize)
@@ -358,6 +362,15 @@ class CompactLlama(nn.Module):
             self.native_blocks = [_float_params(block) for block in self.blocks]
             self.native_final_norm = self.final_norm.float()
             self.native_ropes = self._used_ropes(inner.rotary_emb, torch.float32)
+        # what a step reads, in huge pages (before the stack takes their addresses), with the
+        # loaded model's parameters that view the same memory (tied or unquantized weights)
+        step_weights = (self.embed, self.head, self.final_norm, self.blocks)
+        native_weights = (self.native_final_norm, self.native_blocks) if self.native else ()
+        self.huge_page_bytes = 0
+        if huge_pages:
+            self.huge_page_bytes = place_in_huge_pages(
+                _tensors(step_weights + native_weights), along=model.parameters()
+            )
         # every layer in one C call where none needs torch between its calls (native.DecoderStack)
         self.native_stack = self._decoder_stack() if self.native else None
 
@@ -681,6 +694,15 @@ def _scaled_outputs(block: Block, by: float) -> Block:
         for name in ("o", "o_bias", "down", "down_bias")
     }
     return block._replace(**scaled)
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a value of nested tuples and lists (NamedTuples: blocks, weights)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
 
 
 def _float_params(block: Block) -> Block:

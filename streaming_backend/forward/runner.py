@@ -52,6 +52,9 @@ class ForwardConfig:
     # A sliding-window layer keeps window + window_chunk - 1 positions per slot (a ring), and a
     # prefill call writes at most window_chunk per slot (forward/slots.py, WINDOW_CHUNK)
     window_chunk: int = WINDOW_CHUNK
+    # The CPU weights in transparent huge pages where the kernel gives them on request
+    # (forward/huge_pages.py); off only to measure what they bring (scripts/forward_bench.py)
+    huge_pages: bool = True
 
     def __post_init__(self) -> None:
         check_kind(self.quantize)
@@ -85,7 +88,9 @@ class SlotForward:
     ) -> SlotForward:
         """Build the forward for a loaded model (UnsupportedModel if not Llama-family), or for
         its compact `model` already built (a new cache for it)."""
-        model = model or CompactLlama(loaded.model, config.quantize, config.matmul)
+        model = model or CompactLlama(
+            loaded.model, config.quantize, config.matmul, huge_pages=config.huge_pages
+        )
         max_len = min(config.max_len or loaded.context_length, model.shape.max_positions)
         cache = SlotCache.for_budget(
             model.shape,
