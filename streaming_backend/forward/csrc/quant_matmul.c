@@ -696,7 +696,7 @@ static int matmul(Call *c, int kind, const void *x, const Prologue *pre, int thr
     c->xq.ds_stride = grouped ? (blocks + SCALE_GROUP - 1) / SCALE_GROUP * SCALE_GROUP : blocks;
     const size_t bytes = dense ? (size_t)(c->m * c->k) * sizeof(float)
                                : 2 * (size_t)(c->m * c->xq.q_stride) + 2 * (size_t)(c->m * c->xq.ds_stride) * sizeof(float);
-    char *memory = malloc(bytes);
+    char *memory = aligned_alloc(64, (bytes + 63) / 64 * 64);  /* whole cache lines: no load splits */
     if (memory == NULL) return TS_NO_MEMORY;
     if (dense) {
         c->xf = (float *)memory;
