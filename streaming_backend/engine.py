@@ -378,7 +378,9 @@ class Engine:
         try:
             start = time.perf_counter()
             step = self._steps.decode()
-            threads.after(len(step.streams), time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            context = max((len(s.prompt_ids) + len(s.output_ids) for s in step.streams), default=0)
+            threads.after(len(step.streams), seconds, context)
             return step
         finally:
             _set_threads(threads.current)

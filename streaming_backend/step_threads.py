@@ -4,7 +4,7 @@ faster now.
     threads = StepThreads(most=torch.get_num_threads())
     count = threads.before()              # the count this step runs on (torch.set_num_threads)
     ...                                   # the step
-    threads.after(rows, seconds)          # its rows and what it took
+    threads.after(rows, seconds, context) # its rows, what it took, its longest row's positions
 
 A step is hundreds of parallel regions, and each waits at its end for every thread of torch's
 team. When another process takes a core, the scheduler parks one of those threads for a slice
@@ -19,13 +19,17 @@ step probes at once. The count never changes a row's numbers: the
 compact forward's kernels give the same bits on any count (tests/test_streaming_backend/
 test_engine_invariance.py).
 
-The slowdown is the recent steps' time against the fastest step of the same rows since load, so
-an operator sees a starved server (`/status`, tokenstream_step_slowdown) before users complain.
+The slowdown is the recent steps' time against the fastest step since load of the same rows
+at a like context (the longest row's positions, within a factor of sqrt(2): attention over 512
+positions made a default-model step 1.3x as long as over 20, so a long answer read as starved
+when its steps were compared with its first), so an operator sees a starved server (`/status`,
+tokenstream_step_slowdown) before users complain.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -40,6 +44,12 @@ SMOOTHING = 0.2  # weight of the newest step in a row count's running mean
 CHANGE = 1.3  # a running mean this many times slower or faster than at the last probe: probe now
 
 
+def context_band(positions: int) -> int:
+    """Which band of like contexts `positions` falls in: bands are a factor sqrt(2) wide
+    ([1, 1.41), [1.41, 2), [2, 2.83), ...: band 1, 2, 3, ...; 0 positions is band 0)."""
+    return 0 if positions < 1 else int(2 * math.log2(positions)) + 1
+
+
 @dataclass(frozen=True)
 class StepReport:
     """What /status shows of the decode steps' threads and pace."""
@@ -48,7 +58,7 @@ class StepReport:
     most: int  # the count at load (torch's threads), never exceeded
     switches: int  # times the count changed since load
     recent_step_s: float | None  # running mean of the latest row count's steps, current count
-    best_step_s: float | None  # the fastest step of that row count since load, any count
+    best_step_s: float | None  # the fastest of that row count at a like context, any count
     slowdown: float | None  # recent / best: 1.0 at full speed; None before a step of that count
 
     def as_dict(self) -> dict:
@@ -69,8 +79,10 @@ class StepThreads:
     _down_next: bool = True  # which neighbour the next probe tries
     _mean: dict[int, float] = field(default_factory=dict)  # rows -> seconds at `current`
     _settled: dict[int, float] = field(default_factory=dict)  # rows -> _mean at the last probe
-    _best: dict[int, float] = field(default_factory=dict)  # rows -> fastest seconds, any count
+    # (rows, context_band) -> fastest seconds, any count
+    _best: dict[tuple[int, int], float] = field(default_factory=dict)
     _last_rows: int = 0
+    _last_band: int = 0
 
     def __post_init__(self) -> None:
         if self.most < 1:
@@ -89,10 +101,12 @@ class StepThreads:
         self._probe = self._neighbour()
         return self._probe
 
-    def after(self, rows: int, seconds: float) -> None:
-        """Record the time of the step `before` was asked for; switch if its probe won."""
-        self._last_rows = rows
-        self._best[rows] = min(seconds, self._best.get(rows, seconds))
+    def after(self, rows: int, seconds: float, context: int = 0) -> None:
+        """Record the time of the step `before` was asked for, whose longest row attended over
+        `context` positions; switch if its probe won."""
+        self._last_rows, self._last_band = rows, context_band(context)
+        key = (rows, self._last_band)
+        self._best[key] = min(seconds, self._best.get(key, seconds))
         probe, self._probe = self._probe, None
         if probe is None:
             mean = self._mean.get(rows)
@@ -122,8 +136,9 @@ class StepThreads:
         self._until_probe = self._wait
 
     def report(self) -> StepReport:
-        """The count, and the latest row count's recent and best step times."""
-        recent, best = self._mean.get(self._last_rows), self._best.get(self._last_rows)
+        """The count, and the latest row count's recent step time and best at its context."""
+        recent = self._mean.get(self._last_rows)
+        best = self._best.get((self._last_rows, self._last_band))
         slowdown = recent / best if recent is not None and best else None
         return StepReport(self.current, self.most, self.switches, recent, best, slowdown)
 

@@ -638,6 +638,7 @@ def test_the_decode_steps_report_their_threads_when_adaptive(tiny_loaded, adapti
     """With adaptive_threads (the default) the engine times its decode steps and reports their
     thread count and pace; without, there is no report and torch's count stays as it was."""
     from streaming_backend.sampling.settings import SamplingSettings
+    from streaming_backend.step_threads import context_band
 
     threads = torch.get_num_threads()
     config = EngineConfig(adaptive_threads=adaptive)
@@ -650,3 +651,5 @@ def test_the_decode_steps_report_their_threads_when_adaptive(tiny_loaded, adapti
         return
     assert report.most == threads and 1 <= report.threads <= threads
     assert report.best_step_s > 0 and report.slowdown >= 1.0 - 1e-9  # a mean over its best
+    # the last decode step's longest row: 3 prompt tokens and the 7 tokens before its own
+    assert engine._threads._last_band == context_band(3 + 7)

@@ -9,6 +9,7 @@ from streaming_backend.step_threads import (
     LAST_PROBE_STEPS,
     StepReport,
     StepThreads,
+    context_band,
 )
 
 # seconds per step on 1 and 2 threads: an idle 2-core machine, and one with a core taken
@@ -118,3 +119,27 @@ def test_most_must_be_positive():
     """A thread count below one is refused."""
     with pytest.raises(ValueError, match="at least 1"):
         StepThreads(most=0)
+
+
+def test_the_slowdown_compares_steps_at_a_like_context():
+    """A long answer's steps grow with its context; each is compared with the fastest step of
+    a context within a factor of sqrt(2), so an idle server reads near 1.0 at any length, and a
+    starved one still reads its slowdown."""
+    threads = StepThreads(most=2)
+    readings = []
+    for context in range(20, 2000):
+        count = threads.before()
+        # attention: a default-model step 1.3x as long at 512 positions as at the start
+        threads.after(1, IDLE[count] * (1 + 0.3 * context / 512), context)
+        readings.append(threads.report().slowdown)
+    assert max(readings[100:]) < 1.25
+    assert threads.report().best_step_s > IDLE[2] * 1.5  # not the short context's best
+    for _ in range(40):
+        threads.after(1, 4 * IDLE[2] * (1 + 0.3 * 2000 / 512), 2000)
+    assert threads.report().slowdown > 3.0
+
+
+def test_context_bands_are_a_factor_of_root_two_wide():
+    """Positions [1, 1.41), [1.41, 2), [2, 2.83), ... are bands 1, 2, 3, ...; none is band 0."""
+    positions = (0, 1, 2, 3, 4, 5, 6, 362, 363, 511, 512, 724, 725)
+    assert [context_band(n) for n in positions] == [0, 1, 3, 4, 5, 5, 6, 17, 18, 18, 19, 19, 20]
