@@ -4,11 +4,11 @@ A decode step reads every weight once. In 4 KiB pages that is a TLB miss every 4
 default-model step touches about 25 000 pages, the 1B model's 170 000; the second-level TLB
 holds a few thousand), and the hardware prefetchers stop at each page's end. Where the kernel
 gives huge pages only on request (`/sys/kernel/mm/transparent_hugepage/enabled` reads
-`[madvise]`, Debian's default), the weights are copied into one arena asked for in 2 MiB pages;
-each tensor keeps its identity (`Tensor.set_`), so whatever holds it now reads the arena.
+`[madvise]`, as on the machines here), the weights are copied into one arena asked for in 2 MiB
+pages; each tensor keeps its identity (`Tensor.set_`), so whatever holds it now reads the arena.
 Measured on the Intel Xeon of docs/performance.md, interleaved in one process
 (scripts/forward_bench.py's int4-small-pages): one stream's step 1.04x (default model) and 1.03x
-(1B); the 1B shapes' int4 weights alone streamed 1.05-1.08x faster.
+(1B); the 1B shapes' int4 weights alone streamed 1.07x faster (the median of 20 alternations).
 """
 
 from __future__ import annotations
