@@ -14,7 +14,6 @@ Measured on the Intel Xeon of docs/performance.md, interleaved in one process
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 from collections.abc import Iterable
 from pathlib import Path
@@ -42,7 +41,7 @@ def thp_mode(setting: Path = SETTING) -> str:
 
 def _madvise(address: int, length: int) -> None:
     """Ask for huge pages over [address, address + length) (page aligned); OSError if refused."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols: its libc's madvise
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     if libc.madvise(address, length, MADV_HUGEPAGE) != 0:
         raise OSError(ctypes.get_errno(), "madvise(MADV_HUGEPAGE) failed")

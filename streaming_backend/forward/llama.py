@@ -366,11 +366,11 @@ class CompactLlama(nn.Module):
         # loaded model's parameters that view the same memory (tied or unquantized weights)
         step_weights = (self.embed, self.head, self.final_norm, self.blocks)
         native_weights = (self.native_final_norm, self.native_blocks) if self.native else ()
-        self.huge_page_bytes = 0
-        if huge_pages:
-            self.huge_page_bytes = place_in_huge_pages(
-                _tensors(step_weights + native_weights), along=model.parameters()
-            )
+        self.huge_page_bytes = (
+            place_in_huge_pages(_tensors(step_weights + native_weights), along=model.parameters())
+            if huge_pages
+            else 0
+        )
         # every layer in one C call where none needs torch between its calls (native.DecoderStack)
         self.native_stack = self._decoder_stack() if self.native else None
 

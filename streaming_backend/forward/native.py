@@ -306,13 +306,7 @@ class DecoderStack:
     def __init__(self, library: ctypes.CDLL, layers: list[StackSpec], hidden: int, dims):
         """dims: the layers' llama.Dims (heads, kv_heads, head_dim, eps, scale, activation,
         cap)."""
-        self.hidden, self.heads, self.kv_heads = hidden, dims.heads, dims.kv_heads
-        self.head_dim, self.eps, self.scale, self.cap = (
-            dims.head_dim,
-            dims.eps,
-            dims.scale,
-            dims.cap,
-        )
+        self.hidden, self.dims = hidden, dims
         self.activation = MatmulKernel.PROLOGUES[f"{dims.activation}_mul"]
         self._keep = layers  # the tensors the structures point into
         self._layers = (_StackLayer * len(layers))(*[self._layer(spec) for spec in layers])
@@ -363,7 +357,7 @@ class DecoderStack:
         for k, v in zip(k_cache, v_cache):
             if (
                 k.dtype != dtype or v.dtype != dtype or k.shape != v.shape or k.shape[0] != places
-                or k.shape[1] != self.kv_heads or k.shape[3] != self.head_dim
+                or k.shape[1] != self.dims.kv_heads or k.shape[3] != self.dims.head_dim
                 or not k.is_contiguous() or not v.is_contiguous()
             ):  # fmt: skip
                 raise ValueError("decoder stack: caches of [places, kv_heads, rows, head_dim]")
@@ -371,8 +365,8 @@ class DecoderStack:
             raise ValueError(f"decoder stack: a {dtype} cache")
         status = self._fn(
             ctypes.addressof(self._layers), count, x.data_ptr(), x.shape[0], self.hidden,
-            self.heads, self.kv_heads, self.head_dim, self.activation, self.eps, self.scale,
-            self.cap, DTYPES[dtype],
+            self.dims.heads, self.dims.kv_heads, self.dims.head_dim, self.activation,
+            self.dims.eps, self.dims.scale, self.dims.cap, DTYPES[dtype],
             (ctypes.c_void_p * count)(*[k.data_ptr() for k in k_cache]),
             (ctypes.c_void_p * count)(*[v.data_ptr() for v in v_cache]),
             (ctypes.c_int64 * count)(*[k.shape[2] for k in k_cache]),
