@@ -51,6 +51,7 @@
 #define QK 32            /* inputs per block, of the activations and of the int4 weights */
 #define V_MAX 16256.0f   /* 127 * 128: the largest |v| of an activation block */
 #define ROW_TILE 4       /* activation rows that share one read of a weight block */
+#define COL_TILE 4       /* q4 weight rows that share one read of an activation block (AVX-512) */
 #define COL_CHUNK 64     /* weight rows a thread takes at a time (they stay in its cache) */
 #define GROUP 4          /* blocks of a q4 group: 128 inputs, 16 lanes (see q4_tile) */
 #define SCALE_GROUP 16   /* blocks whose q4 steps and lows are converted at once */
@@ -391,11 +392,31 @@ static inline void q8_tile(const Call *c, int64_t row, int R, int64_t col) {
  * sums in the same order, so the same bits from all three (tested). */
 
 #ifdef TS_AVX512
+#define Q4_WIDE 1
 static inline float tree16(__m512 v) {
     return hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
 }
 
-static inline void q4_tile(const Call *c, int64_t row, int R, int64_t col) {
+/* tree16 of four registers at once, each value summed as tree16 sums it (the same additions of
+ * the same pairs, in the same order): lanes 0, 4, 1, 5 of the result hold a's, b's, c's, d's. */
+static inline __m256 tree16x4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m256 ea = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    const __m256 eb = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
+    const __m256 ec = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
+    const __m256 ed = _mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1));
+    /* hsum8's first step, lo128 + hi128: [a's 4 | b's 4], [c's 4 | d's 4] */
+    const __m256 ab = _mm256_add_ps(_mm256_permute2f128_ps(ea, eb, 0x20), _mm256_permute2f128_ps(ea, eb, 0x31));
+    const __m256 cd = _mm256_add_ps(_mm256_permute2f128_ps(ec, ed, 0x20), _mm256_permute2f128_ps(ec, ed, 0x31));
+    /* its second, s0 + s2 and s1 + s3: [a a c c | b b d d] */
+    const __m256 z = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+    /* its last, (s0 + s2) + (s1 + s3) */
+    return _mm256_add_ps(_mm256_shuffle_ps(z, z, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(z, z, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* noinline here: gcc then builds one copy per constant R, as it did before q4_tile_wide came
+ * beside it; inlined into `columns` with it, R = 3 and 4 ran 3-4 % slower */
+static __attribute__((noinline)) void q4_tile(const Call *c, int64_t row, int R, int64_t col) {
     const int64_t blocks = c->k / QK;
     const uint8_t *w = c->w + col * (c->k / 2);
     const uint16_t *steps = c->steps + col * blocks, *lows = c->lows + col * blocks;
@@ -436,7 +457,75 @@ static inline void q4_tile(const Call *c, int64_t row, int R, int64_t col) {
     }
     for (int r = 0; r < R; r++) emit(c, row + r, col, tree16(acc[r]) + tree16(low[r]));
 }
+/* q4_tile for C (2 or 4) weight rows from `col` at once, R * C <= 4: each activation block is
+ * read once for the C weight rows, their chains run side by side and four rows' sums are added
+ * up together (tree16x4); every (row, weight row) pair is computed as q4_tile computes it, so the
+ * same bits. A row's fixed cost (its scales, the last group, the sums' tree) is what bounds short
+ * rows: one row of 576 inputs took 19 ns here against 24 alone (docs/performance.md). */
+static __attribute__((noinline)) void q4_tile_wide(const Call *c, int64_t row, int R, int64_t col, int C) {
+    const int64_t blocks = c->k / QK;
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    __m512 acc[ROW_TILE][COL_TILE], low[ROW_TILE][COL_TILE];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) acc[r][j] = low[r][j] = _mm512_setzero_ps();
+    for (int64_t h = 0; h < blocks; h += SCALE_GROUP) {
+        const int64_t count = blocks - h < SCALE_GROUP ? blocks - h : SCALE_GROUP;
+        const __mmask16 present = (__mmask16)((1u << count) - 1u);
+        __m512 scale[ROW_TILE][COL_TILE];
+        for (int j = 0; j < C; j++) {
+            const int64_t at = (col + j) * blocks + h;
+            const __m512 step = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(present, c->steps + at));
+            const __m512 low16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(present, c->lows + at));
+            for (int r = 0; r < R; r++) {
+                const int64_t x_at = (row + r) * c->xq.ds_stride + h;
+                scale[r][j] = _mm512_mul_ps(_mm512_loadu_ps(c->xq.d + x_at), step);
+                low[r][j] = _mm512_fmadd_ps(low16, _mm512_loadu_ps(c->xq.s + x_at), low[r][j]);
+            }
+        }
+        for (int64_t g = 0; g * GROUP < count; g++) {
+            const int64_t first = h + g * GROUP, bytes = (blocks - first) * (QK / 2);
+            const __mmask64 part = bytes >= 64 ? ~0ull : (1ull << bytes) - 1ull;
+            __m512i lo[COL_TILE], hi[COL_TILE];
+            for (int j = 0; j < C; j++) {
+                const uint8_t *p = c->w + (col + j) * (c->k / 2) + first * (QK / 2);
+                const __m512i raw = bytes >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(part, p);
+                lo[j] = _mm512_and_si512(raw, nibble);
+                hi[j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+            }
+            /* lane L takes the scale of block 4g + L / 4 */
+            const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32((int)(4 * g)),
+                                                  _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2));
+            for (int r = 0; r < R; r++) {
+                const int64_t at = (row + r) * c->xq.q_stride + grouped_at(first);
+                const int8_t *q = c->xq.q + at, *rest = c->xq.r + at;
+                const __m512i q0 = _mm512_loadu_si512(q), q1 = _mm512_loadu_si512(q + 64);
+                const __m512i r0 = _mm512_loadu_si512(rest), r1 = _mm512_loadu_si512(rest + 64);
+                for (int j = 0; j < C; j++) {
+                    __m512i high = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[j], q0);
+                    high = _mm512_dpbusd_epi32(high, hi[j], q1);
+                    __m512i dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(high, 7), lo[j], r0);
+                    dot = _mm512_dpbusd_epi32(dot, hi[j], r1);
+                    acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick, scale[r][j]), acc[r][j]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        if (C == 4) {
+            float v[8];
+            _mm256_storeu_ps(v, _mm256_add_ps(tree16x4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]),
+                                              tree16x4(low[r][0], low[r][1], low[r][2], low[r][3])));
+            emit(c, row + r, col, v[0]);
+            emit(c, row + r, col + 1, v[4]);
+            emit(c, row + r, col + 2, v[1]);
+            emit(c, row + r, col + 3, v[5]);
+        } else {
+            for (int j = 0; j < C; j++) emit(c, row + r, col + j, tree16(acc[r][j]) + tree16(low[r][j]));
+        }
+    }
+}
 #elif defined(TS_AVX2)
+#define Q4_WIDE 0
 /* 8 lanes of P (see above) for two blocks: lo, hi their nibbles (32 bytes each), q and r the
  * halves at their grouped places (their inputs 16.. 64 bytes on). */
 static inline __m256i q4_partials(__m256i lo, __m256i hi, const int8_t *q, const int8_t *r) {
@@ -529,6 +618,7 @@ static inline void q4_tile(const Call *c, int64_t row, int R, int64_t col) {
     }
 }
 #else
+#define Q4_WIDE 0
 /* hsum8(v[0..7] + v[8..15]) one value at a time, in hsum8's order. */
 static inline float tree16(const float *v) {
     float e[8];
@@ -656,10 +746,22 @@ static void columns(const Call *c, int kind, int64_t first, int64_t last) {
                 }
                 continue;
             }
-            for (int64_t col = chunk; col < end; col++) {
-                if (row == 0 && col + ahead < last) prefetch_row(c, kind, col + ahead);
-                /* a constant R per call site, so the compiler unrolls each */
+            for (int64_t col = chunk; col < end;) {
+                /* weight rows taken together: q4 on AVX-512, 4 against one activation row and 2
+                 * against two (their accumulators fill the registers), else one */
+                const int wide = kind == KIND_Q4 && Q4_WIDE ? (R == 1 ? 4 : R == 2 ? 2 : 1) : 1;
+                const int C = end - col >= wide ? wide : 1;
+                for (int j = 0; j < C; j++)
+                    if (row == 0 && col + j + ahead < last) prefetch_row(c, kind, col + j + ahead);
+                /* a constant R (and C) per call site, so the compiler unrolls each */
                 if (kind == KIND_Q4) {
+#if Q4_WIDE
+                    if (C == 4) {
+                        q4_tile_wide(c, row, 1, col, 4);
+                    } else if (C == 2) {
+                        q4_tile_wide(c, row, 2, col, 2);
+                    } else
+#endif
                     switch (R) {
                     case 4: q4_tile(c, row, 4, col); break;
                     case 3: q4_tile(c, row, 3, col); break;
@@ -674,6 +776,7 @@ static void columns(const Call *c, int kind, int64_t first, int64_t last) {
                     default: q8_tile(c, row, 1, col);
                     }
                 }
+                col += C;
             }
         }
     }
