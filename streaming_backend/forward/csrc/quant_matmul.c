@@ -53,6 +53,9 @@
 #define ROW_TILE 4       /* activation rows that share one read of a weight block */
 #define COL_TILE 4       /* q4 weight rows that share one read of an activation block (AVX-512) */
 #define COL_CHUNK 64     /* weight rows a thread takes at a time (they stay in its cache) */
+/* threads split a call's weight rows in steps of this many, so 576 rows go 288 / 288 on two
+ * threads where whole chunks of 64 went 256 / 320 */
+#define SPLIT_ROWS 16
 #define GROUP 4          /* blocks of a q4 group: 128 inputs, 16 lanes (see q4_tile) */
 #define SCALE_GROUP 16   /* blocks whose q4 steps and lows are converted at once */
 #ifndef PREFETCH_BYTES
@@ -845,9 +848,10 @@ static int matmul(Call *c, int kind, const void *x, const Prologue *pre, int thr
         int stop;
 #pragma omp atomic read
         stop = failed;
-        if (!stop) {  /* contiguous whole chunks of weight rows per thread */
+        if (!stop) {  /* contiguous runs of weight rows per thread, in steps of SPLIT_ROWS */
             const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
-            const int64_t first = chunks * t / count * COL_CHUNK, last = chunks * (t + 1) / count * COL_CHUNK;
+            const int64_t units = (c->n + SPLIT_ROWS - 1) / SPLIT_ROWS;
+            const int64_t first = units * t / count * SPLIT_ROWS, last = units * (t + 1) / count * SPLIT_ROWS;
             columns(c, kind, first, last < c->n ? last : c->n);
         }
     }
