@@ -163,10 +163,20 @@ static float soft_cap(float *scores, int64_t count, float cap) {
  * values are 8 KiB). A multiple of 8, so a piece's scores fall in dot8's eights as before. */
 #define KEY_BLOCK 64
 
+/* count values of a bfloat16 cache from `at` into float32 `to` (exact: the same numbers). */
+static void widen(float *to, const void *from, int64_t at, int64_t count) {
+    int64_t i = 0;
+#ifdef TS_AVX2
+    for (; i + 8 <= count; i += 8) _mm256_storeu_ps(to + i, load8(from, at + i, TS_BF16));
+#endif
+    for (; i < count; i++) to[i] = load1(from, at + i, TS_BF16);
+}
+
 /* One (token, key/value head): its query heads g_first .. g_last - 1 (of `groups`) over positions
  * [first, position], each key and value row read from memory once for all of them: block by
- * block of KEY_BLOCK rows, every query head's scores (then values) of the block in turn. work:
- * groups * (rows + 2 * head_dim) floats of this thread's own. The positions lie in rows
+ * block of KEY_BLOCK rows, every query head's scores (then values) of the block in turn; a
+ * bfloat16 block shared by several query heads is widened to float32 once for them (`widen`).
+ * work: groups * (rows + 2 * head_dim) + KEY_BLOCK * head_dim floats of this thread's own. The positions lie in rows
  * [first mod rows, ...): up to the ring's end, then (if they wrap) on from row 0. A query head's
  * result is computed alone, in the same order whichever heads share the call: its scores one by
  * one as scores_of sums them, its values' products added in position order. */
@@ -179,16 +189,19 @@ static void attend_one(const Call *c, int64_t token, int64_t head, int64_t g_fir
     const int64_t q_at = (token * c->kv_heads + head) * groups * d;
     /* the pieces: rows from the start to the ring's end, then those wrapped to its beginning */
     const int64_t piece_at[2] = {head_at + start * d, head_at}, piece_count[2] = {before_end, wrapped};
-    float *scores = work, *query = work + groups * c->rows, *acc = query + groups * d;
+    float *scores = work, *query = work + groups * c->rows, *acc = query + groups * d, *wide = acc + groups * d;
     float inverse[groups], max[groups];
+    const int widened = c->dtype == TS_BF16 && g_last - g_first > 1;
     for (int64_t i = g_first * d; i < g_last * d; i++) query[i] = load1(c->q, q_at + i, c->q_dtype) * c->scale;
     for (int64_t g = g_first; g < g_last; g++) max[g] = -INFINITY;
     for (int piece = 0, offset = 0; piece < 2; offset += (int)piece_count[piece], piece++)
         for (int64_t j = 0; j < piece_count[piece]; j += KEY_BLOCK) {
             const int64_t block = piece_count[piece] - j < KEY_BLOCK ? piece_count[piece] - j : KEY_BLOCK;
+            if (widened) widen(wide, c->k, piece_at[piece] + j * d, block * d);
             for (int64_t g = g_first; g < g_last; g++) {
-                const float m = scores_of(scores + g * c->rows + offset + j, query + g * d, c->k,
-                                          piece_at[piece] + j * d, block, d, c->dtype);
+                const float m = widened ? scores_of(scores + g * c->rows + offset + j, query + g * d, wide, 0, block, d, TS_F32)
+                                        : scores_of(scores + g * c->rows + offset + j, query + g * d, c->k,
+                                                    piece_at[piece] + j * d, block, d, c->dtype);
                 max[g] = m > max[g] ? m : max[g];
             }
         }
@@ -200,9 +213,14 @@ static void attend_one(const Call *c, int64_t token, int64_t head, int64_t g_fir
     for (int piece = 0, offset = 0; piece < 2; offset += (int)piece_count[piece], piece++)
         for (int64_t j = 0; j < piece_count[piece]; j += KEY_BLOCK) {
             const int64_t block = piece_count[piece] - j < KEY_BLOCK ? piece_count[piece] - j : KEY_BLOCK;
-            for (int64_t g = g_first; g < g_last; g++)
-                weighted_sum(acc + g * d, scores + g * c->rows + offset + j, c->v, piece_at[piece] + j * d, block, d,
-                             c->dtype, piece > 0 || j > 0);
+            if (widened) widen(wide, c->v, piece_at[piece] + j * d, block * d);
+            for (int64_t g = g_first; g < g_last; g++) {
+                float *p = scores + g * c->rows + offset + j;
+                if (widened)
+                    weighted_sum(acc + g * d, p, wide, 0, block, d, TS_F32, piece > 0 || j > 0);
+                else
+                    weighted_sum(acc + g * d, p, c->v, piece_at[piece] + j * d, block, d, c->dtype, piece > 0 || j > 0);
+            }
         }
     for (int64_t i = g_first * d; i < g_last * d; i++) {
         store1(c->out, q_at + i, c->out_dtype, acc[i] * inverse[i / d]);
@@ -215,7 +233,8 @@ static void attend_one(const Call *c, int64_t token, int64_t head, int64_t g_fir
  * heads go 5 / 4 on 2 threads), and computes the run's query heads of one key/value head
  * together (attend_one). */
 static int attend_all(const Call *c, int64_t n, int threads) {
-    const int64_t items = n * c->kv_heads * c->groups, per_thread = c->groups * (c->rows + 2 * c->head_dim);
+    const int64_t items = n * c->kv_heads * c->groups;
+    const int64_t per_thread = c->groups * (c->rows + 2 * c->head_dim) + KEY_BLOCK * c->head_dim;
     if (threads > items) threads = items > 0 ? (int)items : 1;
     float *work = malloc((size_t)threads * (size_t)per_thread * sizeof(float));
     if (work == NULL) return TS_NO_MEMORY;
