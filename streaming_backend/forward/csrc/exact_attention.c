@@ -158,96 +158,53 @@ static float soft_cap(float *scores, int64_t count, float cap) {
     return max;
 }
 
-/* Keys (and values) a block: its rows are read once from memory for all of a key/value head's
- * query heads taken together, which then find them in the L1 cache (64 rows of 64 bfloat16
- * values are 8 KiB). A multiple of 8, so a piece's scores fall in dot8's eights as before. */
-#define KEY_BLOCK 64
-
-/* count values of a bfloat16 cache from `at` into float32 `to` (exact: the same numbers). */
-static void widen(float *to, const void *from, int64_t at, int64_t count) {
-    int64_t i = 0;
-#ifdef TS_AVX2
-    for (; i + 8 <= count; i += 8) _mm256_storeu_ps(to + i, load8(from, at + i, TS_BF16));
-#endif
-    for (; i < count; i++) to[i] = load1(from, at + i, TS_BF16);
-}
-
 /* One (token, key/value head): its query heads g_first .. g_last - 1 (of `groups`) over positions
- * [first, position], each key and value row read from memory once for all of them: block by
- * block of KEY_BLOCK rows, every query head's scores (then values) of the block in turn; a
- * bfloat16 block shared by several query heads is widened to float32 once for them (`widen`).
- * work: groups * (rows + 2 * head_dim) + KEY_BLOCK * head_dim floats of this thread's own. The positions lie in rows
- * [first mod rows, ...): up to the ring's end, then (if they wrap) on from row 0. A query head's
- * result is computed alone, in the same order whichever heads share the call: its scores one by
- * one as scores_of sums them, its values' products added in position order. */
+ * [first, position], each key and value row read once for all of them. work: groups * (rows +
+ * 2 * head_dim) floats of this thread's own. The positions lie in rows [first mod rows, ...): up
+ * to the ring's end, then (if they wrap) on from row 0. A query head's result is computed alone,
+ * the same whichever heads share the call. */
 static void attend_one(const Call *c, int64_t token, int64_t head, int64_t g_first, int64_t g_last, float *work) {
     const int64_t d = c->head_dim, groups = c->groups, position = c->positions[token];
     const int64_t first = position + 1 > c->window ? position + 1 - c->window : 0;
     const int64_t count = position + 1 - first, start = first % c->rows;
     const int64_t head_at = (c->places[token] * c->kv_heads + head) * c->rows * d;
     const int64_t before_end = count < c->rows - start ? count : c->rows - start, wrapped = count - before_end;
+    const int64_t cache_at = head_at + start * d;
     const int64_t q_at = (token * c->kv_heads + head) * groups * d;
-    /* the pieces: rows from the start to the ring's end, then those wrapped to its beginning */
-    const int64_t piece_at[2] = {head_at + start * d, head_at}, piece_count[2] = {before_end, wrapped};
-    float *scores = work, *query = work + groups * c->rows, *acc = query + groups * d, *wide = acc + groups * d;
-    float inverse[groups], max[groups];
-    const int widened = c->dtype == TS_BF16 && g_last - g_first > 1;
+    float *scores = work, *query = work + groups * c->rows, *acc = query + groups * d;
+    float inverse[groups];
     for (int64_t i = g_first * d; i < g_last * d; i++) query[i] = load1(c->q, q_at + i, c->q_dtype) * c->scale;
-    for (int64_t g = g_first; g < g_last; g++) max[g] = -INFINITY;
-    for (int piece = 0, offset = 0; piece < 2; offset += (int)piece_count[piece], piece++)
-        for (int64_t j = 0; j < piece_count[piece]; j += KEY_BLOCK) {
-            const int64_t block = piece_count[piece] - j < KEY_BLOCK ? piece_count[piece] - j : KEY_BLOCK;
-            if (widened) widen(wide, c->k, piece_at[piece] + j * d, block * d);
-            for (int64_t g = g_first; g < g_last; g++) {
-                const float m = widened ? scores_of(scores + g * c->rows + offset + j, query + g * d, wide, 0, block, d, TS_F32)
-                                        : scores_of(scores + g * c->rows + offset + j, query + g * d, c->k,
-                                                    piece_at[piece] + j * d, block, d, c->dtype);
-                max[g] = m > max[g] ? m : max[g];
-            }
-        }
-    for (int64_t g = g_first; g < g_last; g++) {
+    for (int64_t g = g_first; g < g_last; g++) {  /* the key and value rows stay in cache across g */
         float *p = scores + g * c->rows;
-        if (c->cap > 0.0f) max[g] = soft_cap(p, count, c->cap);
-        inverse[g] = 1.0f / softmax_numerators(p, count, max[g]);
-    }
-    for (int piece = 0, offset = 0; piece < 2; offset += (int)piece_count[piece], piece++)
-        for (int64_t j = 0; j < piece_count[piece]; j += KEY_BLOCK) {
-            const int64_t block = piece_count[piece] - j < KEY_BLOCK ? piece_count[piece] - j : KEY_BLOCK;
-            if (widened) widen(wide, c->v, piece_at[piece] + j * d, block * d);
-            for (int64_t g = g_first; g < g_last; g++) {
-                float *p = scores + g * c->rows + offset + j;
-                if (widened)
-                    weighted_sum(acc + g * d, p, wide, 0, block, d, TS_F32, piece > 0 || j > 0);
-                else
-                    weighted_sum(acc + g * d, p, c->v, piece_at[piece] + j * d, block, d, c->dtype, piece > 0 || j > 0);
-            }
+        float max = scores_of(p, query + g * d, c->k, cache_at, before_end, d, c->dtype);
+        if (wrapped) {
+            const float rest = scores_of(p + before_end, query + g * d, c->k, head_at, wrapped, d, c->dtype);
+            max = rest > max ? rest : max;
         }
+        if (c->cap > 0.0f) max = soft_cap(p, count, c->cap);
+        inverse[g] = 1.0f / softmax_numerators(p, count, max);
+        weighted_sum(acc + g * d, p, c->v, cache_at, before_end, d, c->dtype, 0);
+        if (wrapped) weighted_sum(acc + g * d, p + before_end, c->v, head_at, wrapped, d, c->dtype, 1);
+    }
     for (int64_t i = g_first * d; i < g_last * d; i++) {
         store1(c->out, q_at + i, c->out_dtype, acc[i] * inverse[i / d]);
     }
 }
 
-/* Every (token, key/value head, query head) of c on up to `threads` OpenMP threads (torch's own
- * runtime when torch is loaded first); the arguments are checked. Each thread takes a contiguous
- * run of them, as even as whole query heads allow (a lone stream's 9 query heads over 3 key/value
- * heads go 5 / 4 on 2 threads), and computes the run's query heads of one key/value head
- * together (attend_one). */
+/* Every (token, key/value head) of c on up to `threads` OpenMP threads (torch's own runtime when
+ * torch is loaded first); the arguments are checked. */
 static int attend_all(const Call *c, int64_t n, int threads) {
-    const int64_t items = n * c->kv_heads * c->groups;
-    const int64_t per_thread = c->groups * (c->rows + 2 * c->head_dim) + KEY_BLOCK * c->head_dim;
+    /* an item is a (token, key/value head), or each of its query heads alone where there are
+     * too few for the threads to share evenly (a lone stream: 3 key/value heads on 2 threads) */
+    const int64_t split = n * c->kv_heads < 4 * threads ? c->groups : 1, per_item = c->groups / split;
+    const int64_t items = n * c->kv_heads * split, per_thread = c->groups * (c->rows + 2 * c->head_dim);
     if (threads > items) threads = items > 0 ? (int)items : 1;
     float *work = malloc((size_t)threads * (size_t)per_thread * sizeof(float));
     if (work == NULL) return TS_NO_MEMORY;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
-        const int64_t last = items * (t + 1) / count;
-        for (int64_t item = items * t / count; item < last;) {
-            const int64_t pair = item / c->groups, g = item % c->groups;  /* (token, kv head), query head */
-            const int64_t g_last = c->groups < g + (last - item) ? c->groups : g + (last - item);
-            attend_one(c, pair / c->kv_heads, pair % c->kv_heads, g, g_last, work + t * per_thread);
-            item += g_last - g;
-        }
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t pair = item / split, g = item % split * per_item;
+        attend_one(c, pair / c->kv_heads, pair % c->kv_heads, g, g + per_item, work + (int64_t)omp_get_thread_num() * per_thread);
     }
     free(work);
     return TS_OK;
