@@ -119,6 +119,84 @@ static void weighted_sum(float *out, const float *p, const void *v, int64_t v_at
     }
 }
 
+#ifdef TS_AVX2
+#define HEADS_AT_ONCE 3  /* query heads that share each key and value row read (registers: 16) */
+
+/* Scores of G query heads (q, G rows of d) against the 4 key rows at k_at, k_at + d, ...
+ * (d % 8 == 0), each key row read once for the G heads: out[g] holds head g's 4 scores, each
+ * summed as dot8 sums it (one lane chain over d, then the same pairs of lanes added). */
+static inline __attribute__((always_inline)) void dot4_heads(__m128 *out, const float *q, int G, const void *k,
+                                                            int64_t k_at, int64_t d, int dtype) {
+    __m256 a[HEADS_AT_ONCE][4];
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < 4; r++) a[g][r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+        __m256 key[4];
+        for (int r = 0; r < 4; r++) key[r] = load8(k, k_at + r * d + i, dtype);
+        for (int g = 0; g < G; g++) {
+            const __m256 qv = _mm256_loadu_ps(q + g * d + i);
+            for (int r = 0; r < 4; r++) a[g][r] = _mm256_fmadd_ps(qv, key[r], a[g][r]);
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]), _mm256_hadd_ps(a[g][2], a[g][3]));
+        out[g] = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    }
+}
+
+/* scores_of for G query heads at once (scores[g], rows apart; q, d apart), each key row read
+ * once for them: the same scores (whole eights of keys by dot4_heads, the rest by dot) and each
+ * head's maximum folded into max[g]. */
+static inline __attribute__((always_inline)) void scores_heads(float *scores, int64_t stride, const float *q, int G,
+                                                              const void *k, int64_t k_at, int64_t count, int64_t d,
+                                                              int dtype, float *max) {
+    int64_t j = 0;
+    __m128 m[HEADS_AT_ONCE];
+    for (int g = 0; g < G; g++) m[g] = _mm_set1_ps(-INFINITY);
+    for (; j + 8 <= count; j += 8)  /* dot8's eights, as two fours */
+        for (int64_t four = j; four < j + 8; four += 4) {
+            __m128 s[HEADS_AT_ONCE];
+            dot4_heads(s, q, G, k, k_at + four * d, d, dtype);
+            for (int g = 0; g < G; g++) {
+                _mm_storeu_ps(scores + g * stride + four, s[g]);
+                m[g] = _mm_max_ps(m[g], s[g]);
+            }
+        }
+    for (int g = 0; g < G; g++) {
+        float lanes[4];
+        _mm_storeu_ps(lanes, m[g]);
+        for (int r = 0; r < 4; r++) max[g] = lanes[r] > max[g] ? lanes[r] : max[g];
+        for (int64_t t = j; t < count; t++) {
+            scores[g * stride + t] = dot(q + g * d, k, k_at + t * d, d, dtype);
+            max[g] = scores[g * stride + t] > max[g] ? scores[g * stride + t] : max[g];
+        }
+    }
+}
+
+/* weighted_sum for G query heads at once (out[g], d apart; p[g], stride apart), each value row
+ * read once for them (d % 16 == 0): every element's products added in position order, as
+ * weighted_sum adds them. */
+static inline __attribute__((always_inline)) void weighted_heads(float *out, const float *p, int64_t stride, int G,
+                                                                const void *v, int64_t v_at, int64_t count, int64_t d,
+                                                                int dtype, int more) {
+    for (int64_t i = 0; i < d; i += 16) {
+        __m256 a[HEADS_AT_ONCE][2];
+        for (int g = 0; g < G; g++)
+            for (int r = 0; r < 2; r++) a[g][r] = more ? _mm256_loadu_ps(out + g * d + i + 8 * r) : _mm256_setzero_ps();
+        for (int64_t j = 0; j < count; j++) {
+            const __m256 v0 = load8(v, v_at + j * d + i, dtype), v1 = load8(v, v_at + j * d + i + 8, dtype);
+            for (int g = 0; g < G; g++) {
+                const __m256 w = _mm256_set1_ps(p[g * stride + j]);
+                a[g][0] = _mm256_fmadd_ps(w, v0, a[g][0]);
+                a[g][1] = _mm256_fmadd_ps(w, v1, a[g][1]);
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int r = 0; r < 2; r++) _mm256_storeu_ps(out + g * d + i + 8 * r, a[g][r]);
+    }
+}
+#endif
+
 /* p[i] = exp(p[i] - max) for i < count; returns their sum, in an order fixed by count alone. */
 static float softmax_numerators(float *p, int64_t count, float max) {
     int64_t i = 0;
@@ -174,6 +252,45 @@ static void attend_one(const Call *c, int64_t token, int64_t head, int64_t g_fir
     float *scores = work, *query = work + groups * c->rows, *acc = query + groups * d;
     float inverse[groups];
     for (int64_t i = g_first * d; i < g_last * d; i++) query[i] = load1(c->q, q_at + i, c->q_dtype) * c->scale;
+#ifdef TS_AVX2
+    if (d % 16 == 0) {  /* up to HEADS_AT_ONCE query heads at a time, each key and value row read once for them */
+        float max[groups];
+        for (int64_t g = g_first; g < g_last; g += HEADS_AT_ONCE) {
+            const int G = g_last - g < HEADS_AT_ONCE ? (int)(g_last - g) : HEADS_AT_ONCE;
+            for (int i = 0; i < G; i++) max[g + i] = -INFINITY;
+            for (int piece = 0; piece < 2; piece++) {
+                const int64_t at = piece ? head_at : cache_at, n = piece ? wrapped : before_end;
+                float *p = scores + g * c->rows + (piece ? before_end : 0);
+                const float *qg = query + g * d;
+                switch (G) {  /* a constant G per call site */
+                case 3: scores_heads(p, c->rows, qg, 3, c->k, at, n, d, c->dtype, max + g); break;
+                case 2: scores_heads(p, c->rows, qg, 2, c->k, at, n, d, c->dtype, max + g); break;
+                default: scores_heads(p, c->rows, qg, 1, c->k, at, n, d, c->dtype, max + g);
+                }
+            }
+        }
+        for (int64_t g = g_first; g < g_last; g++) {
+            float *p = scores + g * c->rows;
+            if (c->cap > 0.0f) max[g] = soft_cap(p, count, c->cap);
+            inverse[g] = 1.0f / softmax_numerators(p, count, max[g]);
+        }
+        for (int64_t g = g_first; g < g_last; g += HEADS_AT_ONCE) {
+            const int G = g_last - g < HEADS_AT_ONCE ? (int)(g_last - g) : HEADS_AT_ONCE;
+            for (int piece = 0; piece < 2; piece++) {
+                const int64_t at = piece ? head_at : cache_at, n = piece ? wrapped : before_end;
+                const float *p = scores + g * c->rows + (piece ? before_end : 0);
+                if (n == 0) continue;
+                switch (G) {
+                case 3: weighted_heads(acc + g * d, p, c->rows, 3, c->v, at, n, d, c->dtype, piece); break;
+                case 2: weighted_heads(acc + g * d, p, c->rows, 2, c->v, at, n, d, c->dtype, piece); break;
+                default: weighted_heads(acc + g * d, p, c->rows, 1, c->v, at, n, d, c->dtype, piece);
+                }
+            }
+        }
+        for (int64_t i = g_first * d; i < g_last * d; i++) store1(c->out, q_at + i, c->out_dtype, acc[i] * inverse[i / d]);
+        return;
+    }
+#endif
     for (int64_t g = g_first; g < g_last; g++) {  /* the key and value rows stay in cache across g */
         float *p = scores + g * c->rows;
         float max = scores_of(p, query + g * d, c->k, cache_at, before_end, d, c->dtype);
@@ -191,20 +308,26 @@ static void attend_one(const Call *c, int64_t token, int64_t head, int64_t g_fir
     }
 }
 
-/* Every (token, key/value head) of c on up to `threads` OpenMP threads (torch's own runtime when
- * torch is loaded first); the arguments are checked. */
+/* Every (token, key/value head, query head) of c on up to `threads` OpenMP threads (torch's own
+ * runtime when torch is loaded first); the arguments are checked. Each thread takes a contiguous
+ * run of them, as even as whole query heads allow (a lone stream's 9 query heads over 3 key/value
+ * heads go 5 / 4 on 2 threads), and computes the run's query heads of one key/value head
+ * together (attend_one). */
 static int attend_all(const Call *c, int64_t n, int threads) {
-    /* an item is a (token, key/value head), or each of its query heads alone where there are
-     * too few for the threads to share evenly (a lone stream: 3 key/value heads on 2 threads) */
-    const int64_t split = n * c->kv_heads < 4 * threads ? c->groups : 1, per_item = c->groups / split;
-    const int64_t items = n * c->kv_heads * split, per_thread = c->groups * (c->rows + 2 * c->head_dim);
+    const int64_t items = n * c->kv_heads * c->groups, per_thread = c->groups * (c->rows + 2 * c->head_dim);
     if (threads > items) threads = items > 0 ? (int)items : 1;
     float *work = malloc((size_t)threads * (size_t)per_thread * sizeof(float));
     if (work == NULL) return TS_NO_MEMORY;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t item = 0; item < items; item++) {
-        const int64_t pair = item / split, g = item % split * per_item;
-        attend_one(c, pair / c->kv_heads, pair % c->kv_heads, g, g + per_item, work + (int64_t)omp_get_thread_num() * per_thread);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+        const int64_t last = items * (t + 1) / count;
+        for (int64_t item = items * t / count; item < last;) {
+            const int64_t pair = item / c->groups, g = item % c->groups;  /* (token, kv head), query head */
+            const int64_t g_last = c->groups < g + (last - item) ? c->groups : g + (last - item);
+            attend_one(c, pair / c->kv_heads, pair % c->kv_heads, g, g_last, work + t * per_thread);
+            item += g_last - g;
+        }
     }
     free(work);
     return TS_OK;

@@ -104,19 +104,24 @@ def test_a_tokens_result_does_not_depend_on_what_shares_the_call(kernel, dtype):
 
 
 @pytest.mark.cpu_kinds
-def test_one_thread_and_two_give_the_same_bits(kernel):
-    """How the tokens are shared out among threads changes no value."""
-    k, v = cache(torch.float32)
-    q = queries(len(ROWS), torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, len(ROWS)])
+def test_any_number_of_threads_gives_the_same_bits(kernel, dtype, tokens):
+    """How the query heads are shared out among threads changes no value: one thread takes a
+    key/value head's query heads together (each key and value row read once for them), as many
+    threads as query heads take them one at a time, and counts between mix the two."""
+    k, v = cache(dtype)
+    q = queries(tokens, dtype)
+    rows = ROWS[-tokens:]
     threads = torch.get_num_threads()
+    got = []
     try:
-        torch.set_num_threads(1)
-        one = kernel(q, k, v, Placed.of(ROWS), NO_WINDOW, 0.125)
-        torch.set_num_threads(2)
-        two = kernel(q, k, v, Placed.of(ROWS), NO_WINDOW, 0.125)
+        for count in (1, 2, 3, tokens * KV_HEADS * GROUPS):
+            torch.set_num_threads(count)
+            got.append(kernel(q, k, v, Placed.of(rows), NO_WINDOW, 0.125))
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, two)
+    assert all(torch.equal(got[0], other) for other in got[1:])
 
 
 def test_a_position_outside_the_cache_is_refused_not_read(kernel):
