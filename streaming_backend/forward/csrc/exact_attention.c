@@ -119,9 +119,9 @@ static void weighted_sum(float *out, const float *p, const void *v, int64_t v_at
     }
 }
 
-#ifdef TS_AVX2
 #define HEADS_AT_ONCE 3  /* query heads that share each key and value row read (registers: 16) */
 
+#ifdef TS_AVX2
 /* Scores of G query heads (q, G rows of d) against the 4 key rows at k_at, k_at + d, ...
  * (d % 8 == 0), each key row read once for the G heads: out[g] holds head g's 4 scores, each
  * summed as dot8 sums it (one lane chain over d, then the same pairs of lanes added). */
@@ -236,76 +236,84 @@ static float soft_cap(float *scores, int64_t count, float cap) {
     return max;
 }
 
+/* The scores of query heads g .. g + G - 1 (G <= HEADS_AT_ONCE) over the n key rows from `at`,
+ * into their score rows from `offset`, each head's maximum folded into max[g + i]: the G heads
+ * together where the build and head_dim allow (scores_heads), else one by one (scores_of); the
+ * same scores either way. */
+static void scores_group(const Call *c, float *scores, const float *query, int64_t g, int G, int64_t at, int64_t n,
+                         int64_t offset, float *max) {
+    const int64_t d = c->head_dim;
+    float *p = scores + g * c->rows + offset;
+    const float *q = query + g * d;
+#ifdef TS_AVX2
+    if (d % 16 == 0) {
+        switch (G) {  /* a constant G per call site */
+        case 3: scores_heads(p, c->rows, q, 3, c->k, at, n, d, c->dtype, max + g); return;
+        case 2: scores_heads(p, c->rows, q, 2, c->k, at, n, d, c->dtype, max + g); return;
+        default: scores_heads(p, c->rows, q, 1, c->k, at, n, d, c->dtype, max + g); return;
+        }
+    }
+#endif
+    for (int i = 0; i < G; i++) {
+        const float m = scores_of(p + i * c->rows, q + i * d, c->k, at, n, d, c->dtype);
+        max[g + i] = m > max[g + i] ? m : max[g + i];
+    }
+}
+
+/* Their values over the same rows, weighted by the score rows from `offset`, into acc (going on
+ * from what it holds when `more`): together (weighted_heads) or one by one (weighted_sum), the
+ * same sums either way. */
+static void values_group(const Call *c, float *acc, const float *scores, int64_t g, int G, int64_t at, int64_t n,
+                         int64_t offset, int more) {
+    const int64_t d = c->head_dim;
+    const float *p = scores + g * c->rows + offset;
+    float *out = acc + g * d;
+#ifdef TS_AVX2
+    if (d % 16 == 0) {
+        switch (G) {
+        case 3: weighted_heads(out, p, c->rows, 3, c->v, at, n, d, c->dtype, more); return;
+        case 2: weighted_heads(out, p, c->rows, 2, c->v, at, n, d, c->dtype, more); return;
+        default: weighted_heads(out, p, c->rows, 1, c->v, at, n, d, c->dtype, more); return;
+        }
+    }
+#endif
+    for (int i = 0; i < G; i++) weighted_sum(out + i * d, p + i * c->rows, c->v, at, n, d, c->dtype, more);
+}
+
 /* One (token, key/value head): its query heads g_first .. g_last - 1 (of `groups`) over positions
- * [first, position], each key and value row read once for all of them. work: groups * (rows +
- * 2 * head_dim) floats of this thread's own. The positions lie in rows [first mod rows, ...): up
- * to the ring's end, then (if they wrap) on from row 0. A query head's result is computed alone,
- * the same whichever heads share the call. */
+ * [first, position], up to HEADS_AT_ONCE of them reading each key and value row together. work:
+ * groups * (rows + 2 * head_dim) floats of this thread's own. The positions lie in rows
+ * [first mod rows, ...): up to the ring's end, then (if they wrap) on from row 0. A query
+ * head's result is computed alone, the same whichever heads share the call. */
 static void attend_one(const Call *c, int64_t token, int64_t head, int64_t g_first, int64_t g_last, float *work) {
     const int64_t d = c->head_dim, groups = c->groups, position = c->positions[token];
     const int64_t first = position + 1 > c->window ? position + 1 - c->window : 0;
     const int64_t count = position + 1 - first, start = first % c->rows;
     const int64_t head_at = (c->places[token] * c->kv_heads + head) * c->rows * d;
     const int64_t before_end = count < c->rows - start ? count : c->rows - start, wrapped = count - before_end;
-    const int64_t cache_at = head_at + start * d;
     const int64_t q_at = (token * c->kv_heads + head) * groups * d;
+    /* the pieces: rows from the start to the ring's end, then those wrapped to its beginning */
+    const int64_t piece_at[2] = {head_at + start * d, head_at}, piece_rows[2] = {before_end, wrapped};
     float *scores = work, *query = work + groups * c->rows, *acc = query + groups * d;
-    float inverse[groups];
+    float inverse[groups], max[groups];
     for (int64_t i = g_first * d; i < g_last * d; i++) query[i] = load1(c->q, q_at + i, c->q_dtype) * c->scale;
-#ifdef TS_AVX2
-    if (d % 16 == 0) {  /* up to HEADS_AT_ONCE query heads at a time, each key and value row read once for them */
-        float max[groups];
-        for (int64_t g = g_first; g < g_last; g += HEADS_AT_ONCE) {
-            const int G = g_last - g < HEADS_AT_ONCE ? (int)(g_last - g) : HEADS_AT_ONCE;
-            for (int i = 0; i < G; i++) max[g + i] = -INFINITY;
-            for (int piece = 0; piece < 2; piece++) {
-                const int64_t at = piece ? head_at : cache_at, n = piece ? wrapped : before_end;
-                float *p = scores + g * c->rows + (piece ? before_end : 0);
-                const float *qg = query + g * d;
-                switch (G) {  /* a constant G per call site */
-                case 3: scores_heads(p, c->rows, qg, 3, c->k, at, n, d, c->dtype, max + g); break;
-                case 2: scores_heads(p, c->rows, qg, 2, c->k, at, n, d, c->dtype, max + g); break;
-                default: scores_heads(p, c->rows, qg, 1, c->k, at, n, d, c->dtype, max + g);
-                }
-            }
-        }
-        for (int64_t g = g_first; g < g_last; g++) {
-            float *p = scores + g * c->rows;
-            if (c->cap > 0.0f) max[g] = soft_cap(p, count, c->cap);
-            inverse[g] = 1.0f / softmax_numerators(p, count, max[g]);
-        }
-        for (int64_t g = g_first; g < g_last; g += HEADS_AT_ONCE) {
-            const int G = g_last - g < HEADS_AT_ONCE ? (int)(g_last - g) : HEADS_AT_ONCE;
-            for (int piece = 0; piece < 2; piece++) {
-                const int64_t at = piece ? head_at : cache_at, n = piece ? wrapped : before_end;
-                const float *p = scores + g * c->rows + (piece ? before_end : 0);
-                if (n == 0) continue;
-                switch (G) {
-                case 3: weighted_heads(acc + g * d, p, c->rows, 3, c->v, at, n, d, c->dtype, piece); break;
-                case 2: weighted_heads(acc + g * d, p, c->rows, 2, c->v, at, n, d, c->dtype, piece); break;
-                default: weighted_heads(acc + g * d, p, c->rows, 1, c->v, at, n, d, c->dtype, piece);
-                }
-            }
-        }
-        for (int64_t i = g_first * d; i < g_last * d; i++) store1(c->out, q_at + i, c->out_dtype, acc[i] * inverse[i / d]);
-        return;
+    for (int64_t g = g_first; g < g_last; g++) max[g] = -INFINITY;
+    for (int64_t g = g_first; g < g_last; g += HEADS_AT_ONCE) {
+        const int G = g_last - g < HEADS_AT_ONCE ? (int)(g_last - g) : HEADS_AT_ONCE;
+        for (int piece = 0; piece < 2 && piece_rows[piece] > 0; piece++)
+            scores_group(c, scores, query, g, G, piece_at[piece], piece_rows[piece], piece ? before_end : 0, max);
     }
-#endif
-    for (int64_t g = g_first; g < g_last; g++) {  /* the key and value rows stay in cache across g */
+    for (int64_t g = g_first; g < g_last; g++) {
         float *p = scores + g * c->rows;
-        float max = scores_of(p, query + g * d, c->k, cache_at, before_end, d, c->dtype);
-        if (wrapped) {
-            const float rest = scores_of(p + before_end, query + g * d, c->k, head_at, wrapped, d, c->dtype);
-            max = rest > max ? rest : max;
-        }
-        if (c->cap > 0.0f) max = soft_cap(p, count, c->cap);
-        inverse[g] = 1.0f / softmax_numerators(p, count, max);
-        weighted_sum(acc + g * d, p, c->v, cache_at, before_end, d, c->dtype, 0);
-        if (wrapped) weighted_sum(acc + g * d, p + before_end, c->v, head_at, wrapped, d, c->dtype, 1);
+        if (c->cap > 0.0f) max[g] = soft_cap(p, count, c->cap);
+        inverse[g] = 1.0f / softmax_numerators(p, count, max[g]);
     }
-    for (int64_t i = g_first * d; i < g_last * d; i++) {
-        store1(c->out, q_at + i, c->out_dtype, acc[i] * inverse[i / d]);
+    for (int64_t g = g_first; g < g_last; g += HEADS_AT_ONCE) {
+        const int G = g_last - g < HEADS_AT_ONCE ? (int)(g_last - g) : HEADS_AT_ONCE;
+        for (int piece = 0; piece < 2 && piece_rows[piece] > 0; piece++)
+            values_group(c, acc, scores, g, G, piece_at[piece], piece_rows[piece], piece ? before_end : 0, piece);
     }
+    for (int64_t i = g_first * d; i < g_last * d; i++) store1(c->out, q_at + i, c->out_dtype, acc[i] * inverse[i / d]);
 }
 
 /* Every (token, key/value head, query head) of c on up to `threads` OpenMP threads (torch's own
