@@ -63,6 +63,11 @@
  * from huge pages and 12-22 % slower from 4 KiB pages (docs/performance.md) */
 #define PREFETCH_BYTES 1024
 #endif
+/* q4 rows of at least this many inputs (1152 bytes of nibbles) are asked into the cache while a
+ * tile reads them, one tile on (q4_tile_wide), not whole at once when their tile starts: the 1B
+ * model's 8192-input rows streamed 20 GB/s asked for whole and 29-30 so, its 2048-input rows 5 %
+ * slower so, 2304- and 2560-input rows 15-20 % faster (docs/performance.md) */
+#define LONG_ROW 2304
 #define MIN_THREAD_WORK (1 << 16)  /* weight values worth a thread of their own (576 x 576: 2) */
 
 enum { KIND_Q8 = 0, KIND_Q4 = 1, KIND_DENSE = 2 };  /* the weight formats */
@@ -464,8 +469,13 @@ static __attribute__((noinline)) void q4_tile(const Call *c, int64_t row, int R,
  * read once for the C weight rows, their chains run side by side and four rows' sums are added
  * up together (tree16x4); every (row, weight row) pair is computed as q4_tile computes it, so the
  * same bits. A row's fixed cost (its scales, the last group, the sums' tree) is what bounds short
- * rows: one row of 576 inputs took 19 ns here against 24 alone (docs/performance.md). */
-static __attribute__((noinline)) void q4_tile_wide(const Call *c, int64_t row, int R, int64_t col, int C) {
+ * rows: one row of 576 inputs took 19 ns here against 24 alone (docs/performance.md).
+ * `stream` (rows of LONG_ROW inputs or more): each step also asks for the same place in the rows
+ * C on, those before `until` (the next tile's), so the requests go out as fast as the tile reads.
+ * A constant per caller (q4_wide, q4_wide_streamed): tested at run time in the loop, it made the
+ * short rows' tiles 15 % slower. */
+static inline __attribute__((always_inline)) void q4_tile_wide(const Call *c, int64_t row, int R, int64_t col,
+                                                               int C, int stream, int64_t until) {
     const int64_t blocks = c->k / QK;
     const __m512i nibble = _mm512_set1_epi8(0x0f);
     __m512 acc[ROW_TILE][COL_TILE], low[ROW_TILE][COL_TILE];
@@ -477,6 +487,10 @@ static __attribute__((noinline)) void q4_tile_wide(const Call *c, int64_t row, i
         __m512 scale[ROW_TILE][COL_TILE];
         for (int j = 0; j < C; j++) {
             const int64_t at = (col + j) * blocks + h;
+            if (stream && col + j + C < until) {
+                _mm_prefetch((const char *)(c->steps + at + C * blocks), _MM_HINT_T0);
+                _mm_prefetch((const char *)(c->lows + at + C * blocks), _MM_HINT_T0);
+            }
             const __m512 step = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(present, c->steps + at));
             const __m512 low16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(present, c->lows + at));
             for (int r = 0; r < R; r++) {
@@ -491,6 +505,7 @@ static __attribute__((noinline)) void q4_tile_wide(const Call *c, int64_t row, i
             __m512i lo[COL_TILE], hi[COL_TILE];
             for (int j = 0; j < C; j++) {
                 const uint8_t *p = c->w + (col + j) * (c->k / 2) + first * (QK / 2);
+                if (stream && col + j + C < until) _mm_prefetch((const char *)(p + C * (c->k / 2)), _MM_HINT_T0);
                 const __m512i raw = bytes >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(part, p);
                 lo[j] = _mm512_and_si512(raw, nibble);
                 hi[j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
@@ -526,6 +541,16 @@ static __attribute__((noinline)) void q4_tile_wide(const Call *c, int64_t row, i
             for (int j = 0; j < C; j++) emit(c, row + r, col + j, tree16(acc[r][j]) + tree16(low[r][j]));
         }
     }
+}
+
+/* q4_tile_wide's two callers, each one copy per constant R and C: short rows, and long ones */
+static __attribute__((noinline)) void q4_wide(const Call *c, int64_t row, int R, int64_t col, int C) {
+    q4_tile_wide(c, row, R, col, C, 0, 0);
+}
+
+static __attribute__((noinline)) void q4_wide_streamed(const Call *c, int64_t row, int R, int64_t col, int C,
+                                                       int64_t until) {
+    q4_tile_wide(c, row, R, col, C, 1, until);
 }
 #elif defined(TS_AVX2)
 #define Q4_WIDE 0
@@ -724,11 +749,15 @@ static inline __attribute__((always_inline)) void prefetch_row(const Call *c, in
 
 /* Weight rows [first, last) against every activation row: a chunk of weight rows at a time,
  * each chunk against every tile of activation rows (so the chunk is read from memory once).
- * A quantized kind's rows are prefetched PREFETCH_BYTES ahead of the first tile's. */
+ * A quantized kind's rows are prefetched PREFETCH_BYTES ahead of the first tile's; q4's long rows
+ * in wide tiles (LONG_ROW) by the tiles themselves, after the first tile's asked for here. */
 static void columns(const Call *c, int kind, int64_t first, int64_t last) {
     const int64_t row_bytes = kind == KIND_Q4 ? c->k / 2 + c->k / QK * 4 : c->k;
-    const int64_t ahead = kind == KIND_DENSE ? 0 : (PREFETCH_BYTES + row_bytes - 1) / row_bytes;
-    for (int64_t col = first; col < first + ahead && col < last; col++) prefetch_row(c, kind, col);
+    /* every tile wide (m is its R) and its rows long: the tiles prefetch */
+    const int streamed = kind == KIND_Q4 && Q4_WIDE && c->m <= 2 && c->k >= LONG_ROW;
+    const int64_t ahead = kind == KIND_DENSE ? 0 : streamed ? 0 : (PREFETCH_BYTES + row_bytes - 1) / row_bytes;
+    const int64_t early = streamed ? (c->m == 1 ? 4 : 2) : ahead;
+    for (int64_t col = first; col < first + early && col < last; col++) prefetch_row(c, kind, col);
     for (int64_t chunk = first; chunk < last; chunk += COL_CHUNK) {
         const int64_t end = chunk + COL_CHUNK < last ? chunk + COL_CHUNK : last;
         for (int64_t row = 0; row < c->m; row += ROW_TILE) {
@@ -755,14 +784,18 @@ static void columns(const Call *c, int kind, int64_t first, int64_t last) {
                 const int wide = kind == KIND_Q4 && Q4_WIDE ? (R == 1 ? 4 : R == 2 ? 2 : 1) : 1;
                 const int C = end - col >= wide ? wide : 1;
                 for (int j = 0; j < C; j++)
-                    if (row == 0 && col + j + ahead < last) prefetch_row(c, kind, col + j + ahead);
+                    if (row == 0 && ahead > 0 && col + j + ahead < last) prefetch_row(c, kind, col + j + ahead);
                 /* a constant R (and C) per call site, so the compiler unrolls each */
                 if (kind == KIND_Q4) {
 #if Q4_WIDE
-                    if (C == 4) {
-                        q4_tile_wide(c, row, 1, col, 4);
+                    if (C == 4 && streamed) {
+                        q4_wide_streamed(c, row, 1, col, 4, last);
+                    } else if (C == 4) {
+                        q4_wide(c, row, 1, col, 4);
+                    } else if (C == 2 && streamed) {
+                        q4_wide_streamed(c, row, 2, col, 2, last);
                     } else if (C == 2) {
-                        q4_tile_wide(c, row, 2, col, 2);
+                        q4_wide(c, row, 2, col, 2);
                     } else
 #endif
                     switch (R) {
