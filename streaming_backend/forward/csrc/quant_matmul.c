@@ -68,6 +68,11 @@
  * model's 8192-input rows streamed 20 GB/s asked for whole and 29-30 so, its 2048-input rows 5 %
  * slower so, 2304- and 2560-input rows 15-20 % faster (docs/performance.md) */
 #define LONG_ROW 2304
+/* how far ahead a q8 tile asks for its weight rows as it reads them, where one tile of activation
+ * rows reads them: 8 KiB (14 rows of the default model's head, 4 of the 1B model's) made both
+ * heads 1.2x faster in a decode step than whole rows asked for when a tile starts, from 4 to 32
+ * rows about the same (docs/performance.md) */
+#define Q8_AHEAD_BYTES 8192
 #define MIN_THREAD_WORK (1 << 16)  /* weight values worth a thread of their own (576 x 576: 2) */
 
 enum { KIND_Q8 = 0, KIND_Q4 = 1, KIND_DENSE = 2 };  /* the weight formats */
@@ -328,14 +333,17 @@ static inline void split(__m512 wide, __m256 acc[2]) {
     acc[1] = _mm512_extractf32x8_ps(wide, 1);
 }
 
-static inline void q8_tile(const Call *c, int64_t row, int R, int64_t col) {
+static inline __attribute__((always_inline)) void q8_tile(const Call *c, int64_t row, int R, int64_t col, int64_t ahead,
+                                                          int64_t until) {
     const int64_t blocks = c->k / QK;
     const int8_t *w = (const int8_t *)c->w + col * c->k;
+    const int ask = ahead > 0 && col + ahead < until;  /* the row `ahead` on, as this one is read */
     __m512 wide[ROW_TILE];
     __m256 acc[ROW_TILE][2];
     for (int r = 0; r < R; r++) wide[r] = _mm512_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= blocks; b += 2) {
+        if (ask) _mm_prefetch((const char *)(w + b * QK + ahead * c->k), _MM_HINT_T0);
         const __m512i l = _mm512_loadu_si512(w + b * QK);
         const __m512i magnitude = _mm512_abs_epi8(l);
         const __mmask64 negative = _mm512_movepi8_mask(l);  /* the sign moves to q */
@@ -355,8 +363,11 @@ static inline void q8_tile(const Call *c, int64_t row, int R, int64_t col) {
     q8_finish(c, row, R, col, b, acc);
 }
 #else
-/* The same for q8: y = scale * sum over blocks of d * (l . q). */
-static inline void q8_tile(const Call *c, int64_t row, int R, int64_t col) {
+/* The same for q8: y = scale * sum over blocks of d * (l . q). (Its rows are asked for whole:
+ * `ahead` is 0.) */
+static inline __attribute__((always_inline)) void q8_tile(const Call *c, int64_t row, int R, int64_t col, int64_t ahead,
+                                                          int64_t until) {
+    (void)ahead, (void)until;
     __m256 acc[ROW_TILE][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     q8_finish(c, row, R, col, 0, acc);
@@ -365,7 +376,9 @@ static inline void q8_tile(const Call *c, int64_t row, int R, int64_t col) {
 #else
 /* Portable q8: the same sums, one value at a time (their own numbers, as named by the build's
  * variant). */
-static inline void q8_tile(const Call *c, int64_t row, int R, int64_t col) {
+static inline __attribute__((always_inline)) void q8_tile(const Call *c, int64_t row, int R, int64_t col, int64_t ahead,
+                                                          int64_t until) {
+    (void)ahead, (void)until;
     const int64_t blocks = c->k / QK;
     const int8_t *w = (const int8_t *)c->w + col * c->k;
     for (int r = 0; r < R; r++) {
@@ -747,17 +760,41 @@ static inline __attribute__((always_inline)) void prefetch_row(const Call *c, in
 #endif
 }
 
+/* q8_tile for the tiles that ask for their rows `ahead` on (R <= ROW_TILE), kept out of
+ * `columns`: each R its own copy. (q8_tile is always_inline and `columns` noinline: with these
+ * copies beside them gcc had left q8_tile and dense_tile out of line, and the tiles of 8
+ * activation rows ran 4-10 % slower.) */
+static __attribute__((noinline)) void q8_asking(const Call *c, int64_t row, int R, int64_t col, int64_t ahead,
+                                                int64_t until) {
+    switch (R) {
+    case 4: q8_tile(c, row, 4, col, ahead, until); break;
+    case 3: q8_tile(c, row, 3, col, ahead, until); break;
+    case 2: q8_tile(c, row, 2, col, ahead, until); break;
+    default: q8_tile(c, row, 1, col, ahead, until);
+    }
+}
+
+/* How many weight rows on the tiles of a call ask for theirs as they read them (0: none):
+ * AVX-512 only, where all of the call's activation rows are one tile. q4's long rows (LONG_ROW)
+ * in wide tiles, the next tile's; q8's, Q8_AHEAD_BYTES on. */
+static int64_t rows_ahead(const Call *c, int kind) {
+#ifdef TS_AVX512
+    if (kind == KIND_Q4 && c->m <= 2 && c->k >= LONG_ROW) return c->m == 1 ? 4 : 2;  /* C */
+    if (kind == KIND_Q8 && c->m <= ROW_TILE) return (Q8_AHEAD_BYTES + c->k - 1) / c->k;
+#endif
+    (void)c, (void)kind;
+    return 0;
+}
+
 /* Weight rows [first, last) against every activation row: a chunk of weight rows at a time,
  * each chunk against every tile of activation rows (so the chunk is read from memory once).
- * A quantized kind's rows are prefetched PREFETCH_BYTES ahead of the first tile's; q4's long rows
- * in wide tiles (LONG_ROW) by the tiles themselves, after the first tile's asked for here. */
-static void columns(const Call *c, int kind, int64_t first, int64_t last) {
+ * A quantized kind's rows are asked into the cache by the tiles as they read (rows_ahead), after
+ * the first ones asked for here; else whole, PREFETCH_BYTES ahead, as each tile starts. */
+static __attribute__((noinline)) void columns(const Call *c, int kind, int64_t first, int64_t last) {
     const int64_t row_bytes = kind == KIND_Q4 ? c->k / 2 + c->k / QK * 4 : c->k;
-    /* every tile wide (m is its R) and its rows long: the tiles prefetch */
-    const int streamed = kind == KIND_Q4 && Q4_WIDE && c->m <= 2 && c->k >= LONG_ROW;
-    const int64_t ahead = kind == KIND_DENSE ? 0 : streamed ? 0 : (PREFETCH_BYTES + row_bytes - 1) / row_bytes;
-    const int64_t early = streamed ? (c->m == 1 ? 4 : 2) : ahead;
-    for (int64_t col = first; col < first + early && col < last; col++) prefetch_row(c, kind, col);
+    const int64_t in_tile = kind == KIND_DENSE ? 0 : rows_ahead(c, kind);
+    const int64_t ahead = kind == KIND_DENSE || in_tile ? 0 : (PREFETCH_BYTES + row_bytes - 1) / row_bytes;
+    for (int64_t col = first; col < first + (in_tile ? in_tile : ahead) && col < last; col++) prefetch_row(c, kind, col);
     for (int64_t chunk = first; chunk < last; chunk += COL_CHUNK) {
         const int64_t end = chunk + COL_CHUNK < last ? chunk + COL_CHUNK : last;
         for (int64_t row = 0; row < c->m; row += ROW_TILE) {
@@ -788,11 +825,11 @@ static void columns(const Call *c, int kind, int64_t first, int64_t last) {
                 /* a constant R (and C) per call site, so the compiler unrolls each */
                 if (kind == KIND_Q4) {
 #if Q4_WIDE
-                    if (C == 4 && streamed) {
+                    if (C == 4 && in_tile) {
                         q4_wide_streamed(c, row, 1, col, 4, last);
                     } else if (C == 4) {
                         q4_wide(c, row, 1, col, 4);
-                    } else if (C == 2 && streamed) {
+                    } else if (C == 2 && in_tile) {
                         q4_wide_streamed(c, row, 2, col, 2, last);
                     } else if (C == 2) {
                         q4_wide(c, row, 2, col, 2);
@@ -805,11 +842,16 @@ static void columns(const Call *c, int kind, int64_t first, int64_t last) {
                     default: q4_tile(c, row, 1, col);
                     }
                 } else {
-                    switch (R) {
-                    case 4: q8_tile(c, row, 4, col); break;
-                    case 3: q8_tile(c, row, 3, col); break;
-                    case 2: q8_tile(c, row, 2, col); break;
-                    default: q8_tile(c, row, 1, col);
+                    /* the asking tiles apart, the others with `ahead` 0: no test in their loop */
+                    if (in_tile) {
+                        q8_asking(c, row, R, col, in_tile, last);
+                    } else {
+                        switch (R) {
+                        case 4: q8_tile(c, row, 4, col, 0, 0); break;
+                        case 3: q8_tile(c, row, 3, col, 0, 0); break;
+                        case 2: q8_tile(c, row, 2, col, 0, 0); break;
+                        default: q8_tile(c, row, 1, col, 0, 0);
+                        }
                     }
                 }
                 col += C;
