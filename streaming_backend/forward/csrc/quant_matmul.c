@@ -63,11 +63,6 @@
  * from huge pages and 12-22 % slower from 4 KiB pages (docs/performance.md) */
 #define PREFETCH_BYTES 1024
 #endif
-/* q4 rows of at least this many inputs (1152 bytes of nibbles) are asked into the cache while a
- * tile reads them, one tile on (q4_tile_wide), not whole at once when their tile starts: the 1B
- * model's 8192-input rows streamed 20 GB/s asked for whole and 29-30 so, its 2048-input rows 5 %
- * slower so, 2304- and 2560-input rows 15-20 % faster (docs/performance.md) */
-#define LONG_ROW 2304
 /* how far ahead a q8 tile asks for its weight rows as it reads them, where one tile of activation
  * rows reads them: 8 KiB (14 rows of the default model's head, 4 of the 1B model's) made both
  * heads 1.2x faster in a decode step than whole rows asked for when a tile starts, from 4 to 32
@@ -483,10 +478,9 @@ static __attribute__((noinline)) void q4_tile(const Call *c, int64_t row, int R,
  * up together (tree16x4); every (row, weight row) pair is computed as q4_tile computes it, so the
  * same bits. A row's fixed cost (its scales, the last group, the sums' tree) is what bounds short
  * rows: one row of 576 inputs took 19 ns here against 24 alone (docs/performance.md).
- * `stream` (rows of LONG_ROW inputs or more): each step also asks for the same place in the rows
- * C on, those before `until` (the next tile's), so the requests go out as fast as the tile reads.
- * A constant per caller (q4_wide, q4_wide_streamed): tested at run time in the loop, it made the
- * short rows' tiles 15 % slower. */
+ * `stream`: each step also asks for the same place in the rows C on, those before `until` (the
+ * next tile's), so the requests go out as fast as the tile reads. A constant per caller (q4_wide,
+ * q4_wide_streamed): tested at run time in the loop, it made the tiles 15 % slower. */
 static inline __attribute__((always_inline)) void q4_tile_wide(const Call *c, int64_t row, int R, int64_t col,
                                                                int C, int stream, int64_t until) {
     const int64_t blocks = c->k / QK;
@@ -775,11 +769,14 @@ static __attribute__((noinline)) void q8_asking(const Call *c, int64_t row, int 
 }
 
 /* How many weight rows on the tiles of a call ask for theirs as they read them (0: none):
- * AVX-512 only, where all of the call's activation rows are one tile. q4's long rows (LONG_ROW)
- * in wide tiles, the next tile's; q8's, Q8_AHEAD_BYTES on. */
+ * AVX-512 only, where all of the call's activation rows are one tile. q4's wide tiles, the next
+ * tile's; q8's, Q8_AHEAD_BYTES on. Against whole rows asked for PREFETCH_BYTES ahead as each tile
+ * starts, q4 (docs/performance.md): the 1B model's 8192-input rows 20 -> 29-30 GB/s from memory,
+ * its 2048-input ones 3-5 % slower; every one of its shapes from the L3 cache 1.17x; the default
+ * model's shapes 1.06-1.09x from the L3 cache and 1.03-1.04x from memory. */
 static int64_t rows_ahead(const Call *c, int kind) {
 #ifdef TS_AVX512
-    if (kind == KIND_Q4 && c->m <= 2 && c->k >= LONG_ROW) return c->m == 1 ? 4 : 2;  /* C */
+    if (kind == KIND_Q4 && c->m <= 2) return c->m == 1 ? 4 : 2;  /* C */
     if (kind == KIND_Q8 && c->m <= ROW_TILE) return (Q8_AHEAD_BYTES + c->k - 1) / c->k;
 #endif
     (void)c, (void)kind;

@@ -482,8 +482,8 @@ def test_q4_gives_the_same_bits_from_the_avx512_avx2_and_portable_builds(tmp_pat
     in another order). Block counts cover every tail of a group of 4 and of 16, and weight
     matrices of 1 and 2 rows of 1 block, where a row's last group is read by copy rather than
     past its end; activation rows 1 to 5 cover every row tile. Rows of 2304 and 8192 inputs
-    take the tiles that prefetch the next tile's rows as they read (LONG_ROW), on one thread
-    and on two."""
+    too, on one thread and on two (1 and 2 rows take the tiles that ask for the next tile's
+    weight rows as they read, rows_ahead)."""
     monkeypatch.setenv("TOKENSTREAM_CACHE", str(tmp_path))
     cc = native.compiler()
     kernels = [
