@@ -44,8 +44,8 @@ COMPILER_VARIABLE = "CC"  # the C compiler, as make reads it; else gcc, else cc
 # inlined function rounds alike (a row's numbers must not depend on the tile it falls in)
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
 X86_AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")  # every CPU kind here has them
-# AVX-512 with VNNI: the quantized matmuls' integer dot products, two blocks an instruction (the
-# same sums as the AVX2 build, so the same bits); the attention is the AVX2 build's code
+# AVX-512 with VNNI: the quantized matmuls' integer dot products, two blocks an instruction, and
+# the attention's sums 16 lanes a register (the same sums as the AVX2 build, so the same bits)
 X86_AVX512_FLAGS = (*X86_AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 X86_AVX512_FLAGS += ("-mavx512vnni",)
 NEEDS = {  # /proc/cpuinfo flags per variant

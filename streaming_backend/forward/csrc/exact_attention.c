@@ -7,7 +7,10 @@
  * (never by how many tokens share the call, nor by their positions): so a row's numbers are the
  * same alone or in a crowd, and a decode step gives the same bits as a prefill of that token.
  * The exponential is one polynomial, the same in the vector loop and its scalar tail, so where
- * the tail falls does not change a value either.
+ * the tail falls does not change a value either. The AVX-512 build takes two key rows, or 16
+ * values of a head, a register where the AVX2 build takes one or 8 (dot4_heads16,
+ * weighted_heads16): every lane adds what an AVX2 lane adds, in its order, so both builds give the
+ * same bits (tested).
  *
  * Shapes (elements, row-major, contiguous):
  *   q     [n, kv_heads, groups, head_dim]  the queries, rotated; query heads sharing a K/V head
@@ -144,6 +147,46 @@ static inline __attribute__((always_inline)) void dot4_heads(__m128 *out, const 
     }
 }
 
+#ifdef TS_AVX512
+/* dot4_heads on AVX-512: key rows 0 and 1 side by side in one register, 2 and 3 in another, each
+ * head's 8 values of q in both halves; every lane adds the products dot4_heads' lane adds, in its
+ * order, and the halves go through dot4_heads' tree: the same scores, bit for bit, for half the
+ * multiply-adds and widenings. */
+static inline __attribute__((always_inline)) void dot4_heads16(__m128 *out, const float *q, int G, const void *k,
+                                                              int64_t k_at, int64_t d, int dtype) {
+    __m512 a[HEADS_AT_ONCE][2];
+    for (int g = 0; g < G; g++) a[g][0] = a[g][1] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+        __m512 key[2];
+        for (int h = 0; h < 2; h++) {
+            const int64_t first = k_at + 2 * h * d + i, second = first + d;
+            if (dtype == TS_F32) {
+                const float *base = (const float *)k;
+                key[h] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(base + first)),
+                                            _mm256_loadu_ps(base + second), 1);
+            } else {
+                const uint16_t *base = (const uint16_t *)k;
+                const __m256i both = _mm256_inserti128_si256(
+                    _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(base + first))),
+                    _mm_loadu_si128((const __m128i *)(base + second)), 1);
+                key[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(both), 16));
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            const __m512 qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + g * d + i));
+            a[g][0] = _mm512_fmadd_ps(qv, key[0], a[g][0]);
+            a[g][1] = _mm512_fmadd_ps(qv, key[1], a[g][1]);
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const __m256 r0 = _mm512_castps512_ps256(a[g][0]), r1 = _mm512_extractf32x8_ps(a[g][0], 1);
+        const __m256 r2 = _mm512_castps512_ps256(a[g][1]), r3 = _mm512_extractf32x8_ps(a[g][1], 1);
+        const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(r0, r1), _mm256_hadd_ps(r2, r3));
+        out[g] = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    }
+}
+#endif
+
 /* scores_of for G query heads at once (scores[g], rows apart; q, d apart), each key row read
  * once for them: the same scores (whole eights of keys by dot4_heads, the rest by dot) and each
  * head's maximum folded into max[g]. */
@@ -156,7 +199,11 @@ static inline __attribute__((always_inline)) void scores_heads(float *scores, in
     for (; j + 8 <= count; j += 8)  /* dot8's eights, as two fours */
         for (int64_t four = j; four < j + 8; four += 4) {
             __m128 s[HEADS_AT_ONCE];
+#ifdef TS_AVX512
+            dot4_heads16(s, q, G, k, k_at + four * d, d, dtype);
+#else
             dot4_heads(s, q, G, k, k_at + four * d, d, dtype);
+#endif
             for (int g = 0; g < G; g++) {
                 _mm_storeu_ps(scores + g * stride + four, s[g]);
                 m[g] = _mm_max_ps(m[g], s[g]);
@@ -194,6 +241,46 @@ static inline __attribute__((always_inline)) void weighted_heads(float *out, con
         for (int g = 0; g < G; g++)
             for (int r = 0; r < 2; r++) _mm256_storeu_ps(out + g * d + i + 8 * r, a[g][r]);
     }
+}
+#endif
+
+#ifdef TS_AVX512
+/* 16 values from base[index] (float32 or bfloat16) as float32. */
+static inline __m512 load16(const void *base, int64_t index, int dtype) {
+    if (dtype == TS_F32) return _mm512_loadu_ps((const float *)base + index);
+    const __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+/* weighted_heads' sums for elements [i, i + 16 W) of G heads, 16 lanes a register: each element
+ * still takes its products one fused multiply-add at a time in position order, so the same bits
+ * as the AVX2 build; each value row is read and widened once for the G heads, each weight
+ * broadcast once for the W registers. */
+static inline __attribute__((always_inline)) void weighted_block(float *out, const float *p, int64_t stride, int G,
+                                                                int W, const void *v, int64_t v_at, int64_t count,
+                                                                int64_t d, int64_t i, int dtype, int more) {
+    __m512 a[HEADS_AT_ONCE][4];
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < W; r++) a[g][r] = more ? _mm512_loadu_ps(out + g * d + i + 16 * r) : _mm512_setzero_ps();
+    for (int64_t j = 0; j < count; j++) {
+        __m512 row[4];
+        for (int r = 0; r < W; r++) row[r] = load16(v, v_at + j * d + i + 16 * r, dtype);
+        for (int g = 0; g < G; g++) {
+            const __m512 w = _mm512_set1_ps(p[g * stride + j]);
+            for (int r = 0; r < W; r++) a[g][r] = _mm512_fmadd_ps(w, row[r], a[g][r]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < W; r++) _mm512_storeu_ps(out + g * d + i + 16 * r, a[g][r]);
+}
+
+/* weighted_heads on AVX-512 (d % 16 == 0): 64 elements of each head at a time, then 16. */
+static inline __attribute__((always_inline)) void weighted_heads16(float *out, const float *p, int64_t stride, int G,
+                                                                  const void *v, int64_t v_at, int64_t count,
+                                                                  int64_t d, int dtype, int more) {
+    int64_t i = 0;
+    for (; i + 64 <= d; i += 64) weighted_block(out, p, stride, G, 4, v, v_at, count, d, i, dtype, more);
+    for (; i < d; i += 16) weighted_block(out, p, stride, G, 1, v, v_at, count, d, i, dtype, more);
 }
 #endif
 
@@ -268,7 +355,15 @@ static void values_group(const Call *c, float *acc, const float *scores, int64_t
     const int64_t d = c->head_dim;
     const float *p = scores + g * c->rows + offset;
     float *out = acc + g * d;
-#ifdef TS_AVX2
+#ifdef TS_AVX512
+    if (d % 16 == 0) {
+        switch (G) {
+        case 3: weighted_heads16(out, p, c->rows, 3, c->v, at, n, d, c->dtype, more); return;
+        case 2: weighted_heads16(out, p, c->rows, 2, c->v, at, n, d, c->dtype, more); return;
+        default: weighted_heads16(out, p, c->rows, 1, c->v, at, n, d, c->dtype, more); return;
+        }
+    }
+#elif defined(TS_AVX2)
     if (d % 16 == 0) {
         switch (G) {
         case 3: weighted_heads(out, p, c->rows, 3, c->v, at, n, d, c->dtype, more); return;

@@ -417,10 +417,11 @@ def cpu_has(variant: str) -> bool:
 @pytest.mark.skipif(not cpu_has("avx512"), reason="the CPU has no AVX-512 with VNNI")
 def test_the_avx512_and_avx2_builds_give_the_same_bits(tmp_path, monkeypatch):
     """The AVX-512 build's matmuls sum the AVX2 build's products in the AVX2 build's order (the
-    dense one is the same code), and its attention is the same code: the same bits from both,
-    whatever the rows, inputs (block counts even, odd, below and above 8; a dense input count
-    off the lanes of 8), prologue and dtype. So an answer does not depend on
-    which of the two CPU kinds served it."""
+    dense one is the same code): the same bits from both, whatever the rows, inputs (block
+    counts even, odd, below and above 8; a dense input count off the lanes of 8), prologue and
+    dtype. Its attention takes 16 lanes where the AVX2 build takes 8, each lane adding the
+    products an AVX2 lane adds, in its order: the same bits too, whatever the head size and
+    cache dtype. So an answer does not depend on which of the two CPU kinds served it."""
     monkeypatch.setenv("TOKENSTREAM_CACHE", str(tmp_path))
     cc = native.compiler()
     built = {v: ctypes.CDLL(str(native.build(cc, v))) for v in ("avx2", "avx512")}
@@ -452,14 +453,20 @@ def test_the_avx512_and_avx2_builds_give_the_same_bits(tmp_path, monkeypatch):
                         kernel.dense(x[:, : inputs - 5].contiguous(), w[:, :-5].contiguous()),
                     )
                 assert all(torch.equal(p, q) for p, q in zip(got["avx2"], got["avx512"]))
-    k, v = cache(torch.float32)
-    q = queries(len(ROWS), torch.float32)
-    for cap in (0.0, 1.5):
-        outs = [
-            native.AttentionKernel(lib, n)(q, k, v, Placed.of(ROWS), NO_WINDOW, 0.125, cap)
-            for n, lib in built.items()
-        ]
-        assert torch.equal(*outs)
+    # the attention: head sizes of 4 x 16 values (64, 128), 16 off them (80, 96) and off 16 (40,
+    # the one-head functions), float32 and bfloat16 caches, with and without a cap
+    heads = [(64, torch.float32), (64, torch.bfloat16), (128, torch.bfloat16)]
+    heads += [(80, torch.float32), (96, torch.bfloat16), (40, torch.bfloat16)]
+    for head_dim, dtype in heads:
+        shape = (PLACES, KV_HEADS, MAX_LEN, head_dim)
+        k, v = (torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
+        q = torch.randn(len(ROWS), KV_HEADS, GROUPS, head_dim, generator=generator).to(dtype)
+        for cap in (0.0, 1.5):
+            outs = [
+                native.AttentionKernel(lib, n)(q, k, v, Placed.of(ROWS), NO_WINDOW, 0.125, cap)
+                for n, lib in built.items()
+            ]
+            assert torch.equal(*outs), (head_dim, dtype, cap)
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump to read the library")
