@@ -63,6 +63,12 @@
  * from huge pages and 12-22 % slower from 4 KiB pages (docs/performance.md) */
 #define PREFETCH_BYTES 1024
 #endif
+/* q4 rows of at least this many inputs are asked for a tile ahead into L2, shorter ones into L1
+ * (a tile of 2048-input rows and their scales is 5 KiB): into L1, the 1B model's shapes (2048 and
+ * 8192 inputs) streamed 3-4 % slower from memory than into L2, and the same from the L3 cache;
+ * the default model's (576 and 1536) 4-5 % faster from the L3 cache. Its decode step still ran
+ * 1-2.5 % slower than with 2048-input rows asked for whole (docs/performance.md). */
+#define L2_ROW 2048
 /* how far ahead a q8 tile asks for its weight rows as it reads them, where one tile of activation
  * rows reads them: 8 KiB (14 rows of the default model's head, 4 of the 1B model's) made both
  * heads 1.2x faster in a decode step than whole rows asked for when a tile starts, from 4 to 32
@@ -478,9 +484,10 @@ static __attribute__((noinline)) void q4_tile(const Call *c, int64_t row, int R,
  * up together (tree16x4); every (row, weight row) pair is computed as q4_tile computes it, so the
  * same bits. A row's fixed cost (its scales, the last group, the sums' tree) is what bounds short
  * rows: one row of 576 inputs took 19 ns here against 24 alone (docs/performance.md).
- * `stream`: each step also asks for the same place in the rows C on, those before `until` (the
- * next tile's), so the requests go out as fast as the tile reads. A constant per caller (q4_wide,
- * q4_wide_streamed): tested at run time in the loop, it made the tiles 15 % slower. */
+ * `stream` (not 0): each step also asks for the same place in the rows C on, those before
+ * `until` (the next tile's), so the requests go out as fast as the tile reads; into L1 (stream 1)
+ * or L2 (stream 2). A constant per caller (q4_wide, q4_wide_to_l1, q4_wide_to_l2): tested at run
+ * time in the loop, it made the tiles 15 % slower. */
 static inline __attribute__((always_inline)) void q4_tile_wide(const Call *c, int64_t row, int R, int64_t col,
                                                                int C, int stream, int64_t until) {
     const int64_t blocks = c->k / QK;
@@ -494,9 +501,12 @@ static inline __attribute__((always_inline)) void q4_tile_wide(const Call *c, in
         __m512 scale[ROW_TILE][COL_TILE];
         for (int j = 0; j < C; j++) {
             const int64_t at = (col + j) * blocks + h;
-            if (stream && col + j + C < until) {
+            if (stream == 1 && col + j + C < until) {
                 _mm_prefetch((const char *)(c->steps + at + C * blocks), _MM_HINT_T0);
                 _mm_prefetch((const char *)(c->lows + at + C * blocks), _MM_HINT_T0);
+            } else if (stream == 2 && col + j + C < until) {
+                _mm_prefetch((const char *)(c->steps + at + C * blocks), _MM_HINT_T1);
+                _mm_prefetch((const char *)(c->lows + at + C * blocks), _MM_HINT_T1);
             }
             const __m512 step = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(present, c->steps + at));
             const __m512 low16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(present, c->lows + at));
@@ -512,7 +522,8 @@ static inline __attribute__((always_inline)) void q4_tile_wide(const Call *c, in
             __m512i lo[COL_TILE], hi[COL_TILE];
             for (int j = 0; j < C; j++) {
                 const uint8_t *p = c->w + (col + j) * (c->k / 2) + first * (QK / 2);
-                if (stream && col + j + C < until) _mm_prefetch((const char *)(p + C * (c->k / 2)), _MM_HINT_T0);
+                if (stream == 1 && col + j + C < until) _mm_prefetch((const char *)(p + C * (c->k / 2)), _MM_HINT_T0);
+                if (stream == 2 && col + j + C < until) _mm_prefetch((const char *)(p + C * (c->k / 2)), _MM_HINT_T1);
                 const __m512i raw = bytes >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(part, p);
                 lo[j] = _mm512_and_si512(raw, nibble);
                 hi[j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
@@ -550,14 +561,20 @@ static inline __attribute__((always_inline)) void q4_tile_wide(const Call *c, in
     }
 }
 
-/* q4_tile_wide's two callers, each one copy per constant R and C: short rows, and long ones */
+/* q4_tile_wide's callers, each one copy per constant R and C: tiles that ask for no rows, and
+ * tiles that ask for the next tile's into L1 or L2 (see L2_ROW) */
 static __attribute__((noinline)) void q4_wide(const Call *c, int64_t row, int R, int64_t col, int C) {
     q4_tile_wide(c, row, R, col, C, 0, 0);
 }
 
-static __attribute__((noinline)) void q4_wide_streamed(const Call *c, int64_t row, int R, int64_t col, int C,
-                                                       int64_t until) {
+static __attribute__((noinline)) void q4_wide_to_l1(const Call *c, int64_t row, int R, int64_t col, int C,
+                                                    int64_t until) {
     q4_tile_wide(c, row, R, col, C, 1, until);
+}
+
+static __attribute__((noinline)) void q4_wide_to_l2(const Call *c, int64_t row, int R, int64_t col, int C,
+                                                    int64_t until) {
+    q4_tile_wide(c, row, R, col, C, 2, until);
 }
 #elif defined(TS_AVX2)
 #define Q4_WIDE 0
@@ -772,8 +789,8 @@ static __attribute__((noinline)) void q8_asking(const Call *c, int64_t row, int 
  * AVX-512 only, where all of the call's activation rows are one tile. q4's wide tiles, the next
  * tile's; q8's, Q8_AHEAD_BYTES on. Against whole rows asked for PREFETCH_BYTES ahead as each tile
  * starts, q4 (docs/performance.md): the 1B model's 8192-input rows 20 -> 29-30 GB/s from memory,
- * its 2048-input ones 3-5 % slower; every one of its shapes from the L3 cache 1.17x; the default
- * model's shapes 1.06-1.09x from the L3 cache and 1.03-1.04x from memory. */
+ * its 2048-input ones about the same (asked into L2, L2_ROW); every one of its shapes from the L3
+ * cache 1.17x; the default model's shapes 1.06-1.09x from the L3 cache, 1.03-1.04x from memory. */
 static int64_t rows_ahead(const Call *c, int kind) {
 #ifdef TS_AVX512
     if (kind == KIND_Q4 && c->m <= 2) return c->m == 1 ? 4 : 2;  /* C */
@@ -822,12 +839,16 @@ static __attribute__((noinline)) void columns(const Call *c, int kind, int64_t f
                 /* a constant R (and C) per call site, so the compiler unrolls each */
                 if (kind == KIND_Q4) {
 #if Q4_WIDE
-                    if (C == 4 && in_tile) {
-                        q4_wide_streamed(c, row, 1, col, 4, last);
+                    if (C == 4 && in_tile && c->k < L2_ROW) {
+                        q4_wide_to_l1(c, row, 1, col, 4, last);
+                    } else if (C == 4 && in_tile) {
+                        q4_wide_to_l2(c, row, 1, col, 4, last);
                     } else if (C == 4) {
                         q4_wide(c, row, 1, col, 4);
+                    } else if (C == 2 && in_tile && c->k < L2_ROW) {
+                        q4_wide_to_l1(c, row, 2, col, 2, last);
                     } else if (C == 2 && in_tile) {
-                        q4_wide_streamed(c, row, 2, col, 2, last);
+                        q4_wide_to_l2(c, row, 2, col, 2, last);
                     } else if (C == 2) {
                         q4_wide(c, row, 2, col, 2);
                     } else
