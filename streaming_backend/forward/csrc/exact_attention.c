@@ -8,8 +8,8 @@
  * same alone or in a crowd, and a decode step gives the same bits as a prefill of that token.
  * The exponential is one polynomial, the same in the vector loop and its scalar tail, so where
  * the tail falls does not change a value either. The AVX-512 build takes two key rows, or 16
- * values of a head, a register where the AVX2 build takes one or 8 (dot4_heads16,
- * weighted_heads16): every lane adds what an AVX2 lane adds, in its order, so both builds give the
+ * values of a head, a register where the AVX2 build takes one or 8 (its own dot4_heads and
+ * weighted_heads): every lane adds what an AVX2 lane adds, in its order, so both builds give the
  * same bits (tested).
  *
  * Shapes (elements, row-major, contiguous):
@@ -125,6 +125,7 @@ static void weighted_sum(float *out, const float *p, const void *v, int64_t v_at
 #define HEADS_AT_ONCE 3  /* query heads that share each key and value row read (registers: 16) */
 
 #ifdef TS_AVX2
+#ifndef TS_AVX512
 /* Scores of G query heads (q, G rows of d) against the 4 key rows at k_at, k_at + d, ...
  * (d % 8 == 0), each key row read once for the G heads: out[g] holds head g's 4 scores, each
  * summed as dot8 sums it (one lane chain over d, then the same pairs of lanes added). */
@@ -146,14 +147,13 @@ static inline __attribute__((always_inline)) void dot4_heads(__m128 *out, const 
         out[g] = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
     }
 }
-
-#ifdef TS_AVX512
-/* dot4_heads on AVX-512: key rows 0 and 1 side by side in one register, 2 and 3 in another, each
- * head's 8 values of q in both halves; every lane adds the products dot4_heads' lane adds, in its
- * order, and the halves go through dot4_heads' tree: the same scores, bit for bit, for half the
+#else
+/* The same on AVX-512: key rows 0 and 1 side by side in one register, 2 and 3 in another, each
+ * head's 8 values of q in both halves; every lane adds the products the AVX2 build's lane adds,
+ * in its order, and the halves go through its tree: the same scores, bit for bit, for half the
  * multiply-adds and widenings. */
-static inline __attribute__((always_inline)) void dot4_heads16(__m128 *out, const float *q, int G, const void *k,
-                                                              int64_t k_at, int64_t d, int dtype) {
+static inline __attribute__((always_inline)) void dot4_heads(__m128 *out, const float *q, int G, const void *k,
+                                                            int64_t k_at, int64_t d, int dtype) {
     __m512 a[HEADS_AT_ONCE][2];
     for (int g = 0; g < G; g++) a[g][0] = a[g][1] = _mm512_setzero_ps();
     for (int64_t i = 0; i < d; i += 8) {
@@ -199,11 +199,7 @@ static inline __attribute__((always_inline)) void scores_heads(float *scores, in
     for (; j + 8 <= count; j += 8)  /* dot8's eights, as two fours */
         for (int64_t four = j; four < j + 8; four += 4) {
             __m128 s[HEADS_AT_ONCE];
-#ifdef TS_AVX512
-            dot4_heads16(s, q, G, k, k_at + four * d, d, dtype);
-#else
             dot4_heads(s, q, G, k, k_at + four * d, d, dtype);
-#endif
             for (int g = 0; g < G; g++) {
                 _mm_storeu_ps(scores + g * stride + four, s[g]);
                 m[g] = _mm_max_ps(m[g], s[g]);
@@ -220,6 +216,7 @@ static inline __attribute__((always_inline)) void scores_heads(float *scores, in
     }
 }
 
+#ifndef TS_AVX512
 /* weighted_sum for G query heads at once (out[g], d apart; p[g], stride apart), each value row
  * read once for them (d % 16 == 0): every element's products added in position order, as
  * weighted_sum adds them. */
@@ -242,9 +239,7 @@ static inline __attribute__((always_inline)) void weighted_heads(float *out, con
             for (int r = 0; r < 2; r++) _mm256_storeu_ps(out + g * d + i + 8 * r, a[g][r]);
     }
 }
-#endif
-
-#ifdef TS_AVX512
+#else
 /* 16 values from base[index] (float32 or bfloat16) as float32. */
 static inline __m512 load16(const void *base, int64_t index, int dtype) {
     if (dtype == TS_F32) return _mm512_loadu_ps((const float *)base + index);
@@ -252,9 +247,9 @@ static inline __m512 load16(const void *base, int64_t index, int dtype) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
-/* weighted_heads' sums for elements [i, i + 16 W) of G heads, 16 lanes a register: each element
- * still takes its products one fused multiply-add at a time in position order, so the same bits
- * as the AVX2 build; each value row is read and widened once for the G heads, each weight
+/* The AVX2 build's weighted_heads sums for elements [i, i + 16 W) of G heads, 16 lanes a
+ * register: each element still takes its products one fused multiply-add at a time in position
+ * order, so the same bits; each value row is read and widened once for the G heads, each weight
  * broadcast once for the W registers. */
 static inline __attribute__((always_inline)) void weighted_block(float *out, const float *p, int64_t stride, int G,
                                                                 int W, const void *v, int64_t v_at, int64_t count,
@@ -275,13 +270,14 @@ static inline __attribute__((always_inline)) void weighted_block(float *out, con
 }
 
 /* weighted_heads on AVX-512 (d % 16 == 0): 64 elements of each head at a time, then 16. */
-static inline __attribute__((always_inline)) void weighted_heads16(float *out, const float *p, int64_t stride, int G,
-                                                                  const void *v, int64_t v_at, int64_t count,
-                                                                  int64_t d, int dtype, int more) {
+static inline __attribute__((always_inline)) void weighted_heads(float *out, const float *p, int64_t stride, int G,
+                                                                const void *v, int64_t v_at, int64_t count, int64_t d,
+                                                                int dtype, int more) {
     int64_t i = 0;
     for (; i + 64 <= d; i += 64) weighted_block(out, p, stride, G, 4, v, v_at, count, d, i, dtype, more);
     for (; i < d; i += 16) weighted_block(out, p, stride, G, 1, v, v_at, count, d, i, dtype, more);
 }
+#endif
 #endif
 
 /* p[i] = exp(p[i] - max) for i < count; returns their sum, in an order fixed by count alone. */
@@ -355,15 +351,7 @@ static void values_group(const Call *c, float *acc, const float *scores, int64_t
     const int64_t d = c->head_dim;
     const float *p = scores + g * c->rows + offset;
     float *out = acc + g * d;
-#ifdef TS_AVX512
-    if (d % 16 == 0) {
-        switch (G) {
-        case 3: weighted_heads16(out, p, c->rows, 3, c->v, at, n, d, c->dtype, more); return;
-        case 2: weighted_heads16(out, p, c->rows, 2, c->v, at, n, d, c->dtype, more); return;
-        default: weighted_heads16(out, p, c->rows, 1, c->v, at, n, d, c->dtype, more); return;
-        }
-    }
-#elif defined(TS_AVX2)
+#ifdef TS_AVX2
     if (d % 16 == 0) {
         switch (G) {
         case 3: weighted_heads(out, p, c->rows, 3, c->v, at, n, d, c->dtype, more); return;

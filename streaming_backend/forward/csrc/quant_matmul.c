@@ -479,6 +479,12 @@ static __attribute__((noinline)) void q4_tile(const Call *c, int64_t row, int R,
     }
     for (int r = 0; r < R; r++) emit(c, row + r, col, tree16(acc[r]) + tree16(low[r]));
 }
+/* Ask for the line at p into L1 (into 1) or L2 (into 2); nothing for 0 (a constant per caller). */
+static inline __attribute__((always_inline)) void ask_into(const void *p, int into) {
+    if (into == 1) _mm_prefetch((const char *)p, _MM_HINT_T0);
+    if (into == 2) _mm_prefetch((const char *)p, _MM_HINT_T1);
+}
+
 /* q4_tile for C (2 or 4) weight rows from `col` at once, R * C <= 4: each activation block is
  * read once for the C weight rows, their chains run side by side and four rows' sums are added
  * up together (tree16x4); every (row, weight row) pair is computed as q4_tile computes it, so the
@@ -486,8 +492,8 @@ static __attribute__((noinline)) void q4_tile(const Call *c, int64_t row, int R,
  * rows: one row of 576 inputs took 19 ns here against 24 alone (docs/performance.md).
  * `stream` (not 0): each step also asks for the same place in the rows C on, those before
  * `until` (the next tile's), so the requests go out as fast as the tile reads; into L1 (stream 1)
- * or L2 (stream 2). A constant per caller (q4_wide, q4_wide_to_l1, q4_wide_to_l2): tested at run
- * time in the loop, it made the tiles 15 % slower. */
+ * or L2 (stream 2). A constant per copy (q4_wide picks one): tested at run time in the loop, it
+ * made the tiles 15 % slower. */
 static inline __attribute__((always_inline)) void q4_tile_wide(const Call *c, int64_t row, int R, int64_t col,
                                                                int C, int stream, int64_t until) {
     const int64_t blocks = c->k / QK;
@@ -501,12 +507,9 @@ static inline __attribute__((always_inline)) void q4_tile_wide(const Call *c, in
         __m512 scale[ROW_TILE][COL_TILE];
         for (int j = 0; j < C; j++) {
             const int64_t at = (col + j) * blocks + h;
-            if (stream == 1 && col + j + C < until) {
-                _mm_prefetch((const char *)(c->steps + at + C * blocks), _MM_HINT_T0);
-                _mm_prefetch((const char *)(c->lows + at + C * blocks), _MM_HINT_T0);
-            } else if (stream == 2 && col + j + C < until) {
-                _mm_prefetch((const char *)(c->steps + at + C * blocks), _MM_HINT_T1);
-                _mm_prefetch((const char *)(c->lows + at + C * blocks), _MM_HINT_T1);
+            if (stream && col + j + C < until) {
+                ask_into(c->steps + at + C * blocks, stream);
+                ask_into(c->lows + at + C * blocks, stream);
             }
             const __m512 step = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(present, c->steps + at));
             const __m512 low16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(present, c->lows + at));
@@ -522,8 +525,7 @@ static inline __attribute__((always_inline)) void q4_tile_wide(const Call *c, in
             __m512i lo[COL_TILE], hi[COL_TILE];
             for (int j = 0; j < C; j++) {
                 const uint8_t *p = c->w + (col + j) * (c->k / 2) + first * (QK / 2);
-                if (stream == 1 && col + j + C < until) _mm_prefetch((const char *)(p + C * (c->k / 2)), _MM_HINT_T0);
-                if (stream == 2 && col + j + C < until) _mm_prefetch((const char *)(p + C * (c->k / 2)), _MM_HINT_T1);
+                if (stream && col + j + C < until) ask_into(p + C * (c->k / 2), stream);
                 const __m512i raw = bytes >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(part, p);
                 lo[j] = _mm512_and_si512(raw, nibble);
                 hi[j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
@@ -561,9 +563,9 @@ static inline __attribute__((always_inline)) void q4_tile_wide(const Call *c, in
     }
 }
 
-/* q4_tile_wide's callers, each one copy per constant R and C: tiles that ask for no rows, and
- * tiles that ask for the next tile's into L1 or L2 (see L2_ROW) */
-static __attribute__((noinline)) void q4_wide(const Call *c, int64_t row, int R, int64_t col, int C) {
+/* q4_tile_wide's copies, each one per constant R and C: tiles that ask for no rows, and tiles
+ * that ask for the next tile's into L1 or L2 (see L2_ROW); q4_wide picks one */
+static __attribute__((noinline)) void q4_wide_asking_none(const Call *c, int64_t row, int R, int64_t col, int C) {
     q4_tile_wide(c, row, R, col, C, 0, 0);
 }
 
@@ -575,6 +577,13 @@ static __attribute__((noinline)) void q4_wide_to_l1(const Call *c, int64_t row, 
 static __attribute__((noinline)) void q4_wide_to_l2(const Call *c, int64_t row, int R, int64_t col, int C,
                                                     int64_t until) {
     q4_tile_wide(c, row, R, col, C, 2, until);
+}
+
+static inline __attribute__((always_inline)) void q4_wide(const Call *c, int64_t row, int R, int64_t col, int C,
+                                                          int into, int64_t until) {
+    if (into == 1) q4_wide_to_l1(c, row, R, col, C, until);
+    else if (into == 2) q4_wide_to_l2(c, row, R, col, C, until);
+    else q4_wide_asking_none(c, row, R, col, C);
 }
 #elif defined(TS_AVX2)
 #define Q4_WIDE 0
@@ -771,18 +780,24 @@ static inline __attribute__((always_inline)) void prefetch_row(const Call *c, in
 #endif
 }
 
-/* q8_tile for the tiles that ask for their rows `ahead` on (R <= ROW_TILE), kept out of
- * `columns`: each R its own copy. (q8_tile is always_inline and `columns` noinline: with these
- * copies beside them gcc had left q8_tile and dense_tile out of line, and the tiles of 8
- * activation rows ran 4-10 % slower.) */
-static __attribute__((noinline)) void q8_asking(const Call *c, int64_t row, int R, int64_t col, int64_t ahead,
-                                                int64_t until) {
+/* q8_tile for R activation rows, a constant R per call site (so the compiler unrolls each). */
+static inline __attribute__((always_inline)) void q8_rows(const Call *c, int64_t row, int R, int64_t col,
+                                                          int64_t ahead, int64_t until) {
     switch (R) {
     case 4: q8_tile(c, row, 4, col, ahead, until); break;
     case 3: q8_tile(c, row, 3, col, ahead, until); break;
     case 2: q8_tile(c, row, 2, col, ahead, until); break;
     default: q8_tile(c, row, 1, col, ahead, until);
     }
+}
+
+/* The tiles that ask for their rows `ahead` on (R <= ROW_TILE), kept out of `columns`, so the
+ * others' loop tests nothing. (q8_tile is always_inline and `columns` noinline: with these copies
+ * beside them gcc had left q8_tile and dense_tile out of line, and the tiles of 8 activation rows
+ * ran 4-10 % slower.) */
+static __attribute__((noinline)) void q8_asking(const Call *c, int64_t row, int R, int64_t col, int64_t ahead,
+                                                int64_t until) {
+    q8_rows(c, row, R, col, ahead, until);
 }
 
 /* How many weight rows on the tiles of a call ask for theirs as they read them (0: none):
@@ -808,6 +823,9 @@ static __attribute__((noinline)) void columns(const Call *c, int kind, int64_t f
     const int64_t row_bytes = kind == KIND_Q4 ? c->k / 2 + c->k / QK * 4 : c->k;
     const int64_t in_tile = kind == KIND_DENSE ? 0 : rows_ahead(c, kind);
     const int64_t ahead = kind == KIND_DENSE || in_tile ? 0 : (PREFETCH_BYTES + row_bytes - 1) / row_bytes;
+#if Q4_WIDE
+    const int into = !in_tile ? 0 : c->k < L2_ROW ? 1 : 2;  /* where q4's wide tiles ask for rows */
+#endif
     for (int64_t col = first; col < first + (in_tile ? in_tile : ahead) && col < last; col++) prefetch_row(c, kind, col);
     for (int64_t chunk = first; chunk < last; chunk += COL_CHUNK) {
         const int64_t end = chunk + COL_CHUNK < last ? chunk + COL_CHUNK : last;
@@ -839,18 +857,10 @@ static __attribute__((noinline)) void columns(const Call *c, int kind, int64_t f
                 /* a constant R (and C) per call site, so the compiler unrolls each */
                 if (kind == KIND_Q4) {
 #if Q4_WIDE
-                    if (C == 4 && in_tile && c->k < L2_ROW) {
-                        q4_wide_to_l1(c, row, 1, col, 4, last);
-                    } else if (C == 4 && in_tile) {
-                        q4_wide_to_l2(c, row, 1, col, 4, last);
-                    } else if (C == 4) {
-                        q4_wide(c, row, 1, col, 4);
-                    } else if (C == 2 && in_tile && c->k < L2_ROW) {
-                        q4_wide_to_l1(c, row, 2, col, 2, last);
-                    } else if (C == 2 && in_tile) {
-                        q4_wide_to_l2(c, row, 2, col, 2, last);
+                    if (C == 4) {
+                        q4_wide(c, row, 1, col, 4, into, last);
                     } else if (C == 2) {
-                        q4_wide(c, row, 2, col, 2);
+                        q4_wide(c, row, 2, col, 2, into, last);
                     } else
 #endif
                     switch (R) {
@@ -860,17 +870,8 @@ static __attribute__((noinline)) void columns(const Call *c, int kind, int64_t f
                     default: q4_tile(c, row, 1, col);
                     }
                 } else {
-                    /* the asking tiles apart, the others with `ahead` 0: no test in their loop */
-                    if (in_tile) {
-                        q8_asking(c, row, R, col, in_tile, last);
-                    } else {
-                        switch (R) {
-                        case 4: q8_tile(c, row, 4, col, 0, 0); break;
-                        case 3: q8_tile(c, row, 3, col, 0, 0); break;
-                        case 2: q8_tile(c, row, 2, col, 0, 0); break;
-                        default: q8_tile(c, row, 1, col, 0, 0);
-                        }
-                    }
+                    if (in_tile) q8_asking(c, row, R, col, in_tile, last);
+                    else q8_rows(c, row, R, col, 0, 0);  /* `ahead` 0: no test in the loop */
                 }
                 col += C;
             }
