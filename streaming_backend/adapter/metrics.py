@@ -117,6 +117,10 @@ class Metrics:
         self.outcomes = {o: requests.Metric(labels=labels | {"outcome": o}) for o in OUTCOMES}
         # the gauges' values as last set
         self._reported = {"active": 0, "waiting": 0, "step_threads": 0, "step_slowdown": 0.0}
+        # output tokens not yet added to tokenstream_generation_tokens_total: every metrics call
+        # is a round trip to Triton's process, so the counter is added to when a stream ends and
+        # at each poll (flush_tokens), not once a token (docs/performance.md)
+        self._unreported_tokens = 0
 
     def count(self, outcome: str) -> None:
         """One more request ended with `outcome` (one of OUTCOMES)."""
@@ -152,13 +156,22 @@ class Metrics:
     def observe(self, event: TokenEvent, received_ns: int, first_emitted_ns: int) -> None:
         """One event of a stream received at `received_ns` whose first token was emitted at
         `first_emitted_ns`: first-token latency and queue time at the first token, mean ITL at the
-        end."""
+        end; its tokens are counted, added to the counter at the stream's end or the next
+        flush_tokens."""
         quietly(self._observe, event, received_ns, first_emitted_ns)
 
+    def flush_tokens(self) -> None:
+        """Add the output tokens counted since the last flush to the token counter."""
+        unreported, self._unreported_tokens = self._unreported_tokens, 0
+        if unreported:
+            quietly(self.tokens.increment, unreported)
+
     def _observe(self, event: TokenEvent, received_ns: int, first_emitted_ns: int) -> None:
+        self._unreported_tokens += len(event.token_ids)
+        if event.final:  # a stream that ended is counted whole
+            self.flush_tokens()
         if not event.token_ids:
             return
-        self.tokens.increment(len(event.token_ids))
         if event.num_output_tokens == 1:
             self.prompt_tokens.increment(event.num_input_tokens)
             if event.cached_tokens:

@@ -130,6 +130,7 @@ class Outbox:
             except queue.Empty:
                 item = _TICK
             if item is _STOP:
+                self.metrics.flush_tokens()
                 break
             # nothing may end this thread: without it no request would ever be answered again
             try:
@@ -139,6 +140,7 @@ class Outbox:
                     next_check = time.monotonic() + interval
                     self._poll_cancelled()
                     self.metrics.set_steps(self.engine.step_report())
+                    self.metrics.flush_tokens()
             except Exception:  # noqa: BLE001 - logged; the loop goes on
                 log.exception("the outbox thread caught an error and goes on")
 
@@ -179,13 +181,20 @@ class Outbox:
         """The event's response: its error, its outputs, or nothing (an answer accumulating)."""
         if event.token_ids and event.num_output_tokens == 1:
             live.first_emitted_ns = event.emitted_ns
-        self.metrics.observe(event, live.builder.received_ns, live.first_emitted_ns)
-        if event.error is not None or event.finish_reason is FinishReason.CANCELLED:
-            self.send.send_error(live.sender, event.error or Cancelled())
-            return
-        outputs = live.builder.outputs(event)
-        if outputs is not None:
-            self.send.send(live.sender, outputs, final=event.final)
+        # each metrics call is a round trip to Triton's process: a token goes out before its
+        # bookkeeping, the FINAL after it (a client that sees the end sees the stream counted)
+        if event.final:
+            self.metrics.observe(event, live.builder.received_ns, live.first_emitted_ns)
+        try:
+            if event.error is not None or event.finish_reason is FinishReason.CANCELLED:
+                self.send.send_error(live.sender, event.error or Cancelled())
+                return
+            outputs = live.builder.outputs(event)
+            if outputs is not None:
+                self.send.send(live.sender, outputs, final=event.final)
+        finally:
+            if not event.final:
+                self.metrics.observe(event, live.builder.received_ns, live.first_emitted_ns)
 
     def _poll_cancelled(self) -> None:
         """Ask Triton (a round trip each) whether live requests were cancelled by their client."""

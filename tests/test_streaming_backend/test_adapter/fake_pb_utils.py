@@ -83,6 +83,7 @@ class Metric:
         self.family, self.labels, self.buckets = family, labels, buckets
         self.value = 0
         self.observed: list[float] = []
+        self.increments: list[float] = []  # a counter's every increment, in order
 
     def _check(self):
         if self.family.broken:
@@ -91,6 +92,7 @@ class Metric:
     def increment(self, n):
         self._check()
         self.value += n
+        self.increments.append(n)
 
     def set(self, value):
         self._check()

@@ -32,12 +32,15 @@ FINAL = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 class Model:
     """What model.py builds in initialize(), over the tiny model, with fakes of pb_utils."""
 
-    def __init__(self, loaded, admin_key: str | None = KEY):
+    def __init__(self, loaded, admin_key: str | None = KEY, cancel_check_s=0.01, **engine):
         self.loaded = loaded
-        self.engine = Engine(loaded, EngineConfig(max_streams=4, queue_limit=4)).start()
+        config = EngineConfig(max_streams=4, queue_limit=4, **engine)
+        self.engine = Engine(loaded, config).start()
         self.control = Control(self.engine, admin_key)
         self.metrics = Metrics(pb.MetricFamily, "chat", "1")
-        self.outbox = Outbox(self.engine, Sender(pb), self.metrics, self.control, 0.01).start()
+        self.outbox = Outbox(
+            self.engine, Sender(pb), self.metrics, self.control, cancel_check_s
+        ).start()
 
     def submit(self, sender, max_tokens: int = 6, stream: bool = True):
         """What execute() does for one text request."""
@@ -101,6 +104,37 @@ def test_a_stream_gets_one_response_per_token_and_one_final(model):
     assert m.active.value == 0 and model.outbox.active == 0
 
 
+def test_tokens_are_counted_when_a_stream_ends_not_once_a_token(tiny_loaded):
+    """Each metrics call is a round trip to Triton's process: a stream's tokens go to the
+    counter in one increment at its end (no poll came meanwhile), before its FINAL."""
+    model = Model(tiny_loaded, cancel_check_s=3600)
+    try:
+        sender = pb.ResponseSender()
+        model.submit(sender, max_tokens=6)
+        assert len(finish(sender)) == 6
+        assert model.metrics.tokens.increments == [6]
+    finally:
+        model.close()
+
+
+def test_a_live_streams_tokens_are_counted_at_each_poll(tiny_loaded):
+    """Between a stream's first token and its end, each poll adds the tokens sent so far: the
+    counter never lags a running stream by more than a poll."""
+    model = Model(tiny_loaded, test_token_delay_s=0.1)  # 200 tokens: 20 s
+    try:
+        sender = pb.ResponseSender()
+        handle = model.submit(sender, max_tokens=200)
+        wait_for(lambda: model.metrics.tokens.value >= 3)
+        assert not sender.finished.is_set()
+        handle.cancel()
+        sent = finish(sender)
+        model.outbox.stop()
+        tokens = model.metrics.tokens
+        assert len(tokens.increments) >= 2 and tokens.value == len(sent) - 1  # and the error
+    finally:
+        model.close()
+
+
 def test_a_rejected_request_gets_its_error_and_counts_as_rejected(model):
     """A refusal from execute() is one error response with FINAL and the error's Triton code."""
     sender = pb.ResponseSender()
@@ -137,28 +171,33 @@ def test_a_cancelled_client_ends_its_stream_with_cancelled(model):
     assert model.metrics.outcomes["cancelled"].value == 1
 
 
-def test_a_broken_sender_is_cancelled_and_its_request_alone_fails(model):
+def test_a_broken_sender_is_cancelled_and_its_request_alone_fails(tiny_loaded):
     """is_cancelled() raising cancels that request; a failing send ends it with one error FINAL
     (counted failed when the refused response was its last, else cancelled as the engine ends
-    it); a healthy request beside them is answered in full."""
-    release = model.hold_prefill()
-    broken_poll = pb.ResponseSender(cancel_fails=True)
-    refusing, refusing_last = pb.ResponseSender(fail=True), pb.ResponseSender(fail=True)
-    healthy = pb.ResponseSender()
-    handle = model.submit(broken_poll, max_tokens=100)
-    model.submit(refusing, max_tokens=4)
-    model.submit(refusing_last, max_tokens=1)
-    model.submit(healthy, max_tokens=4)
-    wait_for(lambda: handle.cancelled)
-    release.set()
-    assert finish(broken_poll)[-1][0].error.code == "CANCELLED"
-    for sender in (refusing, refusing_last):
-        (response, flags), *rest = finish(sender)
-        assert rest == [] and flags == FINAL and response.error is not None
-    assert [flags for _, flags in finish(healthy)] == [0, 0, 0, FINAL]
-    model.outbox.stop()
-    outcomes = {name: metric.value for name, metric in model.metrics.outcomes.items()}
-    assert outcomes == {"ok": 1, "failed": 1, "cancelled": 2, "rejected": 0}
+    it); a healthy request beside them is answered in full. Tokens come 20 ms apart, so the
+    refused stream's cancel reaches the engine long before its 100 tokens could end it."""
+    model = Model(tiny_loaded, test_token_delay_s=0.02)
+    try:
+        release = model.hold_prefill()
+        broken_poll = pb.ResponseSender(cancel_fails=True)
+        refusing, refusing_last = pb.ResponseSender(fail=True), pb.ResponseSender(fail=True)
+        healthy = pb.ResponseSender()
+        handle = model.submit(broken_poll, max_tokens=100)
+        model.submit(refusing, max_tokens=100)
+        model.submit(refusing_last, max_tokens=1)
+        model.submit(healthy, max_tokens=4)
+        wait_for(lambda: handle.cancelled)
+        release.set()
+        assert finish(broken_poll)[-1][0].error.code == "CANCELLED"
+        for sender in (refusing, refusing_last):
+            (response, flags), *rest = finish(sender)
+            assert rest == [] and flags == FINAL and response.error is not None
+        assert [flags for _, flags in finish(healthy)] == [0, 0, 0, FINAL]
+        model.outbox.stop()
+        outcomes = {name: metric.value for name, metric in model.metrics.outcomes.items()}
+        assert outcomes == {"ok": 1, "failed": 1, "cancelled": 2, "rejected": 0}
+    finally:
+        model.close()
 
 
 def test_failing_metrics_never_end_a_stream(model):
