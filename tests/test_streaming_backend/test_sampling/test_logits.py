@@ -107,6 +107,38 @@ def test_a_non_finite_row_is_reported_and_the_others_are_unharmed():
         assert choice.finite == [False, True], bad
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plainly_greedy_rows_get_what_the_whole_pipeline_gives(dtype):
+    """Rows with nothing to process take a shorter way (`_greedy`): the same ids and flags as
+    the pipeline (which logprobs take) gives, ties to the first largest, a row that is not
+    finite token 0."""
+    torch.manual_seed(3)
+    logits = torch.randn(6, 49152).to(dtype)
+    logits[1, [7, 9000, 40000]] = 50.0  # a three-way tie
+    logits[2, 123] = float("nan")
+    logits[3, 5] = float("inf")
+    logits[4, 77] = float("-inf")
+    rows = [Row(SamplingSettings(temperature=0)) for _ in range(6)]
+    chooser = NextTokenChooser.for_rows(rows, [EOS])
+    assert chooser._plain_greedy(rows)
+    short = chooser.choose(logits.clone(), rows)
+    whole = chooser.choose(logits.clone(), rows, logprobs=True)
+    assert short.ids == whole.ids and short.finite == whole.finite
+    assert short.ids[1] == 7 and short.ids[2:5] == [0, 0, 0]
+    assert short.finite == [True, True, False, False, False, True]
+
+
+def test_greedy_rows_with_something_to_process_take_the_whole_pipeline():
+    """A penalty, an EOS ban before min_tokens or a sampled row beside it: no shorter way."""
+    logits = torch.tensor([[0.0, 0.0, 0.0, 2.0, 1.9, 0.0]])
+    row = Row(SamplingSettings(temperature=0, repetition_penalty=2.0), prompt_ids=[3])
+    assert choose([row], logits.clone()).ids == [4]  # 3 was seen: 2.0 / 2 < 1.9
+    banned = Row(SamplingSettings(temperature=0, min_tokens=1))
+    assert choose([banned], torch.tensor([[9.0, 0.0, 0.0, 1.0, 0.0, 0.0]])).ids == [3]
+    rows = [Row(SamplingSettings(temperature=0)), Row(SamplingSettings(seed=1))]
+    assert not NextTokenChooser.for_rows(rows, [EOS])._plain_greedy(rows)
+
+
 def test_a_rows_draw_does_not_depend_on_its_neighbours():
     """Each row draws one uniform from its own generator: a seeded row picks the same token
     alone and beside any other rows."""
