@@ -407,6 +407,14 @@ def test_the_decoder_stack_refuses_caches_that_do_not_fit(tiny_model_dir):
         stack(x, k, [t.to(torch.bfloat16) for t in k], placed)
     with pytest.raises(ValueError, match="x "):
         stack(x.to(torch.bfloat16), k, k, placed)
+    # tuples of caches are checked once and their arguments kept; other caches are checked anew
+    kept = tuple(k)
+    stack(x, kept, kept, placed)
+    assert stack._caches[0] is kept
+    with pytest.raises(ValueError, match="caches"):
+        stack(x, kept, tuple(t.to(torch.bfloat16) for t in k), placed)
+    with pytest.raises(ValueError, match="caches"):
+        stack(x, kept, tuple(t[:, :, :32] for t in k), placed)
 
 
 def cpu_has(variant: str) -> bool:
