@@ -121,7 +121,9 @@ class NextTokenChooser:
         """One token per row of logits [B, V]: the whole pipeline and one host transfer; with
         `logprobs`, each choice's logprob and the `top_logprobs` most likely alternatives."""
         if not logprobs and self._plain_greedy(rows):
-            return self._greedy(logits)
+            choice = self._greedy(logits, rows)
+            if choice is not None:
+                return choice
         # NaN or inf (fp16 overflow, a broken device) would be sampled as some token: such a row
         # is drawn from zeros instead and reported, so its stream can fail alone. Its sum is NaN
         # or inf then (or past float's range, itself a broken row): one pass, where isfinite and
@@ -144,30 +146,31 @@ class NextTokenChooser:
         )
 
     def _plain_greedy(self, rows: Sequence[Row]) -> bool:
-        """Whether every row takes its likeliest token from the logits as they are: greedy, no
-        repetition penalty, min_p or grammar, and past min_tokens (no EOS ban)."""
+        """Whether every row takes its likeliest token from the logits as they are, or EOS
+        banned: greedy, with no repetition penalty, min_p or grammar."""
         self._check(rows)
-        return self.greedy_only and all(
-            row.grammar is None and len(row.output_ids) >= least
-            for row, least in zip(rows, self.min_tokens)
-        )
+        return self.greedy_only and all(row.grammar is None for row in rows)
 
-    def _greedy(self, logits: torch.Tensor) -> Choice:
-        """`choose` where every row is plainly greedy (`_plain_greedy`): the same finite check,
-        then the first largest of each finite row (token 0 for one that is not: the pipeline
-        draws it from zeros), so the same ids and flags as the whole pipeline gives. On a CPU
-        the largest comes from numpy's argmax (3 us for 49152 logits, where torch's max took
-        27). After a forward has left the caches cold every tensor operation costs tens of
-        microseconds: in a 3.3 ms decode step of the default model the pipeline's took about
-        190 us, these about 105 (docs/performance.md)."""
+    def _greedy(self, logits: torch.Tensor, rows: Sequence[Row]) -> Choice | None:
+        """`choose` for plainly greedy rows (`_plain_greedy`): the same finite check, then each
+        row's first largest logit, so the same ids and flags as the whole pipeline gives. None
+        (the pipeline's turn) when a row is not finite, or when a row short of min_tokens would
+        take EOS: banned, its token is the pipeline's to find. On a CPU the largest comes from
+        numpy's argmax (3 us for 49152 logits, where torch's max took 27). After a forward has
+        left the caches cold every tensor operation costs tens of microseconds: in a 3.3 ms
+        decode step of the default model the pipeline's took about 190 us, these about 105
+        (docs/performance.md)."""
         finite = torch.isfinite(logits.sum(-1)).tolist()
+        if not all(finite):
+            return None
         if logits.device.type == "cpu" and logits.dtype == torch.float32:
             ids = numpy.argmax(logits.detach().numpy(), axis=-1).tolist()
         else:
             ids = logits.max(-1).indices.tolist()
-        return Choice(
-            ids=[i if ok else 0 for i, ok in zip(ids, finite)], finite=finite, logprobs=None
-        )
+        for token, row, least in zip(ids, rows, self.min_tokens):
+            if token in self.eos_ids and len(row.output_ids) < least:
+                return None
+        return Choice(ids=ids, finite=finite, logprobs=None)
 
     def _check(self, rows: Sequence[Row]) -> None:
         if len(rows) != len(self):

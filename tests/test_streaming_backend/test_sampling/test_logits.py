@@ -108,28 +108,40 @@ def test_a_non_finite_row_is_reported_and_the_others_are_unharmed():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_plainly_greedy_rows_get_what_the_whole_pipeline_gives(dtype):
-    """Rows with nothing to process take a shorter way (`_greedy`): the same ids and flags as
-    the pipeline (which logprobs take) gives, ties to the first largest, a row that is not
-    finite token 0."""
+def test_plainly_greedy_rows_get_what_the_whole_pipeline_gives(dtype, monkeypatch):
+    """Greedy rows with nothing to process but an EOS ban take a shorter way (`_greedy`, the
+    pipeline not run): the same ids and flags as the pipeline (which logprobs take) gives,
+    ties to the first largest. A row that is not finite, or that would take a banned EOS, is
+    the pipeline's."""
     torch.manual_seed(3)
-    logits = torch.randn(6, 49152).to(dtype)
+    logits = torch.randn(4, 49152).to(dtype)
     logits[1, [7, 9000, 40000]] = 50.0  # a three-way tie
-    logits[2, 123] = float("nan")
-    logits[3, 5] = float("inf")
-    logits[4, 77] = float("-inf")
-    rows = [Row(SamplingSettings(temperature=0)) for _ in range(6)]
+    logits[2, EOS] = 60.0  # EOS on top, allowed: that row is past min_tokens
+    rows = [Row(SamplingSettings(temperature=0, min_tokens=m)) for m in (0, 0, 1, 5)]
+    rows[2].output_ids = [4]
+    whole = NextTokenChooser.for_rows(rows, [EOS]).choose(logits.clone(), rows, logprobs=True)
     chooser = NextTokenChooser.for_rows(rows, [EOS])
-    assert chooser._plain_greedy(rows)
+    pipeline = chooser.process
+    monkeypatch.setattr(chooser, "process", lambda *a: pytest.fail("the pipeline ran"))
     short = chooser.choose(logits.clone(), rows)
-    whole = chooser.choose(logits.clone(), rows, logprobs=True)
-    assert short.ids == whole.ids and short.finite == whole.finite
-    assert short.ids[1] == 7 and short.ids[2:5] == [0, 0, 0]
-    assert short.finite == [True, True, False, False, False, True]
+    assert short.ids == whole.ids and short.finite == whole.finite == [True] * 4
+    assert short.ids[1] == 7 and short.ids[2] == EOS
+    monkeypatch.setattr(chooser, "process", pipeline)
+    banned = logits.clone()
+    banned[3, EOS] = 70.0  # row 3 is short of min_tokens: EOS banned, its next best
+    expected = NextTokenChooser.for_rows(rows, [EOS]).choose(banned.clone(), rows, logprobs=True)
+    assert chooser.choose(banned.clone(), rows).ids == expected.ids
+    assert expected.ids[3] == int(logits[3].float().argmax())
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        broken = logits.clone()
+        broken[2, 123] = bad
+        expected = NextTokenChooser.for_rows(rows, [EOS]).choose(broken.clone(), rows, True)
+        choice = chooser.choose(broken.clone(), rows)
+        assert choice.ids == expected.ids and choice.finite == [True, True, False, True]
 
 
 def test_greedy_rows_with_something_to_process_take_the_whole_pipeline():
-    """A penalty, an EOS ban before min_tokens or a sampled row beside it: no shorter way."""
+    """A penalty, or a sampled row beside: no shorter way."""
     logits = torch.tensor([[0.0, 0.0, 0.0, 2.0, 1.9, 0.0]])
     row = Row(SamplingSettings(temperature=0, repetition_penalty=2.0), prompt_ids=[3])
     assert choose([row], logits.clone()).ids == [4]  # 3 was seen: 2.0 / 2 < 1.9
