@@ -196,6 +196,10 @@ class MatmulKernel:
         self._q8.argtypes = [*head, *[ctypes.c_void_p] * 2, *tail, ctypes.c_int]
         self._dense = library.ts_dense_matmul
         self._dense.argtypes = [*head, ctypes.c_void_p, ctypes.c_int, *tail, ctypes.c_int]
+        self._greedy = library.ts_greedy_rows
+        self._greedy.restype = ctypes.c_int
+        self._greedy.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+        self._greedy.argtypes += [ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int32)]
         for fn in (self._q4, self._q8, self._dense):
             fn.restype = ctypes.c_int
 
@@ -210,6 +214,19 @@ class MatmulKernel:
         (quant.NativeInt8Weight); `around` as `_run` takes it."""
         ptrs = (weight.data_ptr(), scales.data_ptr())
         return self._run(self._q8, x, weight.shape[0], weight.shape[1], ptrs, **around)
+
+    def greedy(self, logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+        """Each row of logits [B, V] (float32, contiguous, on the CPU): the first index of its
+        largest value, and whether its sum is finite for certain (every value finite, 2 V
+        max|x| below float's range); a row not certain gets 0 (`ts_greedy_rows`)."""
+        if logits.dtype != torch.float32 or logits.dim() != 2 or not logits.is_contiguous():
+            raise ValueError(f"greedy: logits {tuple(logits.shape)} {logits.dtype}")
+        rows, vocab = logits.shape
+        ids, sure = (ctypes.c_int64 * rows)(), (ctypes.c_int32 * rows)()
+        status = self._greedy(logits.data_ptr(), rows, vocab, ids, sure)
+        if status:
+            raise RuntimeError(f"greedy kernel: {STATUS.get(status, status)}")
+        return list(ids), [bool(s) for s in sure]
 
     def dense(self, x: torch.Tensor, weight: torch.Tensor, **around) -> torch.Tensor:
         """x . W^T [m, n] for an unquantized W [n, k] (float32 or bfloat16, contiguous), each

@@ -27,6 +27,7 @@ import numpy
 import torch
 
 from streaming_backend.errors import MaskFailed
+from streaming_backend.forward import native
 from streaming_backend.sampling import logprobs as lp
 from streaming_backend.sampling import sampling
 from streaming_backend.sampling.grammar import GrammarMatcher, apply_grammar_masks
@@ -152,21 +153,29 @@ class NextTokenChooser:
         return self.greedy_only and all(row.grammar is None for row in rows)
 
     def _greedy(self, logits: torch.Tensor, rows: Sequence[Row]) -> Choice | None:
-        """`choose` for plainly greedy rows (`_plain_greedy`): the same finite check, then each
-        row's first largest logit, so the same ids and flags as the whole pipeline gives. None
-        (the pipeline's turn) when a row is not finite, or when a row short of min_tokens would
-        take EOS: banned, its token is the pipeline's to find. On a CPU the largest comes from
-        numpy's argmax (3 us for 49152 logits, where torch's max took 27). After a forward has
-        left the caches cold every tensor operation costs tens of microseconds: in a 3.3 ms
-        decode step of the default model the pipeline's took about 190 us, these about 105
-        (docs/performance.md)."""
-        finite = torch.isfinite(logits.sum(-1)).tolist()
-        if not all(finite):
-            return None
-        if logits.device.type == "cpu" and logits.dtype == torch.float32:
-            ids = numpy.argmax(logits.detach().numpy(), axis=-1).tolist()
+        """`choose` for plainly greedy rows (`_plain_greedy`): each row's first largest logit,
+        where its finite check holds, so the same ids and flags as the whole pipeline gives.
+        None (the pipeline's turn) when a row is not finite, or when a row short of min_tokens
+        would take EOS: banned, its token is the pipeline's to find. On a CPU one call of our C
+        kernels takes both (`native.MatmulKernel.greedy`: a row it is not certain of goes to the
+        pipeline); without them, the pipeline's finite check and numpy's argmax. After a forward
+        has left the caches cold every tensor operation costs tens of microseconds: in a 3.3 ms
+        decode step of the default model the pipeline's took about 190 us, these about 105, the
+        C call about 20 (docs/performance.md)."""
+        picked = _native_greedy(logits)
+        if picked is not None:
+            ids, sure = picked
+            if not all(sure):
+                return None
+            finite = sure
         else:
-            ids = logits.max(-1).indices.tolist()
+            finite = torch.isfinite(logits.sum(-1)).tolist()
+            if not all(finite):
+                return None
+            if logits.device.type == "cpu" and logits.dtype == torch.float32:
+                ids = numpy.argmax(logits.detach().numpy(), axis=-1).tolist()
+            else:
+                ids = logits.max(-1).indices.tolist()
         for token, row, least in zip(ids, rows, self.min_tokens):
             if token in self.eos_ids and len(row.output_ids) < least:
                 return None
@@ -175,6 +184,15 @@ class NextTokenChooser:
     def _check(self, rows: Sequence[Row]) -> None:
         if len(rows) != len(self):
             raise ValueError(f"a chooser of {len(self)} rows was given {len(rows)}")
+
+
+def _native_greedy(logits: torch.Tensor) -> tuple[list[int], list[bool]] | None:
+    """`native.MatmulKernel.greedy` of CPU float32 logits [B, V]; None where it does not apply
+    (another device or dtype, or no C kernels)."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2:
+        return None
+    kernel = native.matmul_kernel()
+    return None if kernel is None else kernel.greedy(logits.contiguous())
 
 
 def _seen(row: Row) -> list[int]:

@@ -1067,3 +1067,82 @@ int ts_decoder_stack(const StackLayer *layers, int64_t count, float *x, int64_t 
     free(work);
     return status;
 }
+
+/* ---- a greedy step's pick ----------------------------------------------------------------------
+ *
+ * For each row of x [rows, n] float32 (sampling/logits.py, the greedy rows of a step):
+ * ids[r] = the first index of its largest value, and sure[r] = 1 when every value is finite and
+ * 2 n max|x| < FLT_MAX, so that no order of summing the row can overflow: the pipeline's finite
+ * check (the row's sum is finite) then holds for certain. Else sure[r] = 0 and ids[r] = 0: the
+ * pipeline decides. One pass for the largest, its size and finiteness, one to find its first
+ * place (a max of finite values is exact in any order, so the lanes may take it apart). */
+#define FLOAT_LIMIT 3.40282347e38f
+
+static int64_t first_equal(const float *v, int64_t n, float best) {
+    int64_t i = 0;
+#if defined(TS_AVX512)
+    const __m512 want = _mm512_set1_ps(best);
+    for (; i + 16 <= n; i += 16) {
+        const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(v + i), want, _CMP_EQ_OQ);
+        if (hit) return i + __builtin_ctz(hit);
+    }
+#elif defined(TS_AVX2)
+    const __m256 want = _mm256_set1_ps(best);
+    for (; i + 8 <= n; i += 8) {
+        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + i), want, _CMP_EQ_OQ));
+        if (hit) return i + __builtin_ctz(hit);
+    }
+#endif
+    for (; i < n; i++)
+        if (v[i] == best) return i;
+    return 0;  /* not reached: best is one of the values */
+}
+
+int ts_greedy_rows(const float *x, int64_t rows, int64_t n, int64_t *ids, int32_t *sure) {
+    if (rows < 0 || n < 1) return TS_BAD_ARGS;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *v = x + r * n;
+        float best = -INFINITY, big = 0.0f;
+        int finite = 1;
+        int64_t i = 0;
+#if defined(TS_AVX512)
+        __m512 top = _mm512_set1_ps(-INFINITY), size = _mm512_setzero_ps();
+        __mmask16 odd = 0;  /* lanes that met a NaN or an infinity */
+        for (; i + 16 <= n; i += 16) {
+            const __m512 value = _mm512_loadu_ps(v + i);
+            odd |= _mm512_fpclass_ps_mask(value, 0x99);  /* QNaN, SNaN, +inf, -inf */
+            top = _mm512_max_ps(top, value);
+            size = _mm512_max_ps(size, _mm512_abs_ps(value));
+        }
+        finite = odd == 0;
+        best = _mm512_reduce_max_ps(top);
+        big = _mm512_reduce_max_ps(size);
+#elif defined(TS_AVX2)
+        __m256 top = _mm256_set1_ps(-INFINITY), size = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        for (; i + 8 <= n; i += 8) {
+            const __m256 value = _mm256_loadu_ps(v + i);
+            odd = _mm256_or_ps(odd, _mm256_cmp_ps(_mm256_sub_ps(value, value), _mm256_setzero_ps(), _CMP_NEQ_UQ));
+            top = _mm256_max_ps(top, value);
+            size = _mm256_max_ps(size, _mm256_andnot_ps(sign, value));
+        }
+        float lanes[8], sizes[8];
+        _mm256_storeu_ps(lanes, top);
+        _mm256_storeu_ps(sizes, size);
+        finite = _mm256_movemask_ps(odd) == 0;
+        for (int l = 0; l < 8; l++) {
+            best = lanes[l] > best ? lanes[l] : best;
+            big = sizes[l] > big ? sizes[l] : big;
+        }
+#endif
+        for (; i < n; i++) {
+            finite &= isfinite(v[i]) != 0;
+            best = v[i] > best ? v[i] : best;
+            big = fabsf(v[i]) > big ? fabsf(v[i]) : big;
+        }
+        const int ok = finite && big < FLOAT_LIMIT / (2.0f * (float)n);  /* room for rounding */
+        sure[r] = ok;
+        ids[r] = ok ? first_equal(v, n, best) : 0;
+    }
+    return TS_OK;
+}

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from streaming_backend.forward import native
 from streaming_backend.sampling import sampling
 from streaming_backend.sampling.logits import NextTokenChooser
 from streaming_backend.sampling.settings import SamplingSettings
@@ -107,12 +108,15 @@ def test_a_non_finite_row_is_reported_and_the_others_are_unharmed():
         assert choice.finite == [False, True], bad
 
 
+@pytest.mark.parametrize("kernels", ["ours", "none"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_plainly_greedy_rows_get_what_the_whole_pipeline_gives(dtype, monkeypatch):
+def test_plainly_greedy_rows_get_what_the_whole_pipeline_gives(dtype, kernels, monkeypatch):
     """Greedy rows with nothing to process but an EOS ban take a shorter way (`_greedy`, the
-    pipeline not run): the same ids and flags as the pipeline (which logprobs take) gives,
-    ties to the first largest. A row that is not finite, or that would take a banned EOS, is
-    the pipeline's."""
+    pipeline not run; float32 on our C kernels where they build, else numpy's argmax): the same
+    ids and flags as the pipeline (which logprobs take) gives, ties to the first largest. A
+    row that is not finite, or that would take a banned EOS, is the pipeline's."""
+    if kernels == "none":
+        monkeypatch.setattr(native, "matmul_kernel", lambda: None)
     torch.manual_seed(3)
     logits = torch.randn(4, 49152).to(dtype)
     logits[1, [7, 9000, 40000]] = 50.0  # a three-way tie
