@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from streaming_backend.detokenize import REPLACEMENT, IncrementalDetokenizer
+from streaming_backend.detokenize import REPLACEMENT, IncrementalDetokenizer, decoder
 
 TEXTS = [
     "The Great Wall of China is long.",
@@ -79,3 +79,19 @@ def test_special_tokens_produce_no_text(tokenizer):
     ids = tokenizer("hi", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     deltas, rest = _stream(tokenizer, ids)
     assert "".join(deltas) + rest == "hi"
+
+
+def test_the_backends_decode_gives_the_tokenizers_text(tokenizer, monkeypatch):
+    """`decoder` skips the Hugging Face wrapper where it adds nothing: the same text as
+    tokenizer.decode(ids, skip_special_tokens=True) for random ids, special ones among them;
+    a tokenizer that cleans up spaces keeps its own decode."""
+    decode = decoder(tokenizer)
+    assert decode.func == tokenizer._tokenizer.decode
+    rng = random.Random(4)
+    specials = tokenizer.all_special_ids
+    for _ in range(500):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(0, 6))]
+        ids.insert(rng.randrange(len(ids) + 1), rng.choice(specials))
+        assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=True), ids
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
+    assert decoder(tokenizer).func == tokenizer.decode
