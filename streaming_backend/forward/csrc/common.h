@@ -66,6 +66,19 @@ static inline float hsum8(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+
+/* hsum8 of four registers at once, each value summed as hsum8 sums it (the same additions of the
+ * same pairs, in the same order): lanes 0, 4, 1, 5 of the result hold a's, b's, c's, d's. */
+static inline __m256 hsum8x4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    /* hsum8's first step, lo128 + hi128: [a's 4 | b's 4], [c's 4 | d's 4] */
+    const __m256 ab = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+    const __m256 cd = _mm256_add_ps(_mm256_permute2f128_ps(c, d, 0x20), _mm256_permute2f128_ps(c, d, 0x31));
+    /* its second, s0 + s2 and s1 + s3: [a a c c | b b d d] */
+    const __m256 z = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+    /* its last, (s0 + s2) + (s1 + s3) */
+    return _mm256_add_ps(_mm256_shuffle_ps(z, z, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(z, z, _MM_SHUFFLE(3, 1, 3, 1)));
+}
 #endif
 
 /* exp(x) for x <= 0 (a score minus the row's maximum): 2^n * p(r), x = n ln2 + r, |r| <= ln2/2,

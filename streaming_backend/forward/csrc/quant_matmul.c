@@ -422,18 +422,10 @@ static inline float tree16(__m512 v) {
 /* tree16 of four registers at once, each value summed as tree16 sums it (the same additions of
  * the same pairs, in the same order): lanes 0, 4, 1, 5 of the result hold a's, b's, c's, d's. */
 static inline __m256 tree16x4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    const __m256 ea = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-    const __m256 eb = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
-    const __m256 ec = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
-    const __m256 ed = _mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1));
-    /* hsum8's first step, lo128 + hi128: [a's 4 | b's 4], [c's 4 | d's 4] */
-    const __m256 ab = _mm256_add_ps(_mm256_permute2f128_ps(ea, eb, 0x20), _mm256_permute2f128_ps(ea, eb, 0x31));
-    const __m256 cd = _mm256_add_ps(_mm256_permute2f128_ps(ec, ed, 0x20), _mm256_permute2f128_ps(ec, ed, 0x31));
-    /* its second, s0 + s2 and s1 + s3: [a a c c | b b d d] */
-    const __m256 z = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
-    /* its last, (s0 + s2) + (s1 + s3) */
-    return _mm256_add_ps(_mm256_shuffle_ps(z, z, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(z, z, _MM_SHUFFLE(3, 1, 3, 1)));
+    return hsum8x4(_mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)),
+                   _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1)),
+                   _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1)),
+                   _mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1)));
 }
 
 /* noinline here: gcc then builds one copy per constant R, as it did before q4_tile_wide came
@@ -683,10 +675,23 @@ static inline void q4_tile(const Call *c, int64_t row, int R, int64_t col) {
             }
         }
     }
-    for (int r = 0; r < R; r++) {
-        const float value = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + hsum8(_mm256_add_ps(low[r][0], low[r][1]));
-        emit(c, row + r, col, value);
+    if (R == 1) {
+        emit(c, row, col, hsum8(_mm256_add_ps(acc[0][0], acc[0][1])) + hsum8(_mm256_add_ps(low[0][0], low[0][1])));
+        return;
     }
+    /* the rows' sums four at a time (hsum8x4: the same bits as hsum8 each; a missing row's
+     * registers are zeros, its lanes unused), as the AVX-512 build's tiles take them */
+    const __m256 zero = _mm256_setzero_ps();
+    __m256 sums[ROW_TILE] = {zero, zero, zero, zero}, low_sums[ROW_TILE] = {zero, zero, zero, zero};
+    for (int r = 0; r < R; r++) {
+        sums[r] = _mm256_add_ps(acc[r][0], acc[r][1]);
+        low_sums[r] = _mm256_add_ps(low[r][0], low[r][1]);
+    }
+    float v[8];
+    _mm256_storeu_ps(v, _mm256_add_ps(hsum8x4(sums[0], sums[1], sums[2], sums[3]),
+                                      hsum8x4(low_sums[0], low_sums[1], low_sums[2], low_sums[3])));
+    static const int lane[ROW_TILE] = {0, 4, 1, 5};  /* where hsum8x4 leaves a's, b's, c's, d's */
+    for (int r = 0; r < R; r++) emit(c, row + r, col, v[lane[r]]);
 }
 #else
 #define Q4_WIDE 0
