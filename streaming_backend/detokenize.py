@@ -44,7 +44,6 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Any):
-        self._tokenizer = tokenizer
         self._decode = decoder(tokenizer)
         self.ids: list[int] = []
         self._prefix_offset = 0

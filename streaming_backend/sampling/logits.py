@@ -77,8 +77,9 @@ class NextTokenChooser:
         self.eos_ids = sorted(eos_ids)
         # every row greedy with no penalty or min_p: a step whose rows need no EOS ban or grammar
         # either takes each row's likeliest token as the logits hold it (`_greedy`)
-        self.greedy_only = self.params.all_greedy and all(p == 1.0 for p in self.penalties)
-        self.greedy_only = self.greedy_only and not self.min_p
+        self.greedy_only = (
+            self.params.all_greedy and not self.min_p and all(p == 1.0 for p in self.penalties)
+        )
 
     @classmethod
     def for_rows(

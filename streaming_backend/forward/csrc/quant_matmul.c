@@ -287,6 +287,16 @@ static inline void emit(const Call *c, int64_t row, int64_t col, float value) {
 }
 
 #ifdef TS_AVX2
+/* y for the R * C <= 4 (row, weight row) pairs from (row, col) whose values a four-way tree
+ * (hsum8x4, tree16x4) left in `values`: pair r * C + j in lane 0, 4, 1 or 5. */
+static inline void emit_pairs(const Call *c, int64_t row, int R, int64_t col, int C, __m256 values) {
+    static const int lane[4] = {0, 4, 1, 5};
+    float v[8];
+    _mm256_storeu_ps(v, values);
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) emit(c, row + r, col + j, v[lane[r * C + j]]);
+}
+
 /* The 8 int32 sums of u . s over 4 bytes each (u unsigned, s signed, both below 128 in size, so
  * AVX2's 16-bit pair sums cannot saturate): exact, so VNNI's one instruction gives the same. */
 static inline __m256i dot_u8s8(__m256i u, __m256i s) {
@@ -477,11 +487,9 @@ static __attribute__((noinline)) void q4_tile(const Call *c, int64_t row, int R,
      * bits; a missing row's registers are zeros, its lanes unused): a prefill's tile of four
      * rows of 576 inputs spent about a third of its instructions in eight tree16 */
     const __m512 zero = _mm512_setzero_ps();
-    float v[8];
-    _mm256_storeu_ps(v, _mm256_add_ps(tree16x4(acc[0], acc[1], R > 2 ? acc[2] : zero, R > 3 ? acc[3] : zero),
-                                      tree16x4(low[0], low[1], R > 2 ? low[2] : zero, R > 3 ? low[3] : zero)));
-    static const int lane[ROW_TILE] = {0, 4, 1, 5};  /* where tree16x4 leaves a's, b's, c's, d's */
-    for (int r = 0; r < R; r++) emit(c, row + r, col, v[lane[r]]);
+    emit_pairs(c, row, R, col, 1,
+               _mm256_add_ps(tree16x4(acc[0], acc[1], R > 2 ? acc[2] : zero, R > 3 ? acc[3] : zero),
+                             tree16x4(low[0], low[1], R > 2 ? low[2] : zero, R > 3 ? low[3] : zero)));
 }
 /* Ask for the line at p into L1 (into 1) or L2 (into 2); nothing for 0 (a constant per caller). */
 static inline __attribute__((always_inline)) void ask_into(const void *p, int into) {
@@ -557,12 +565,9 @@ static inline __attribute__((always_inline)) void q4_tile_wide(const Call *c, in
     __m512 sums[4] = {zero, zero, zero, zero}, lows[4] = {zero, zero, zero, zero};
     for (int r = 0; r < R; r++)
         for (int j = 0; j < C; j++) sums[r * C + j] = acc[r][j], lows[r * C + j] = low[r][j];
-    float v[8];
-    _mm256_storeu_ps(v, _mm256_add_ps(tree16x4(sums[0], sums[1], sums[2], sums[3]),
-                                      tree16x4(lows[0], lows[1], lows[2], lows[3])));
-    static const int lane[4] = {0, 4, 1, 5};  /* where tree16x4 leaves a's, b's, c's, d's */
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < C; j++) emit(c, row + r, col + j, v[lane[r * C + j]]);
+    emit_pairs(c, row, R, col, C,
+               _mm256_add_ps(tree16x4(sums[0], sums[1], sums[2], sums[3]),
+                             tree16x4(lows[0], lows[1], lows[2], lows[3])));
 }
 
 /* q4_tile_wide's copies, each one per constant R and C: tiles that ask for no rows, and tiles
@@ -687,11 +692,9 @@ static inline void q4_tile(const Call *c, int64_t row, int R, int64_t col) {
         sums[r] = _mm256_add_ps(acc[r][0], acc[r][1]);
         low_sums[r] = _mm256_add_ps(low[r][0], low[r][1]);
     }
-    float v[8];
-    _mm256_storeu_ps(v, _mm256_add_ps(hsum8x4(sums[0], sums[1], sums[2], sums[3]),
-                                      hsum8x4(low_sums[0], low_sums[1], low_sums[2], low_sums[3])));
-    static const int lane[ROW_TILE] = {0, 4, 1, 5};  /* where hsum8x4 leaves a's, b's, c's, d's */
-    for (int r = 0; r < R; r++) emit(c, row + r, col, v[lane[r]]);
+    emit_pairs(c, row, R, col, 1,
+               _mm256_add_ps(hsum8x4(sums[0], sums[1], sums[2], sums[3]),
+                             hsum8x4(low_sums[0], low_sums[1], low_sums[2], low_sums[3])));
 }
 #else
 #define Q4_WIDE 0
