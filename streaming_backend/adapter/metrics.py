@@ -11,6 +11,8 @@ here ever raises: a failed metrics call is logged, and a stream never ends becau
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Callable
 
 from streaming_backend.events import FinishReason, TokenEvent
@@ -21,6 +23,10 @@ LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
 ITL_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5]
 OK, FAILED, CANCELLED, REJECTED = "ok", "failed", "cancelled", "rejected"
 OUTCOMES = (OK, FAILED, CANCELLED, REJECTED)  # labels of tokenstream_requests_total
+# The slowdown gauge is set at most this often (a thread count change is set at once): a gauge's
+# set, unlike every other metrics call, keeps the model process's GIL for its round trip to
+# Triton's process, so the engine thread's Python waits on it (docs/performance.md).
+STEP_GAUGES_EVERY_S = 1.0
 
 
 def outcome(event: TokenEvent) -> str:
@@ -117,6 +123,7 @@ class Metrics:
         self.outcomes = {o: requests.Metric(labels=labels | {"outcome": o}) for o in OUTCOMES}
         # the gauges' values as last set
         self._reported = {"active": 0, "waiting": 0, "step_threads": 0, "step_slowdown": 0.0}
+        self._steps_set_at = -math.inf  # time.monotonic() of the last set_steps that set
         # output tokens not yet added to tokenstream_generation_tokens_total: every metrics call
         # is a round trip to Triton's process, so the counter is added to when a stream ends and
         # at each poll (flush_tokens), not once a token (docs/performance.md)
@@ -139,11 +146,17 @@ class Metrics:
         """The waiting-requests gauge, set only when the number changed."""
         self._set_gauge("waiting", waiting)
 
-    def set_steps(self, report: StepReport | None) -> None:
-        """The decode steps' thread count and slowdown (to 0.01), set when they changed; nothing
-        without a report (a GPU, adaptive_threads off)."""
+    def set_steps(self, report: StepReport | None, now: float | None = None) -> None:
+        """The decode steps' thread count and slowdown (to 0.01), set when they changed: a new
+        thread count at once, the slowdown at most once in STEP_GAUGES_EVERY_S (`now`:
+        time.monotonic() unless given); nothing without a report (a GPU, adaptive_threads off)."""
         if report is None:
             return
+        now = time.monotonic() if now is None else now
+        switched = report.threads != self._reported["step_threads"]
+        if not switched and now - self._steps_set_at < STEP_GAUGES_EVERY_S:
+            return
+        self._steps_set_at = now
         self._set_gauge("step_threads", report.threads)
         if report.slowdown is not None:
             self._set_gauge("step_slowdown", round(report.slowdown, 2))

@@ -296,7 +296,35 @@ def test_the_step_gauges_follow_the_report_to_a_hundredth():
 
     metrics = Metrics(pb.MetricFamily, "chat", "1")
     metrics.set_steps(None)
-    for threads, slowdown in ((2, None), (2, 1.001), (2, 1.004), (1, 1.5), (1, 1.5)):
-        metrics.set_steps(StepReport(threads, 2, 0, None, None, slowdown))
+    reports = ((2, None), (2, 1.001), (2, 1.004), (1, 1.5), (1, 1.5))
+    for second, (threads, slowdown) in enumerate(reports):
+        metrics.set_steps(StepReport(threads, 2, 0, None, None, slowdown), now=100.0 + second)
     assert metrics.step_threads.observed == [2, 1]
     assert metrics.step_slowdown.observed == [1.0, 1.5]
+
+
+def test_the_slowdown_gauge_is_set_at_most_once_a_second_and_a_switch_at_once():
+    """A gauge's set keeps the model process's GIL for a round trip to Triton: the outbox polls
+    every cancel_check_ms, and the slowdown changes at nearly every poll, so it is set at most
+    once in STEP_GAUGES_EVERY_S (its newest value, at the first poll after); a new thread count
+    is set at once, with the slowdown of that moment."""
+    from streaming_backend.adapter.metrics import STEP_GAUGES_EVERY_S
+    from streaming_backend.step_threads import StepReport
+
+    assert STEP_GAUGES_EVERY_S == 1.0
+    metrics = Metrics(pb.MetricFamily, "chat", "1")
+
+    def poll(at: float, threads: int, slowdown: float) -> None:
+        metrics.set_steps(StepReport(threads, 2, 0, None, None, slowdown), now=at)
+
+    poll(10.00, 2, 1.10)  # the first report: set
+    poll(10.04, 2, 1.20)  # held back
+    poll(10.96, 2, 1.30)  # held back
+    poll(11.00, 2, 1.40)  # a second on: the newest value
+    poll(11.04, 1, 1.50)  # a switch: at once
+    poll(11.08, 1, 1.60)  # held back
+    poll(12.04, 1, 1.60)  # a second on
+    poll(13.04, 1, 1.60)  # unchanged: nothing to set
+    poll(13.08, 1, 1.70)  # held back: the last look was at 13.04
+    poll(14.04, 1, 1.70)  # a second on
+    assert metrics.step_slowdown.observed == [1.1, 1.4, 1.5, 1.6, 1.7]
