@@ -123,7 +123,8 @@ class Metrics:
         self.outcomes = {o: requests.Metric(labels=labels | {"outcome": o}) for o in OUTCOMES}
         # the gauges' values as last set
         self._reported = {"active": 0, "waiting": 0, "step_threads": 0, "step_slowdown": 0.0}
-        self._steps_set_at = -math.inf  # time.monotonic() of the last set_steps that set
+        # time.monotonic() of set_steps' last look at a report (the limit had passed, or a switch)
+        self._steps_set_at = -math.inf
         # output tokens not yet added to tokenstream_generation_tokens_total: every metrics call
         # is a round trip to Triton's process, so the counter is added to when a stream ends and
         # at each poll (flush_tokens), not once a token (docs/performance.md)
