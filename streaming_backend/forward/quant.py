@@ -35,6 +35,7 @@ from streaming_backend.forward import native
 INT4_GROUP = 32
 # the head's format per quantization: an int4 head cost 8 points of greedy agreement (90 % vs 98 %)
 HEAD_KIND = {"none": "none", "int8": "int8", "int4": "int8"}
+LAYOUT_VERSION = 1  # of what quantize_weight produces: raise it when that changes (weight_cache)
 INT4_INNER_K_TILES = 1  # the CPU packing ignores it; the op still takes it
 # The activations' dtype at a quantized matmul, by the model's: neither kernel has a fast float32
 # path (16 rows: int4 [576 -> 3072] 23 ms with float32 activations against 0.3-0.5 ms through
