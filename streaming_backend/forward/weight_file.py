@@ -1,0 +1,166 @@
+"""A tree of tensors in one file: written once, atomically, then mapped read-only by its readers.
+
+    write_tree(path, tree, meta)           # a temporary file beside it, fsynced, then renamed
+    tree, meta = read_tree(path, types)    # every tensor a view of one read-only mapping
+
+The tree is tuples, lists, NamedTuples and dataclasses (of `types` when read back) with tensors,
+None, booleans, numbers and strings at its leaves. Each tensor is named by its path in the tree
+("blocks.3.qkv.packed": field qkv of item 3 of field blocks) and stored once however often it
+appears, contiguous and at a page boundary. A reader's tensors view the file's pages in the page
+cache: every process that maps the file shares them, none can write them, and on kernels that
+keep large folios for the file (ext4 on Linux 6.x) they are mapped in huge pages.
+
+Layout: MAGIC, the header's length (8 bytes, little-endian), the header (JSON: the tree, each
+tensor's dtype, shape and offset, the tensors' bytes, the caller's `meta`), zeros up to a page
+boundary, the tensors. A file of another length than its header says (the rename makes that
+rare: a disk error, a copy cut short) raises WeightFileError, never gives short tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import mmap
+import os
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MAGIC = b"tokenstream-weights\n"
+PAGE = 4096  # each tensor's start in the file: a page, so any dtype and cache line fits
+
+
+class WeightFileError(ValueError):
+    """The file is not a whole weight file of this format."""
+
+
+def write_tree(path: Path, tree: Any, meta: dict[str, Any]) -> int:
+    """Write `tree` and `meta` (JSON values) to `path` as a new file that appears whole or not
+    at all: written to a temporary file in the same folder, fsynced, renamed over `path`, the
+    folder fsynced. Returns the bytes written."""
+    tensors: dict[str, torch.Tensor] = {}
+    encoded = _encode(tree, "", tensors, {})
+    layout, end = {}, 0
+    for name, tensor in tensors.items():
+        layout[name] = [str(tensor.dtype).removeprefix("torch."), list(tensor.shape), end]
+        end += _page_up(tensor.numel() * tensor.element_size())
+    header = json.dumps({"tree": encoded, "tensors": layout, "bytes": end, "meta": meta}).encode()
+    start = _page_up(len(MAGIC) + 8 + len(header))
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.unlink(missing_ok=True)  # a killed write's, whose process id came back
+    try:
+        with temporary.open("xb") as f:
+            f.write(MAGIC + len(header).to_bytes(8, "little") + header)
+            for name, tensor in tensors.items():
+                f.seek(start + layout[name][2])
+                f.write(_bytes(tensor))
+            f.truncate(start + end)  # the last tensor's padding: the file's length says it is whole
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    _fsync_folder(path.parent)
+    return start + end
+
+
+def read_tree(path: Path, types: Iterable[type]) -> tuple[Any, dict[str, Any]]:
+    """The tree and meta of a weight file, every tensor a view of one read-only mapping of it
+    (kept open while any of them lives); `types`: the NamedTuple and dataclass types it holds.
+    WeightFileError if the file is not whole or names a type not given."""
+    with path.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < len(MAGIC) + 8 or f.read(len(MAGIC)) != MAGIC:
+            raise WeightFileError(f"{path} is not a weight file")
+        length = int.from_bytes(f.read(8), "little")
+        try:
+            header = json.loads(f.read(length))
+            data = int(header["bytes"])  # the tensors' bytes, their padding included
+        except (ValueError, KeyError, TypeError) as exc:
+            raise WeightFileError(f"{path}: its header does not read ({exc})") from None
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # pages read in later come in huge folios where it can
+        mapped.madvise(mmap.MADV_HUGEPAGE)
+    with warnings.catch_warnings():  # torch warns that the buffer is read-only: it is meant to be
+        warnings.simplefilter("ignore", UserWarning)
+        whole = torch.frombuffer(mapped, dtype=torch.uint8)  # holds the mapping open
+    start = _page_up(len(MAGIC) + 8 + length)
+    if size != start + data:
+        raise WeightFileError(f"{path} holds {size} bytes, not {start + data}: not whole")
+    tensors = {}
+    for name, (dtype, shape, offset) in header["tensors"].items():
+        kind = getattr(torch, dtype)
+        count = torch.Size(shape).numel() * torch.empty((), dtype=kind).element_size()
+        tensors[name] = whole[start + offset : start + offset + count].view(kind).view(shape)
+    by_name = {t.__name__: t for t in types}
+    return _decode(header["tree"], tensors, by_name), header["meta"]
+
+
+def _encode(value: Any, name: str, tensors: dict, seen: dict) -> Any:
+    """`value` as JSON, its tensors added to `tensors` by name (a view already added, by the
+    same memory, shape and strides, is named as before)."""
+    if isinstance(value, torch.Tensor):
+        key = (value.untyped_storage().data_ptr(), value.storage_offset(), value.dtype,
+               tuple(value.shape), value.stride())  # fmt: skip
+        if key not in seen:
+            seen[key] = name
+            tensors[name] = value
+        return {"tensor": seen[key]}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    fields = getattr(value, "_fields", None) or (
+        [f.name for f in dataclasses.fields(value)] if dataclasses.is_dataclass(value) else None
+    )
+    if fields is not None:
+        parts = {f: _encode(getattr(value, f), _join(name, f), tensors, seen) for f in fields}
+        return {"type": type(value).__name__, "fields": parts}
+    if isinstance(value, (tuple, list)):
+        items = [_encode(v, _join(name, str(i)), tensors, seen) for i, v in enumerate(value)]
+        return {type(value).__name__: items}
+    raise TypeError(f"{name or 'the tree'}: a {type(value).__name__} cannot be stored")
+
+
+def _decode(value: Any, tensors: dict[str, torch.Tensor], types: dict[str, type]) -> Any:
+    """The inverse of _encode."""
+    if not isinstance(value, dict):
+        return value
+    if "tensor" in value:
+        return tensors[value["tensor"]]
+    if "type" in value:
+        kind = types.get(value["type"])
+        if kind is None:
+            raise WeightFileError(f"the file holds a {value['type']}, not one of {sorted(types)}")
+        fields = {k: _decode(v, tensors, types) for k, v in value["fields"].items()}
+        try:
+            return kind(**fields)
+        except TypeError as exc:  # the type's fields changed since the file was written
+            raise WeightFileError(f"a {value['type']} of other fields: {exc}") from None
+    [(kind, items)] = value.items()  # {"tuple": [...]} or {"list": [...]}
+    decoded = [_decode(v, tensors, types) for v in items]
+    return tuple(decoded) if kind == "tuple" else decoded
+
+
+def _join(name: str, part: str) -> str:
+    return f"{name}.{part}" if name else part
+
+
+def _page_up(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    """A tensor's bytes, contiguous, on the host (any dtype, bfloat16 included)."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy())
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make a rename in `folder` durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,175 @@
+"""A tree of tensors in one file, written atomically, mapped read-only (forward/weight_file.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from streaming_backend.forward.weight_file import (
+    MAGIC,
+    PAGE,
+    WeightFileError,
+    read_tree,
+    write_tree,
+)
+
+
+class Pair(NamedTuple):
+    packed: torch.Tensor
+    scales: torch.Tensor | None
+    out: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    rows: int
+    windows: tuple[int, ...]
+    eps: float
+
+
+def a_tree() -> tuple:
+    """Every kind of node and leaf the compact weights have, a view shared by two places."""
+    torch.manual_seed(0)
+    shared = torch.randn(6, 8).to(torch.bfloat16)
+    return (
+        Sizes(3, (4, 1 << 62), 1e-5),
+        [Pair(torch.randint(0, 255, (4, 16), dtype=torch.uint8), None, 3), Pair(shared, shared, 6)],
+        "int4",
+        (shared[2:4], torch.arange(5, dtype=torch.int64), torch.tensor(2.5)),
+        float("inf"),
+        None,
+        True,
+    )
+
+
+def mapped_ranges(path: Path) -> list[tuple[int, int, str]]:
+    """This process's mappings of `path`: (start, end, permissions)."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[5] == str(path):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((start, end, fields[1]))
+    return ranges
+
+
+def test_a_tree_comes_back_equal_in_views_of_one_read_only_mapping(tmp_path):
+    """Every node and leaf comes back with its type and value; each tensor views a read-only
+    mapping of the file at a page boundary, and a view that two places hold is stored once."""
+    tree, path = a_tree(), tmp_path / "w"
+    write_tree(path, tree, {"weights_digest": "abc"})
+    back, meta = read_tree(path, [Pair, Sizes])
+    assert meta == {"weights_digest": "abc"}
+    assert back[0] == tree[0] and back[2] == "int4" and back[4:] == (float("inf"), None, True)
+    assert isinstance(back[1], list) and isinstance(back[1][1], Pair) and back[1][0].out == 3
+    pairs = zip(torch.utils._pytree.tree_leaves(tree), torch.utils._pytree.tree_leaves(back))
+    for written, read in pairs:
+        if isinstance(written, torch.Tensor):
+            assert read.dtype == written.dtype and torch.equal(read, written)
+    [(start, end, permissions)] = mapped_ranges(path)
+    assert permissions.startswith("r-")
+    tensors = [back[1][0].packed, back[1][1].packed, back[3][0], back[3][1], back[3][2]]
+    assert all(start <= t.data_ptr() < end and t.data_ptr() % PAGE == 0 for t in tensors)
+    assert back[1][1].packed.data_ptr() == back[1][1].scales.data_ptr()  # one entry
+    assert back[3][0].data_ptr() != back[1][1].packed.data_ptr()  # another view: its own
+
+
+def test_the_mapping_outlives_the_tree_until_its_last_tensor(tmp_path):
+    """The file stays mapped while one of its tensors lives, and only so long."""
+    path = tmp_path / "w"
+    write_tree(path, a_tree(), {})
+    back, _ = read_tree(path, [Pair, Sizes])
+    kept = back[1][1].packed
+    expected = kept.clone()
+    del back
+    assert mapped_ranges(path) and torch.equal(kept, expected)
+    del kept
+    assert not mapped_ranges(path)
+
+
+@pytest.mark.parametrize("cut", [1, PAGE, 10_000])
+def test_a_file_cut_short_is_refused(tmp_path, cut):
+    """A file shorter than its header says (bytes lost at its end) raises WeightFileError."""
+    path = tmp_path / "w"
+    size = write_tree(path, a_tree(), {})
+    os.truncate(path, size - cut)
+    with pytest.raises(WeightFileError):
+        read_tree(path, [Pair, Sizes])
+
+
+NOT_ONE = [b"", b"garbage", MAGIC + b"\x05\0\0\0\0\0\0\0{nope", MAGIC + b"\x02" + bytes(7) + b"[]"]
+
+
+@pytest.mark.parametrize("content", NOT_ONE)
+def test_a_file_that_is_not_one_is_refused(tmp_path, content):
+    """Another file, an empty one, one whose header does not read: WeightFileError."""
+    path = tmp_path / "w"
+    path.write_bytes(content)
+    with pytest.raises(WeightFileError):
+        read_tree(path, [Pair, Sizes])
+
+
+def test_a_type_not_given_or_of_other_fields_is_refused(tmp_path):
+    """A reader that does not know a type the file holds, or knows it with other fields (the
+    code changed since), gets WeightFileError, not a wrong tree."""
+    path = tmp_path / "w"
+    write_tree(path, a_tree(), {})
+    with pytest.raises(WeightFileError, match="Pair"):
+        read_tree(path, [Sizes])
+
+    class Pair(NamedTuple):  # noqa: F811 - the same name, a field more without a default
+        packed: torch.Tensor
+        scales: torch.Tensor | None
+        out: int
+        steps: torch.Tensor
+
+    with pytest.raises(WeightFileError, match="other fields"):
+        read_tree(path, [Pair, Sizes])
+
+
+def test_what_cannot_be_stored_is_refused_by_name(tmp_path):
+    """A leaf of another kind raises TypeError naming its place; nothing is written."""
+    with pytest.raises(TypeError, match="1.scales"):
+        write_tree(tmp_path / "w", (1, Pair(torch.zeros(2), {"a": 1}, 2)), {})
+    assert not list(tmp_path.iterdir())
+
+
+KILLED_WRITER = """
+import os, signal, sys, torch
+from pathlib import Path
+from streaming_backend.forward import weight_file
+
+written = []
+real = weight_file._bytes
+
+def bytes_then_die(tensor):
+    if written:  # the second tensor: die with the first one on disk
+        os.kill(os.getpid(), signal.SIGKILL)
+    written.append(1)
+    return real(tensor)
+
+weight_file._bytes = bytes_then_die
+weight_file.write_tree(Path(sys.argv[1]), [torch.ones(4096), torch.ones(4096)], {})
+"""
+
+
+def test_a_write_killed_midway_leaves_no_file_at_its_path(tmp_path):
+    """A writer killed (SIGKILL) between two tensors leaves its temporary file, never a file at
+    the path a reader opens; a later write of the same path succeeds and reads whole."""
+    path = tmp_path / "w"
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(KILLED_WRITER), str(path)])
+    assert run.returncode == -signal.SIGKILL
+    assert not path.exists()
+    assert [p.name.endswith(".tmp") for p in tmp_path.iterdir()] == [True]
+    write_tree(path, [torch.ones(4096), torch.ones(4096)], {})
+    back, _ = read_tree(path, [])
+    assert all(torch.equal(t, torch.ones(4096)) for t in back)
