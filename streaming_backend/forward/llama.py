@@ -18,7 +18,7 @@ which every path here and the C kernel address alike.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -301,73 +301,153 @@ def _param(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach()
 
 
+class NativeParams(NamedTuple):
+    """What the C layers read beside the linear weights, in float32 (their activations' dtype):
+    each block's norms, biases and router (the linear weights are the blocks'), the final norm
+    and RoPE's tables."""
+
+    blocks: list[Block]
+    final_norm: torch.Tensor  # [hidden]
+    ropes: list[tuple[torch.Tensor, torch.Tensor]]  # as CompactWeights.ropes
+
+
+class CompactWeights(NamedTuple):
+    """Everything the compact forward reads of a model, derived once from its Hugging Face
+    modules (`compact_weights`): what a weight file holds (model/weight_cache.py)."""
+
+    shape: LlamaShape
+    quantize: str  # the linear weights' format (forward/quant.py)
+    embed: torch.Tensor  # [V, hidden]
+    head: Weight  # [V, hidden]; tied models share embed's tensor (unless quantized)
+    final_norm: torch.Tensor  # [hidden]
+    blocks: list[Block]
+    embed_scale: float  # the looked-up rows' scale (Gemma's, Granite's multiplier)
+    logit_cap: float | None  # the final logits' soft cap (Family.logit_cap)
+    layer_ropes: tuple[int, ...]  # per layer: its table in `ropes`
+    # RoPE's (cos, sin) tables [max_positions, head_dim] that some layer applies, in the model's
+    # dtype (only those: the torch paths index each one every call)
+    ropes: list[tuple[torch.Tensor, torch.Tensor]]
+    native: NativeParams | None  # where every linear weight runs on our C kernels
+
+
+def compact_weights(
+    model: Any, quantize: str = "none", matmul: str = "auto", release: bool = False
+) -> CompactWeights:
+    """The compact forward's weights of a loaded Hugging Face model (UnsupportedModel if its
+    family is not one of FAMILIES): q/k/v and gate/up fused (the model's parameters re-pointed
+    at the fused tensors), the linear weights quantized as `quantize`, the RoPE tables.
+    `release`: each decoder layer's parameters go to the meta device once its block is derived,
+    so that at most one layer's float copies live at once (the caller then drops the model)."""
+    shape = model_shape(model)
+    check_kind(quantize)
+    inner = model.model
+    embed = inner.embed_tokens.weight.detach()  # [V, hidden]
+    head = quantize_weight(model.lm_head.weight.detach(), HEAD_KIND[quantize], matmul)
+    family, config = FAMILIES[model.config.model_type], model.config
+    final_norm = _norm_weight(inner.norm, family)
+    # the looked-up rows' scale: Gemma's embedding module holds one (rounded to the dtype)
+    scale = getattr(inner.embed_tokens, "embed_scale", None)
+    embed_scale = 1.0 if scale is None else float(scale.to(embed.dtype))
+    if family.multipliers:
+        # folded into the weights: the residual branches' output projections (copies) and the
+        # final norm, so that every path, the C layers' included, runs them unchanged
+        embed_scale = float(config.embedding_multiplier)
+        final_norm = final_norm / config.logits_scaling
+    blocks = []
+    for layer in inner.layers:
+        block = _block(layer, family)
+        if family.multipliers:
+            block = _scaled_outputs(block, config.residual_multiplier)
+        if shape.rotary_dim not in (None, shape.head_dim):
+            block = _turned_first(block, shape)
+        blocks.append(block.quantized(quantize, matmul))
+        if release:
+            layer.to("meta")
+    # RoPE's tables, and which one each layer applies (Family.rope_layers)
+    layer_ropes = _layer_ropes(config, family, inner.rotary_emb)
+    used = sorted(set(layer_ropes))
+    linear_weights = [head, *(w for b in blocks for w in b.weights())]
+    native = None
+    if all(isinstance(w, NATIVE_WEIGHTS) for w in linear_weights) and shape.head_dim % 2 == 0:
+        # the C layers' float32 parameters (their activations are float32 whatever the dtype)
+        float_ropes = _used_ropes(inner.rotary_emb, shape, used, torch.float32)
+        native = NativeParams([_float_params(b) for b in blocks], final_norm.float(), float_ropes)
+    return CompactWeights(
+        shape=shape,
+        quantize=quantize,
+        embed=embed,
+        head=head,
+        final_norm=final_norm,
+        blocks=blocks,
+        embed_scale=embed_scale,
+        logit_cap=config.final_logit_softcapping if family.logit_cap else None,
+        layer_ropes=tuple(used.index(i) for i in layer_ropes),
+        ropes=_used_ropes(inner.rotary_emb, shape, used, embed.dtype),
+        native=native,
+    )
+
+
 class CompactLlama(nn.Module):
     """The forward pass of a loaded Llama-family model, reading and writing a slot KV cache.
 
     `quantize` ("none", "int8", "int4"): the linear weights quantized for our C kernels (or,
     without a C compiler, torch's CPU weight-only kernels), the head in int8 (forward/quant.py);
     the embedding and norms stay as loaded. With `huge_pages`, what a step reads is moved into
-    transparent huge pages on the CPU (forward/huge_pages.py).
+    transparent huge pages on the CPU (forward/huge_pages.py). `from_weights` builds it on
+    weights derived already (a weight file's, mapped: model/weight_cache.py).
     Every call, a lone stream's step, a batch of them or a prefill chunk, runs on these same
     weights through the same kernels, whose rows do not depend on each other: a row's logits
     are the same whatever shares its call (docs/performance.md, "One model whatever the load").
     """
 
+    # numerics.weights_digest of the model the weights came from, where the builder knows it
+    # (model/weight_cache.py); "" where it does not
+    weights_digest = ""
+
     def __init__(
         self, model: Any, quantize: str = "none", matmul: str = "auto", huge_pages: bool = True
     ):
         super().__init__()
-        self.shape = model_shape(model)
-        self.quantize = check_kind(quantize)
-        inner = model.model
-        self.embed = inner.embed_tokens.weight.detach()  # [V, hidden]
-        # [V, hidden]; tied models share the tensor (unless quantized)
-        head = model.lm_head.weight.detach()
-        self.head: Weight = quantize_weight(head, HEAD_KIND[quantize], matmul)
-        family, config = FAMILIES[model.config.model_type], model.config
-        self.final_norm = _norm_weight(inner.norm, family)
-        blocks = [_block(layer, family) for layer in inner.layers]
-        # the looked-up rows' scale: Gemma's embedding module holds one (rounded to the dtype)
-        scale = getattr(inner.embed_tokens, "embed_scale", None)
-        self.embed_scale = 1.0 if scale is None else float(scale.to(self.embed.dtype))
-        self.logit_cap = config.final_logit_softcapping if family.logit_cap else None
-        if family.multipliers:
-            # folded into the weights: the residual branches' output projections (copies) and the
-            # final norm, so that every path, the C layers' included, runs them unchanged
-            self.embed_scale = float(config.embedding_multiplier)
-            blocks = [_scaled_outputs(b, config.residual_multiplier) for b in blocks]
-            self.final_norm = self.final_norm / config.logits_scaling
-        if self.shape.rotary_dim not in (None, self.shape.head_dim):
-            blocks = [_turned_first(b, self.shape) for b in blocks]
-        self.blocks = [block.quantized(quantize, matmul) for block in blocks]
-        # RoPE's cos and sin tables, and which one each layer applies (Family.rope_layers)
-        # (only the tables some layer applies: the torch paths index each one every call)
-        layer_ropes = _layer_ropes(config, family, inner.rotary_emb)
-        self.rope_tables = sorted(set(layer_ropes))
-        self.layer_ropes = tuple(self.rope_tables.index(i) for i in layer_ropes)
-        self.ropes = self._used_ropes(inner.rotary_emb, self.embed.dtype)
+        weights = compact_weights(model, quantize, matmul)
+        # the loaded model's parameters view the same memory (tied or unquantized weights)
+        self._take(weights, huge_pages, along=model.parameters())
+
+    @classmethod
+    def from_weights(cls, weights: CompactWeights, huge_pages: bool = False) -> CompactLlama:
+        """The forward on weights derived already (compact_weights), where they lie: a weight
+        file's mapped pages stay shared unless `huge_pages` copies them."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._take(weights, huge_pages, along=())
+        return self
+
+    def _take(self, weights: CompactWeights, huge_pages: bool, along: Iterable[torch.Tensor]):
+        """Run on `weights`: pick the kernels, place them, build the C stack."""
+        self.weights = weights
+        self.shape, self.quantize = weights.shape, weights.quantize
+        self.embed, self.head, self.final_norm = weights.embed, weights.head, weights.final_norm
+        self.blocks = weights.blocks
+        self.embed_scale, self.logit_cap = weights.embed_scale, weights.logit_cap
+        self.layer_ropes, self.ropes = weights.layer_ropes, weights.ropes
         # exact attention: the C kernel on the CPU for the dtypes it takes, else torch per token
         on_cpu = self.embed.device.type == "cpu" and self.embed.dtype in native.DTYPES
         self.kernel: AttentionKernel | None = native.attention_kernel() if on_cpu else None
         self.attention = f"c-{self.kernel.variant}" if self.kernel else "torch"
         # what runs the linear weights: c-avx2 / c-generic, aten, dense ("+" joins several)
-        weights = [self.head, *(w for b in self.blocks for w in b.weights())]
-        self.matmul = "+".join(sorted({kernel_name(w) for w in weights}))
+        linear_weights = [self.head, *(w for b in self.blocks for w in b.weights())]
+        self.matmul = "+".join(sorted({kernel_name(w) for w in linear_weights}))
         # every layer in a few C calls (native_layer), decode and prefill alike: our matmuls
         # for every weight and the attention kernel
-        ours = all(isinstance(w, NATIVE_WEIGHTS) for w in weights)
-        self.native = ours and self.kernel is not None and self.shape.head_dim % 2 == 0
+        self.native = weights.native is not None and self.kernel is not None
         self.windowed = any(w != NO_WINDOW for w in self.shape.windows)
-        if self.native:  # its activations are float32 whatever the model's dtype
-            self.native_blocks = [_float_params(block) for block in self.blocks]
-            self.native_final_norm = self.final_norm.float()
-            self.native_ropes = self._used_ropes(inner.rotary_emb, torch.float32)
+        if self.native:
+            self.native_blocks, self.native_final_norm, self.native_ropes = weights.native
         # what a step reads, in huge pages (before the stack takes their addresses), with the
-        # loaded model's parameters that view the same memory (tied or unquantized weights)
+        # tensors of `along` that view the same memory
         step_weights = (self.embed, self.head, self.final_norm, self.blocks)
         native_weights = (self.native_final_norm, self.native_blocks) if self.native else ()
         self.huge_page_bytes = (
-            place_in_huge_pages(_tensors(step_weights + native_weights), along=model.parameters())
+            place_in_huge_pages(_tensors(step_weights + native_weights), along=along)
             if huge_pages
             else 0
         )
@@ -588,13 +668,6 @@ class CompactLlama(nn.Module):
         out[index[0], index[1]] = self._native_layers(x, k_cache, v_cache, placed)
         return out
 
-    def _used_ropes(
-        self, rotary: Any, dtype: torch.dtype
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The RoPE tables some layer applies (`layer_ropes` indexes these), in `dtype`."""
-        tables = _rope_tables(rotary, self.shape, dtype)
-        return [tables[i] for i in self.rope_tables]
-
     def _rope_at(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each RoPE table's cos and sin at `positions` [...] -> [..., 1, ..., head_dim]: a
         head axis after the first."""
@@ -715,6 +788,14 @@ def _float_params(block: Block) -> Block:
     if block.experts is not None:
         floats["experts"] = block.experts._replace(router=block.experts.router.float())
     return block._replace(**floats)
+
+
+def _used_ropes(
+    rotary: Any, shape: LlamaShape, used: list[int], dtype: torch.dtype
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The RoPE tables of `used` (indices into _rope_tables), in `dtype`."""
+    tables = _rope_tables(rotary, shape, dtype)
+    return [tables[i] for i in used]
 
 
 def _layer_ropes(config: Any, family: Family, rotary: Any) -> tuple[int, ...]:
