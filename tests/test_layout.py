@@ -106,6 +106,7 @@ LIGHT_MODULES = (
     "streaming_backend.launcher.watch",
     "streaming_backend.launcher.supervisor",
     "streaming_backend.launcher.health",
+    "streaming_backend.launcher.startup",
 )
 
 

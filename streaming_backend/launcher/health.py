@@ -27,6 +27,7 @@ from streaming_backend.launcher.supervisor import (
     READY,
     RECOVERING,
     RELOADING,
+    START_HUNG,
     STARTING,
     STOPPED,
     Supervisor,
@@ -72,7 +73,7 @@ def metrics_text(supervisor: Supervisor) -> str:
         "# HELP tokenstream_supervisor_restarts_total tritonserver restarts, by cause",
         "# TYPE tokenstream_supervisor_restarts_total counter",
     ]
-    causes = ("stub_died", "server_died", "unresponsive", "unhealthy")
+    causes = ("stub_died", "server_died", "unresponsive", "unhealthy", START_HUNG)
     for cause in causes:
         lines.append(
             f'tokenstream_supervisor_restarts_total{{cause="{cause}"}} '

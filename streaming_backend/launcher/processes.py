@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import os
+import platform
 import re
 import shutil
 import signal
@@ -18,6 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
+# wait4's number in /proc/<pid>/syscall (glibc's waitpid calls it); None: not known here
+WAIT4 = {"x86_64": 61, "aarch64": 260}.get(platform.machine())
 
 
 def _stat(pid: int) -> tuple[str, int, int] | None:
@@ -56,6 +59,36 @@ def zombie_children(pid: int) -> dict[int, int]:
         if stat is not None and stat[0] == "Z" and stat[1] == pid:
             found[int(name)] = stat[2]
     return found
+
+
+def waited_for(pid: int) -> set[int]:
+    """The processes that threads of `pid` wait for in waitpid (wait4) right now, as
+    /proc/<pid>/task/*/syscall tells it; empty where it does not (another CPU, no permission)."""
+    found: set[int] = set()
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/syscall").read_text().split()
+        except OSError:
+            continue
+        # "61 0x29c9 ..." while in wait4(10697, ...); "running" or another number otherwise
+        if WAIT4 is not None and len(fields) > 1 and fields[0] == str(WAIT4):
+            target = int(fields[1], 16)
+            if 0 < target < 2**31:  # a pid, not -1 (any child) or a process group
+                found.add(target)
+    return found
+
+
+def command_line(pid: int) -> list[str]:
+    """The arguments a process was started with; [] when it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return raw.decode(errors="replace").split("\0")[:-1]
 
 
 def is_alive(pid: int, start_time: int) -> bool:

@@ -3,7 +3,9 @@
 Shutdown is owned here because a python-backend server can hang for its whole exit timeout and
 leave its `triton_python_backend_stub` children and a /dev/shm region behind: stop() ends with
 SIGKILL for the server's process group and every recorded descendant, deletes the shared-memory
-files of its own unique prefix, and returns within 15 seconds.
+files of its own unique prefix, and returns within 15 seconds. A start that cannot finish (every
+model's initialize returned, the models still not ready: startup.py) raises StartHung from
+wait_ready() within ServerConfig.hung_start_s.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from streaming_backend.launcher.processes import (
     wait_gone,
 )
 from streaming_backend.launcher.repository import make_runtime_repository
+from streaming_backend.launcher.startup import Hang, StartWatch
 from streaming_backend.paths import default_repository
 from streaming_backend.wire import ADMIN_HEADER, ADMIN_KEY_VARIABLE
 
@@ -66,6 +69,9 @@ class ServerConfig:
     grpc_max_connection_age_s: float | None = GRPC_MAX_CONNECTION_AGE_S  # None: no maximum
     exit_timeout_s: float = 5.0
     startup_timeout_s: float = 300.0
+    # once every model's initialize returned (startup.py), the most the models may take to turn
+    # ready before the start counts as hung (measured: well under a second when it is not)
+    hung_start_s: float = 20.0
     tritonserver: Path | None = None  # explicit binary; None: find_tritonserver()
     # explicit model control: every model is loaded at start, and the supervisor (or an
     # operator holding the admin key) loads and unloads them through the repository API
@@ -78,8 +84,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.exit_timeout_s <= MAX_EXIT_TIMEOUT_S:
             raise ValueError(f"exit_timeout_s must be within 0..{MAX_EXIT_TIMEOUT_S:g} s")
-        if self.startup_timeout_s <= 0:
-            raise ValueError("startup_timeout_s must be positive")
+        if self.startup_timeout_s <= 0 or self.hung_start_s <= 0:
+            raise ValueError("startup_timeout_s and hung_start_s must be positive")
         if self.grpc_max_connection_age_s is not None and self.grpc_max_connection_age_s <= 0:
             raise ValueError("grpc_max_connection_age_s must be positive (None: no maximum)")
 
@@ -118,6 +124,11 @@ class ServerDied(RuntimeError):
     """tritonserver exited while we waited for it; the message holds its last log lines."""
 
 
+class StartHung(TimeoutError):
+    """tritonserver will not finish its start (startup.py); the message says why, as far as it can
+    be told, and holds its last log lines."""
+
+
 class TritonServer:
     """One tritonserver process on a runtime copy of a repository, with a bounded stop()."""
 
@@ -136,6 +147,8 @@ class TritonServer:
         self._runtime_repository: Path | None = None
         self._stopped = False
         self.killed: list[int] = []  # pids stop() had to SIGKILL: a hung server or its stubs
+        self.started_at: float | None = None  # time.monotonic() at start()
+        self.start_watch: StartWatch | None = None  # fed by the log reader from start()
 
     # ----- addresses and state
 
@@ -169,6 +182,18 @@ class TritonServer:
         """The patched temp copy of the repository the server runs on."""
         return self._runtime_repository
 
+    def since_start(self) -> float:
+        """Seconds since start(); 0 before it."""
+        return 0.0 if self.started_at is None else time.monotonic() - self.started_at
+
+    def loaded_models(self) -> list[str]:
+        """The models tritonserver loads at start: the config's, else every model of the
+        repository (after start(): of its runtime copy)."""
+        if self.config.models:
+            return list(self.config.models)
+        root = self._runtime_repository or self.config.repository
+        return sorted(p.name for p in root.iterdir() if (p / "config.pbtxt").is_file())
+
     # ----- lifecycle
 
     def start(self) -> TritonServer:
@@ -179,6 +204,8 @@ class TritonServer:
         self._runtime_repository = make_runtime_repository(
             self.config.repository, self.config.parameters(), self.config.dialogue.rewrites()
         )
+        self.start_watch = StartWatch(self.loaded_models(), self.config.hung_start_s)
+        self.started_at = time.monotonic()
         try:
             # a new session: Ctrl-C in a terminal does not reach the server behind our back, and
             # its stub children share one process group that stop() can kill as a whole
@@ -247,13 +274,19 @@ class TritonServer:
         return env
 
     def wait_ready(
-        self, timeout: float | None = None, abort: threading.Event | None = None
+        self,
+        timeout: float | None = None,
+        abort: threading.Event | None = None,
+        on_poll: Callable[[], None] | None = None,
     ) -> bool:
         """Poll /v2/health/ready, then the metrics port: True when both answer, False if `abort`
         was set first. Triton starts its metrics service after HTTP (tens of ms, more on a busy
         machine), so a ready HTTP endpoint alone does not mean /metrics can be read yet.
+        `on_poll` is called at each poll (the supervisor's heartbeat).
 
-        Raises ServerDied if the process exits and TimeoutError after `timeout` seconds.
+        Raises ServerDied if the process exits, StartHung once the start cannot finish
+        (startup.py) and TimeoutError after `timeout` seconds (default: the startup timeout);
+        each message says how long it waited since start().
         """
         if self._process is None:
             raise RuntimeError("start() the server first")
@@ -261,13 +294,21 @@ class TritonServer:
         deadline = time.monotonic() + timeout
         abort = abort or threading.Event()
         while not abort.is_set():
+            if on_poll is not None:
+                on_poll()
             if self._process.poll() is not None:
                 raise self._died("before it was ready")
             if self.is_ready() and self.metrics_listening():
                 return True
+            watch = self.start_watch
+            hang = watch.check(self._process.pid, time.monotonic()) if watch else None
+            if hang is not None:
+                raise self._hung(hang)
             if time.monotonic() >= deadline:
-                tail = self._tail_text()
-                raise TimeoutError(f"tritonserver not ready after {timeout:g} s. Last log:\n{tail}")
+                raise TimeoutError(
+                    f"tritonserver not ready {self.since_start():.1f} s after it started (the "
+                    f"limit: {timeout:g} s). Last log:\n{self._tail_text()}"
+                )
             abort.wait(READY_POLL_S)
         return False
 
@@ -354,9 +395,12 @@ class TritonServer:
         """Keep the log tail and forward lines to on_log (runs in the reader thread)."""
         assert self._process is not None and self._process.stdout is not None
         forward = self._on_log
+        watch = self.start_watch
         for raw in self._process.stdout:
             line = raw.rstrip("\n")
             self._tail.append(line)
+            if watch is not None:
+                watch.feed(line, time.monotonic())
             if forward is None:
                 continue
             try:
@@ -371,7 +415,17 @@ class TritonServer:
             self._reader.join(timeout=2.0)  # stub children may hold the pipe open: bounded
         code = self.returncode
         return ServerDied(
-            f"tritonserver exited {when} (status {code}). Last log:\n{self._tail_text()}"
+            f"tritonserver exited {when}, {self.since_start():.1f} s after it started (status "
+            f"{code}). Last log:\n{self._tail_text()}"
+        )
+
+    def _hung(self, hang: Hang) -> StartHung:
+        """The StartHung of `hang`, with the real time waited and the log's tail."""
+        cause = f" Cause: {hang.cause}." if hang.cause else " What holds it is not known."
+        return StartHung(
+            f"tritonserver did not report the models ready {hang.overdue_s:.1f} s after "
+            f"{hang.after}, {self.since_start():.1f} s after it started: its start hangs.{cause}"
+            f" Last log:\n{self._tail_text()}"
         )
 
     def _tail_text(self) -> str:

@@ -7,6 +7,12 @@ hung for good (their response senders died with the stub, and Triton never ends 
 closing the clients' connections, i.e. a new tritonserver, ends them. Killing the old one at once
 ends every open stream on every transport with UNAVAILABLE within the watch's poll interval.
 
+A start that cannot finish (every model's initialize returned and the models are still not ready
+after ServerConfig.hung_start_s: startup.py) is said so, its tritonserver and stubs killed and its
+/dev/shm files removed, and the start is tried once more; at the first start and at every restart
+alike. A second hung start fails that start (the first: serve exits; a restart: it counts against
+the restart budget).
+
 Drain: the model is told (a control request with the admin key) to refuse new requests; open
 streams run on until the drain timeout, then the model ends the rest with a final error response;
 only then does tritonserver get SIGTERM, so it never unloads a model under open decoupled streams
@@ -25,7 +31,7 @@ from pathlib import Path
 
 from streaming_backend.launcher.control import ControlError, control, load_model, model_ready
 from streaming_backend.launcher.repository import patch_parameters, read_parameters
-from streaming_backend.launcher.server import ServerConfig, ServerDied, TritonServer
+from streaming_backend.launcher.server import ServerConfig, ServerDied, StartHung, TritonServer
 from streaming_backend.launcher.watch import CanaryConfig, Failure, Watch
 from streaming_backend.model.hardware import AUTO, DtypeChoice, host_dtype, host_quantize
 from streaming_backend.wire import (
@@ -45,6 +51,8 @@ DRAIN_POLL_S = 0.1
 CONTROL_TIMEOUT_S = 10.0
 END_WAIT_S = 5.0  # after the drain deadline, for the ended streams' final responses to go out
 RELOAD_TIMEOUT_S = 600.0  # a new model may take minutes to load
+HUNG_START_TRIES = 2  # a start that hangs is tried once more
+START_HUNG = "start_hung"  # the restarts' cause (/status, /metrics) for a hung start tried again
 
 # states, as /status and the log name them
 STARTING, READY, RECOVERING, RELOADING, DRAINING, STOPPED, FAILED = (
@@ -259,26 +267,37 @@ class Supervisor:
             self.server.stop(graceful=False)
 
     def _launch(self, stop: threading.Event) -> bool:
-        """A new TritonServer on the same ports, waited for; True once ready."""
-        self.server = TritonServer(self.config.server, on_log=self._server_log)
-        self.server.start()
-        deadline = time.monotonic() + self.config.server.startup_timeout_s
-        while not stop.is_set():
-            self.heartbeat = time.monotonic()
+        """A new TritonServer on the same ports, waited for; True once ready, False if `stop`
+        came first. A start that hangs is killed and tried once more (StartHung the second
+        time)."""
+        started = time.monotonic()
+        for attempt in range(1, HUNG_START_TRIES + 1):
+            self.server = TritonServer(self.config.server, on_log=self._server_log)
+            self.server.start()
             try:
-                if self.server.wait_ready(timeout=1.0, abort=stop):
-                    break
-            except TimeoutError:
-                if time.monotonic() > deadline:
-                    raise
-        else:
-            return False
+                if not self.server.wait_ready(abort=stop, on_poll=self._beat):
+                    return False
+                break
+            except StartHung as hung:
+                self._say(f"tokenstream: {hung}")
+                took = self.server.stop(graceful=False)  # its process group, stubs, shm files
+                self._say(f"tokenstream: killed that tritonserver and its stubs in {took:.1f} s")
+                if attempt == HUNG_START_TRIES:
+                    raise StartHung(
+                        f"the start of tritonserver hung {attempt} times in "
+                        f"{time.monotonic() - started:.1f} s; not trying again"
+                    ) from None
+                self.restarts[START_HUNG] = self.restarts.get(START_HUNG, 0) + 1
+                self._say("tokenstream: starting tritonserver once more")
         self._watch = Watch(
             self.server, self._controlled_models(), self.admin_key, self.config.canary
         )
         self._watch.start()
         self.state, self.reason = READY, ""
         return True
+
+    def _beat(self) -> None:
+        self.heartbeat = time.monotonic()
 
     def _controlled_models(self) -> list[str]:
         """Models of the repository that take control requests (their config has CONTROL)."""

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import http.server
 import json
+import re
 import socket
 import subprocess
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 from conftest import alive, shm_files, write_echo_model
+from hung_start import hanging_repository
 
 from streaming_backend.launcher import ServerConfig, ServerDied, TritonServer, free_port
-from streaming_backend.launcher.processes import descendants
+from streaming_backend.launcher.processes import WAIT4, descendants
+from streaming_backend.launcher.server import StartHung
 
 STOP_LIMIT_S = 15.0
 
@@ -161,3 +165,32 @@ def test_failing_model_raises_server_died_with_log(tmp_path: Path) -> None:
     finally:
         server.stop()
     assert shm_files(server.shm_prefix) == []
+
+
+@pytest.mark.server
+def test_a_start_that_hangs_after_initialize_raises_start_hung_in_time(tmp_path: Path) -> None:
+    """A model whose stub misses the python backend's health checks during initialize (stopped
+    for 4 s): Triton gives up on it and waits for it to exit while it idles after initialize.
+    wait_ready raises StartHung once the bound after its `initialize returned` line has passed,
+    naming the stub Triton waits for and the real time waited; stop() leaves nothing behind."""
+    repository, _ = hanging_repository(tmp_path, hangs="always")
+    server = TritonServer(loopback_config(repository, hung_start_s=3.0), on_log=None)
+    try:
+        server.start()
+        with pytest.raises(StartHung) as caught:
+            server.wait_ready(timeout=120)
+        initialized = server.start_watch.initialized
+        overdue = time.monotonic() - initialized[-1].at
+        family = descendants(server.pid)
+    finally:
+        server.stop(graceful=False)
+    message = str(caught.value)
+    print(f"\n{message.splitlines()[0]}")
+    assert [line.instance for line in initialized] == ["echo_0_0"]
+    assert 3.0 <= overdue < 10.0
+    assert "after every model's initialize returned" in message or "began waiting" in message
+    assert re.search(r", \d+\.\d s after it started: its start hangs", message)
+    if WAIT4 is not None:
+        assert "waits for the model process echo_0_0 (pid " in message
+    assert "Last log:" in message
+    assert alive(family) == [] and shm_files(server.shm_prefix) == []
