@@ -24,6 +24,7 @@ from streaming_backend.dialogue.convert import (
 )
 from streaming_backend.dialogue.generation import Generator
 from streaming_backend.errors import StreamingError
+from streaming_backend.launcher.startup import announce_initialized
 from streaming_backend.model.loading import instance_device, load_model
 from streaming_backend.wire import DIALOGUE_INPUT_NAMES
 
@@ -57,6 +58,7 @@ class TritonPythonModel:
         )
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.batch_size = self.family.Metric(labels=labels, buckets=BATCH_BUCKETS)
+        announce_initialized(args)  # last: a start that hangs after this is told from a slow one
 
     def execute(self, requests):
         """Generate for every valid request together; one response per request, in order."""
