@@ -25,12 +25,13 @@ import os
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 MAGIC = b"tokenstream-weights\n"
 PAGE = 4096  # each tensor's start in the file: a page, so any dtype and cache line fits
+HEADER_KEYS = {"tree", "tensors", "bytes", "meta"}
 
 
 class WeightFileError(ValueError):
@@ -67,29 +68,28 @@ def write_tree(path: Path, tree: Any, meta: dict[str, Any]) -> int:
     return start + end
 
 
+def read_meta(path: Path) -> dict[str, Any]:
+    """A weight file's meta, from its header alone; WeightFileError if it is not one."""
+    with path.open("rb") as f:
+        return _header(f, path)[0]["meta"]
+
+
 def read_tree(path: Path, types: Iterable[type]) -> tuple[Any, dict[str, Any]]:
     """The tree and meta of a weight file, every tensor a view of one read-only mapping of it
     (kept open while any of them lives); `types`: the NamedTuple and dataclass types it holds.
     WeightFileError if the file is not whole or names a type not given."""
     with path.open("rb") as f:
+        header, length = _header(f, path)
+        start = _page_up(len(MAGIC) + 8 + length)
         size = os.fstat(f.fileno()).st_size
-        if size < len(MAGIC) + 8 or f.read(len(MAGIC)) != MAGIC:
-            raise WeightFileError(f"{path} is not a weight file")
-        length = int.from_bytes(f.read(8), "little")
-        try:
-            header = json.loads(f.read(length))
-            data = int(header["bytes"])  # the tensors' bytes, their padding included
-        except (ValueError, KeyError, TypeError) as exc:
-            raise WeightFileError(f"{path}: its header does not read ({exc})") from None
+        if size != start + header["bytes"]:  # the tensors' bytes, their padding included
+            raise WeightFileError(f"{path} holds {size} bytes, not {start + header['bytes']}")
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     if hasattr(mmap, "MADV_HUGEPAGE"):  # pages read in later come in huge folios where it can
         mapped.madvise(mmap.MADV_HUGEPAGE)
     with warnings.catch_warnings():  # torch warns that the buffer is read-only: it is meant to be
         warnings.simplefilter("ignore", UserWarning)
         whole = torch.frombuffer(mapped, dtype=torch.uint8)  # holds the mapping open
-    start = _page_up(len(MAGIC) + 8 + length)
-    if size != start + data:
-        raise WeightFileError(f"{path} holds {size} bytes, not {start + data}: not whole")
     tensors = {}
     for name, (dtype, shape, offset) in header["tensors"].items():
         kind = getattr(torch, dtype)
@@ -97,6 +97,20 @@ def read_tree(path: Path, types: Iterable[type]) -> tuple[Any, dict[str, Any]]:
         tensors[name] = whole[start + offset : start + offset + count].view(kind).view(shape)
     by_name = {t.__name__: t for t in types}
     return _decode(header["tree"], tensors, by_name), header["meta"]
+
+
+def _header(f: BinaryIO, path: Path) -> tuple[dict[str, Any], int]:
+    """The header of the weight file open as `f` and its length in bytes."""
+    if f.read(len(MAGIC)) != MAGIC:
+        raise WeightFileError(f"{path} is not a weight file")
+    length = int.from_bytes(f.read(8), "little")
+    try:
+        header = json.loads(f.read(length))
+    except ValueError as exc:
+        raise WeightFileError(f"{path}: its header does not read ({exc})") from None
+    if not isinstance(header, dict) or not HEADER_KEYS <= set(header):
+        raise WeightFileError(f"{path}: its header has not {', '.join(sorted(HEADER_KEYS))}")
+    return header, length
 
 
 def _encode(value: Any, name: str, tensors: dict, seen: dict) -> Any:

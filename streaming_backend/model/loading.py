@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import shutil
@@ -32,7 +33,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class LoadedModel:
     """A causal LM ready for the engine, with what the engine needs to know about it."""
 
-    model: Any  # a transformers PreTrainedModel in eval mode
+    # a transformers PreTrainedModel in eval mode; loaded with weights=False, a skeleton on the
+    # meta device (its config and shapes, no weights) until with_weights loads them
+    model: Any
     tokenizer: Any
     device: torch.device
     dtype: torch.dtype
@@ -40,6 +43,12 @@ class LoadedModel:
     context_length: int
     name: str
     dtype_reason: str = ""  # why this dtype (hardware.choose_dtype), logged at load
+    checkpoint: Path | None = None  # the local folder of its weights (None: a hub id's download)
+
+    @property
+    def has_weights(self) -> bool:
+        """Whether `model` holds its weights (not a skeleton: load_model's weights=False)."""
+        return not any(p.is_meta for p in self.model.parameters())
 
 
 def default_model_path() -> Path:
@@ -93,25 +102,32 @@ def resolve_quantize(setting: str, loaded: LoadedModel) -> str:
     return choice.kind
 
 
-def load_model(source: str | None = None, dtype: str = "auto", device: str = "auto") -> LoadedModel:
-    """Load a model from a directory, a .gguf file or a hub id (None = the default chat model)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_model(
+    source: str | None = None, dtype: str = "auto", device: str = "auto", weights: bool = True
+) -> LoadedModel:
+    """Load a model from a directory, a .gguf file or a hub id (None = the default chat model).
+
+    weights=False: from a local folder (a GGUF file's conversion included), the model is a
+    skeleton, its config and shapes without weights, for a forward that reads its own (the
+    compact forward's weight file: model/weight_cache.py); with_weights loads them."""
+    from transformers import AutoTokenizer
 
     path = default_model_path() if not source else Path(source).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file at {path}")
         path = convert_gguf(path)
-    target = str(path) if path.exists() else str(source)  # else a hub id (needs a network)
+    local = path.exists()
+    target = str(path) if local else str(source)  # else a hub id (needs a network)
     torch_device = resolve_device(device)
     choice = choose_device_dtype(dtype, torch_device)
     progress(f"dtype {choice.dtype} on {torch_device} ({choice.setting}: {choice.reason})")
     torch_dtype = DTYPES[choice.dtype]
     tokenizer = AutoTokenizer.from_pretrained(target)
-    # straight onto the device: no full copy in host memory first on a GPU
-    placement = {"device_map": str(torch_device)} if torch_device.type == "cuda" else {}
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype, **placement)
-    model.to(torch_device).eval()
+    if weights or not local:
+        model = _pretrained(target, torch_dtype, torch_device)
+    else:
+        model = _skeleton(path, torch_dtype)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -119,9 +135,42 @@ def load_model(source: str | None = None, dtype: str = "auto", device: str = "au
         dtype=torch_dtype,
         eos_ids=_eos_ids(model, tokenizer),
         context_length=_context_length(model, tokenizer),
-        name=Path(target).name if Path(target).exists() else target,
+        name=Path(target).name if local else target,
         dtype_reason=choice.reason,
+        checkpoint=path if local else None,
     )
+
+
+def with_weights(loaded: LoadedModel) -> LoadedModel:
+    """`loaded` with its Hugging Face weights: itself when it has them, else a copy whose model
+    is loaded now from its checkpoint."""
+    if loaded.has_weights:
+        return loaded
+    model = _pretrained(str(loaded.checkpoint), loaded.dtype, loaded.device)
+    return dataclasses.replace(loaded, model=model)
+
+
+def _pretrained(target: str, dtype: torch.dtype, device: torch.device) -> Any:
+    """A folder's or hub id's model with its weights, in eval mode on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    # straight onto the device: no full copy in host memory first on a GPU
+    placement = {"device_map": str(device)} if device.type == "cuda" else {}
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, **placement)
+    return model.to(device).eval()
+
+
+def _skeleton(folder: Path, dtype: torch.dtype) -> Any:
+    """A folder's model without its weights: its modules on the meta device (no memory), its
+    config and generation config as from_pretrained reads them."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    return model.eval()
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:

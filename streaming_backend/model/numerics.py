@@ -70,13 +70,14 @@ class Numerics:
 
 def describe(loaded: LoadedModel, steps: Steps) -> Numerics:
     """The numerics of a loaded model on the forward its steps run (reads every weight's sample
-    and the whole embedding once: call it at load, on the engine thread)."""
+    and the whole embedding once, unless the steps hold the digest: call it at load, on the
+    engine thread)."""
     import transformers
 
     on_gpu = loaded.device.type == "cuda"
     return Numerics(
         model=loaded.name,
-        weights=weights_digest(loaded),
+        weights=steps.weights_digest or weights_digest(loaded),
         dtype=str(loaded.dtype).removeprefix("torch."),
         quantize=steps.quantize,
         quantize_group=INT4_GROUP if steps.quantize == "int4" else 0,

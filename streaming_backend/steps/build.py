@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 from streaming_backend.configuration.models import EngineConfig, parse_memory
 from streaming_backend.forward_choice import fall_back
-from streaming_backend.model.loading import LoadedModel, resolve_quantize
+from streaming_backend.model.loading import LoadedModel, resolve_quantize, with_weights
 from streaming_backend.steps import OnFailure, Steps
 from streaming_backend.steps.hf import ASKED_FOR, HfSteps
 from streaming_backend.steps.pacing import PrefillPacer
@@ -39,10 +39,11 @@ def build_steps(
     `carried`: rebuilding compact steps with another slot length (`config.max_len`)."""
     if config.forward == "hf":
         log.info("the Hugging Face forward runs this model: %s", ASKED_FOR)
-        return HfSteps(loaded, config, on_failure)
+        return HfSteps(with_weights(loaded), config, on_failure)
     from streaming_backend.forward.llama import UnsupportedModel
     from streaming_backend.forward.runner import ForwardConfig, SlotForward
     from streaming_backend.forward.slots import CacheBudget
+    from streaming_backend.model.weight_cache import compact_model
     from streaming_backend.steps.slots import SlotSteps
 
     size, fraction = parse_memory(config.kv_cache_memory)
@@ -60,9 +61,14 @@ def build_steps(
         max_slots=PREFIX_ENTRIES_PER_STREAM * config.max_streams,
     )
     try:
+        if model is None:  # mapped from its weight file where loaded is a skeleton
+            model = compact_model(
+                loaded, forward_config.quantize, forward_config.matmul, forward_config.huge_pages
+            )
         forward = SlotForward.create(loaded, forward_config, model)
     except UnsupportedModel as exc:
-        return HfSteps(loaded, config, on_failure, why=fall_back(exc, config.forward))
+        why = fall_back(exc, config.forward)
+        return HfSteps(with_weights(loaded), config, on_failure, why=why)
     cache = forward.cache
     steps = SlotSteps(forward, config, on_failure, loaded.eos_ids)
     if carried is None:

@@ -20,6 +20,7 @@ from streaming_backend.batch import CacheRows, DecodeInputs, Prefill, RunningBat
 from streaming_backend.configuration.models import EngineConfig
 from streaming_backend.model import kvcache
 from streaming_backend.model.loading import LoadedModel
+from streaming_backend.model.numerics import weights_digest
 from streaming_backend.steps import Decoded, OnFailure, Prefilled, S
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,12 @@ class HfSteps:
             CacheRows(self.model.step), loaded.eos_ids, loaded.device
         )
         self._pending: list = []  # admitted, not yet prefilled
+
+    @property
+    def weights_digest(self) -> str:
+        """numerics.weights_digest of the model (with its weights, where the engine's loaded
+        model may be a skeleton: load_model's weights=False), read now."""
+        return weights_digest(self.loaded)
 
     def capacity(self) -> int:
         return self.config.max_streams - len(self._batch) - len(self._pending)

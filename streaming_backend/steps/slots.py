@@ -76,6 +76,12 @@ class SlotSteps:
         return self.forward.model.matmul
 
     @property
+    def weights_digest(self) -> str:
+        """numerics.weights_digest of the model the forward was derived from, where its
+        builder knew it (a weight file's); "" where the loaded model tells it."""
+        return self.forward.model.weights_digest
+
+    @property
     def kv_cache(self) -> dict:
         """The slot cache's size and rings (SlotCache.report), for /status."""
         return self.cache.report()

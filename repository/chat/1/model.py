@@ -50,10 +50,13 @@ class TritonPythonModel:
         """Load the model, start the engine and the outbox thread."""
         self.settings = ModelSettings.from_config(json.loads(args["model_config"]))
         device = instance_device(args["model_instance_kind"], args["model_instance_device_id"])
-        # loaded on the engine's own thread, where all its torch work runs (engine.py)
+        # loaded on the engine's own thread, where all its torch work runs (engine.py); the
+        # compact forward maps its weights from their file (model/weight_cache.py), the Hugging
+        # Face one loads the model's own
         settings = self.settings
         self.engine = Engine(
-            lambda: load_model(settings.model, settings.dtype, device), settings.engine
+            lambda: load_model(settings.model, settings.dtype, device, weights=False),
+            settings.engine,
         ).start()
         loaded = self.engine.loaded
         log.info("loaded %s on %s as %s", loaded.name, loaded.device, loaded.dtype)

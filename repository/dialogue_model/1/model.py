@@ -39,7 +39,9 @@ class TritonPythonModel:
         """Load the model and create the batch-size histogram."""
         self.settings = DialogueSettings.from_config(json.loads(args["model_config"]))
         device = instance_device(args["model_instance_kind"], args["model_instance_device_id"])
-        self.loaded = load_model(self.settings.model, self.settings.dtype, device)
+        # weights=False: the compact forward maps its weight file (model/weight_cache.py), the
+        # pages the chat model and the other instances map too
+        self.loaded = load_model(self.settings.model, self.settings.dtype, device, weights=False)
         if self.loaded.device.type == "cpu":
             torch.set_num_threads(self.settings.cpu_threads)
         self.generator = Generator(self.loaded, self.settings.engine, self.settings.max_beam_width)

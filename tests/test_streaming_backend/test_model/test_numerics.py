@@ -56,10 +56,15 @@ def test_every_fact_changes_the_fingerprint(name):
 
 
 def steps(name: str, quantize: str = "none", decode_path: str = "eager", attention: str = "torch"):
-    """What describe reads of a forward's steps."""
+    """What describe reads of a forward's steps (no digest of their own: the loaded model's)."""
     matmul = "hf" if name == "hf" else ("dense" if quantize == "none" else "c-avx2")
     return SimpleNamespace(
-        name=name, quantize=quantize, decode_path=decode_path, attention=attention, matmul=matmul
+        name=name,
+        quantize=quantize,
+        decode_path=decode_path,
+        attention=attention,
+        matmul=matmul,
+        weights_digest="",
     )
 
 
@@ -78,6 +83,14 @@ def test_describe_names_the_compact_forward_with_its_weights_and_kernels(tiny_lo
     assert numerics.threads == torch.get_num_threads()
     assert numerics.torch == torch.__version__ and numerics.transformers == ""
     assert numerics.weights == weights_digest(tiny_loaded)
+
+
+def test_the_digest_steps_hold_is_the_one_described(tiny_loaded):
+    """Steps that hold the weights' digest (a weight file's, whose loaded model is a skeleton)
+    give it; the loaded model is not read."""
+    holding = steps("compact", "int4")
+    holding.weights_digest = FACTS.weights
+    assert describe(tiny_loaded, holding).weights == FACTS.weights
 
 
 def test_describe_names_transformers_on_the_hugging_face_forward(tiny_loaded):
@@ -123,3 +136,22 @@ def test_the_weights_digest_tells_models_of_one_name_apart(tiny_loaded, change):
     digest = weights_digest(tiny_loaded)
     assert weights_digest(changed_model(tiny_loaded, lambda model, tokenizer: None)) == digest
     assert weights_digest(changed_model(tiny_loaded, change)) != digest
+
+
+@pytest.mark.parametrize("forward", ["compact", "hf"])
+def test_a_skeleton_gives_the_fingerprint_of_the_model_with_its_weights(
+    tiny_model_dir, tiny_loaded, tmp_path, monkeypatch, forward
+):
+    """A served model loads as a skeleton (its compact weights mapped from the weight cache, or
+    its Hugging Face weights loaded by the steps): the same facts and fingerprint as the model
+    loaded with its weights, on either forward."""
+    from streaming_backend.configuration.models import EngineConfig
+    from streaming_backend.model.loading import load_model
+    from streaming_backend.steps.build import build_steps
+
+    monkeypatch.setenv("TOKENSTREAM_CACHE", str(tmp_path))
+    skeleton = load_model(str(tiny_model_dir), dtype="float32", device="cpu", weights=False)
+    config = EngineConfig(forward=forward, quantize="int4")
+    facts = [describe(m, build_steps(m, config, print)) for m in (skeleton, tiny_loaded)]
+    assert not skeleton.has_weights and facts[0] == facts[1]
+    assert facts[0].weights == weights_digest(tiny_loaded)
