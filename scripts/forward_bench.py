@@ -11,8 +11,9 @@ its own argmax; only the decode steps are timed. The Hugging Face step is the en
 --rounds rounds and the median round is reported, since the machine is shared and noisy.
 Systems: hf, eager, compiled (the compact forward with torch.compile), graphs (with CUDA graphs,
 a GPU only), int8 and int4 (eager, quantized weights on our C kernels, the CPU only), int8-aten
-and int4-aten (the same on torch's weight-only kernels), int4-compiled and int4-small-pages
-(the weights left in 4 KiB pages, forward/huge_pages.py), each in
+and int4-aten (the same on torch's weight-only kernels), int4-compiled, int4-small-pages
+(the weights left in 4 KiB pages, forward/huge_pages.py) and int4-mapped, int8-mapped (the
+weights mapped from their file in the cache folder, as served: model/weight_cache.py), each in
 --dtype or in its own (`eager@float32`); ratios and greedy agreement are against the first
 system named.
 """
@@ -33,6 +34,7 @@ from transformers import DynamicCache
 from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
 from streaming_backend.forward.slots import CacheBudget
 from streaming_backend.model.loading import LoadedModel, load_model
+from streaming_backend.model.weight_cache import compact_model
 from streaming_backend.prompts import encode_prompt, load_chat_prompts
 
 # the compact forward's systems: name -> its ForwardConfig options
@@ -47,7 +49,9 @@ COMPACT = {
     "int8-aten": {"quantize": "int8", "matmul": "aten"},  # torch's kernels, not ours
     "int4-aten": {"quantize": "int4", "matmul": "aten"},
 }
-SYSTEMS = ("hf", *COMPACT)
+# the weights mapped from their weight file, as the served models run them: name -> quantize
+MAPPED = {"int4-mapped": "int4", "int8-mapped": "int8"}
+SYSTEMS = ("hf", *COMPACT, *MAPPED)
 
 
 @dataclass(frozen=True)
@@ -161,8 +165,14 @@ def main(cfg: BenchConfig) -> dict:
             loaded_for[spec], ForwardConfig(budget, max_len, slots, **COMPACT[name])
         )
         for spec, (name, _) in specs.items()
-        if name != "hf"
+        if name in COMPACT
     }
+    for spec, (name, dtype) in specs.items():
+        if name in MAPPED:
+            skeleton = load_model(cfg.model, dtype=dtype, weights=False)
+            config = ForwardConfig(budget, max_len, slots, quantize=MAPPED[name])
+            model = compact_model(skeleton, MAPPED[name])
+            forwards[spec] = SlotForward.create(skeleton, config, model)
     setup_s = time.monotonic() - started
     compiled = [f.compile_seconds for f in forwards.values() if f.compile_seconds is not None]
     result = {

@@ -1,0 +1,116 @@
+"""A served model's memory: PSS summed over the server's processes after one request, each
+process's share, the model stubs' peaks, and the time until the server was ready.
+
+    PYTHONPATH=. .venv/bin/python scripts/measure_memory.py --model ../models/llama-1b \\
+        --serve-args "--models chat"
+    PYTHONPATH=. .venv/bin/python scripts/measure_memory.py --model ../models/llama-1b   # both
+
+Starts `tokenstream serve` (no bridge, free ports), waits for the supervisor's /ready, sends the
+chat model one short greedy request over Triton's generate_stream, then reads
+/proc/PID/smaps_rollup of every process of the server (the launcher, tritonserver and its
+model stubs): PSS counts a page shared by N processes as 1/N in each, so the sum counts it
+once, as llama.cpp's one process counts its own. Prints one JSON document and stops the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+from streaming_backend.launcher import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+READY_TIMEOUT_S = 900
+FIELDS = ("Rss", "Pss", "Pss_Anon", "Pss_File", "Pss_Shmem")  # of smaps_rollup, in kB
+OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
+
+
+def memory(pid: int) -> dict[str, float]:
+    """A process's smaps_rollup figures and its peak resident size (VmHWM), in MB."""
+    figures = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        key, value = line.split(":")
+        if key in FIELDS:
+            figures[key] = int(value.split()[0]) / 1000
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            figures["VmHWM"] = int(line.split()[1]) / 1000
+    return figures
+
+
+def wait_ready(port: int, process: subprocess.Popen) -> float:
+    """Seconds until the supervisor's /ready answers 200 (the server exiting fails it)."""
+    started = time.monotonic()
+    while time.monotonic() - started < READY_TIMEOUT_S:
+        if process.poll() is not None:
+            raise RuntimeError(f"serve exited with status {process.returncode}")
+        try:
+            with OPENER.open(f"http://127.0.0.1:{port}/ready", timeout=5) as response:
+                if response.status == 200:
+                    return time.monotonic() - started
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"not ready after {READY_TIMEOUT_S} s")
+
+
+def one_request(http_port: int, max_tokens: int) -> str:
+    """One greedy chat request over generate_stream; the text it streamed."""
+    body = {
+        "messages": json.dumps([{"role": "user", "content": "What is the capital of France?"}]),
+        "stream": True,
+        "sampling_parameters": json.dumps({"temperature": 0, "max_tokens": max_tokens}),
+    }
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{http_port}/v2/models/chat/generate_stream",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    text = []
+    with OPENER.open(request, timeout=300) as response:
+        for line in response:
+            if line.startswith(b"data: "):
+                text.append(json.loads(line[6:]).get("text_output", ""))
+    return "".join(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="--model for serve (default: the shipped model)")
+    parser.add_argument("--serve-args", default="", help="more serve options, one string")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    args = parser.parse_args()
+    ports = {name: free_port() for name in ("http", "grpc", "metrics", "supervisor")}
+    command = [sys.executable, "-m", "clients.cli", "serve", "--no-bridge"]
+    command += [arg for name, port in ports.items() for arg in (f"--{name}-port", str(port))]
+    command += ["--model", args.model] if args.model else []
+    command += args.serve_args.split()
+    process = subprocess.Popen(command, cwd=REPO, start_new_session=True)
+    try:
+        ready_s = wait_ready(ports["supervisor"], process)
+        text = one_request(ports["http"], args.max_tokens)
+        processes = [psutil.Process(process.pid), *psutil.Process(process.pid).children(True)]
+        each = {f"{p.pid} {' '.join(p.cmdline()[:2])[-60:]}": memory(p.pid) for p in processes}
+        total = {key: round(sum(m.get(key, 0) for m in each.values()), 1) for key in FIELDS}
+        print(json.dumps({"command": command[2:], "ready_s": round(ready_s, 1), "text": text,
+                          "total_mb": total, "processes_mb": each}, indent=1))  # fmt: skip
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+if __name__ == "__main__":
+    main()
