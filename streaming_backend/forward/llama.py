@@ -454,6 +454,10 @@ class CompactLlama(nn.Module):
         # every layer in one C call where none needs torch between its calls (native.DecoderStack)
         self.native_stack = self._decoder_stack() if self.native else None
 
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor of its weights (CompactWeights)."""
+        return _tensors(self.weights)
+
     def forward(
         self,
         k_cache: LayerCache,

@@ -270,3 +270,16 @@ def test_a_cache_folder_that_cannot_be_written_serves_from_memory(
     full = load_model(str(checkpoint), dtype="float32", device="cpu")
     assert torch.equal(logits(loaded, model), logits(full, CompactLlama(full.model, "int4")))
     assert model.weights_digest == weights_digest(full)
+
+
+def test_the_load_log_says_what_the_weights_and_kv_cache_cost(cache, checkpoint, capsys):
+    """A served model's load log: its weights shared through the file, none private; the KV
+    cache's reserved MiB and the few written by the calibration."""
+    from streaming_backend.configuration.models import EngineConfig
+    from streaming_backend.steps.build import build_steps
+
+    steps = build_steps(skeleton(checkpoint), EngineConfig(quantize="int4"), print)
+    [line] = [x for x in capsys.readouterr().err.splitlines() if "memory:" in x]
+    [file] = cache.glob("*.weights")
+    shared = f"weights {file.stat().st_size / 1e6:.0f} MB shared through a file, 0 MB private"
+    assert shared in line and f"KV cache {steps.cache.bytes / 2**20:.0f} MiB reserved" in line
