@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -232,6 +233,7 @@ def _serve(
 ) -> int:
     """Start, wait for readiness, supervise until `stop`, drain; the exit status."""
     print(f"tokenstream: starting tritonserver on {cfg.supervisor.server.repository}", flush=True)
+    started = time.monotonic()
     try:
         if not supervisor.start(stop):
             return 0  # interrupted while the models loaded
@@ -245,7 +247,8 @@ def _serve(
         bridge = _bridge(
             server, cfg.bridge_port, supervisor.models_ready, supervisor.require("bridge")
         )
-    _print_endpoints(server, cfg.bridge_port if bridge else 0, cfg.supervisor_port)
+    took = time.monotonic() - started
+    _print_endpoints(server, cfg.bridge_port if bridge else 0, cfg.supervisor_port, took)
     bridge_stop = threading.Event()
     bridge_thread = None
     if bridge is not None:
@@ -270,12 +273,14 @@ def _run_bridge(bridge: RunUntil, bridge_stop: threading.Event, stop: threading.
         print("tokenstream: the bridge ended; Triton keeps serving", flush=True)
 
 
-def _print_endpoints(server: TritonServer, bridge_port: int, supervisor_port: int) -> None:
+def _print_endpoints(
+    server: TritonServer, bridge_port: int, supervisor_port: int, took: float
+) -> None:
     models = server.config.models or sorted(
         p.name for p in server.config.repository.iterdir() if p.is_dir()
     )
     lines = [
-        "tokenstream: Triton is ready",
+        f"tokenstream: Triton is ready after {took:.1f} s",
         f"  models   {', '.join(models)}",
         f"  HTTP     {server.http_url}   (e.g. POST /v2/models/<model>/generate_stream)",
         f"  gRPC     {server.grpc_url}",
