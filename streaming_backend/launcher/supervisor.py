@@ -187,7 +187,8 @@ class Supervisor:
         """Start tritonserver and wait until it is ready; False if `stop` came first.
 
         Raises ServerDied or TimeoutError when it cannot start at all (nothing is restarted
-        before the models have been ready once: a model that never loads is a config error).
+        before the models have been ready once: a model that never loads is a config error),
+        StartHung when the start hung twice (a hung start is tried once more: _launch).
         """
         with self._lock:
             self.state = STARTING
