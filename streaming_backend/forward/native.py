@@ -4,7 +4,7 @@ library, kept in the cache folder, called through ctypes.
     kernel = native.attention_kernel()          # None where it cannot be built (reason logged)
     kernel(q, k_layer, v_layer, out, placed, window, scale)
     matmul = native.matmul_kernel()             # the quantized matmuls (csrc/quant_matmul.c)
-    y = matmul.q4(x, packed, steps, lows)
+    y = matmul.q4(x, packed, steps, lows, out)
 
 The library's name carries a digest of its sources, flags and compiler, so an edited source or a
 new compiler builds a new one; a build goes to a temporary name and is renamed into place, so
@@ -183,6 +183,10 @@ class MatmulKernel:
     is a few calls."""
 
     BLOCK = 32  # inputs per block (QK in the source): k must be a multiple
+    TILE = 16  # quantized weight rows a tile takes together (TILE in the source)
+    # how the quantized matmuls sum a value (the source's top comment), named in the numerics:
+    # each block's exact integer dot product, then the blocks in float32 in the order of k
+    SUMS = "block-dots-in-order"
     PROLOGUES = {None: 0, "rms_norm": 1, "silu_mul": 2, "gelu_tanh_mul": 3}
     GATED = ("silu_mul", "gelu_tanh_mul")  # prologues of an MLP's [gate, up]: x is [m, 2k]
 
@@ -203,17 +207,24 @@ class MatmulKernel:
         for fn in (self._q4, self._q8, self._dense):
             fn.restype = ctypes.c_int
 
-    def q4(self, x: torch.Tensor, packed, steps, lows, **around) -> torch.Tensor:
-        """x . W^T [m, n] for the int4 W (packed [n, k / 2] uint8, steps and lows [n, k / 32]
-        float16: quant.NativeInt4Weight); `around` as `_run` takes it."""
+    def q4(self, x: torch.Tensor, packed, steps, lows, out: int, **around) -> torch.Tensor:
+        """x . W^T [m, out] for the int4 W (packed [n, k / 2] uint8, steps and lows [n, k / 32]
+        float16, n >= out rows in whole tiles: quant.NativeInt4Weight); `around` as `_run`
+        takes it."""
+        self._check_tiles(packed, out)
         ptrs = (packed.data_ptr(), steps.data_ptr(), lows.data_ptr())
-        return self._run(self._q4, x, packed.shape[0], packed.shape[1] * 2, ptrs, **around)
+        return self._run(self._q4, x, out, packed.shape[1] * 2, ptrs, **around)
 
-    def q8(self, x: torch.Tensor, weight, scales, **around) -> torch.Tensor:
-        """x . W^T [m, n] for W = weight [n, k] int8 * scales [n] float32
-        (quant.NativeInt8Weight); `around` as `_run` takes it."""
+    def q8(self, x: torch.Tensor, weight, scales, out: int, **around) -> torch.Tensor:
+        """x . W^T [m, out] for W = weight [n, k] int8 * scales [n] float32, n >= out rows in
+        whole tiles (quant.NativeInt8Weight); `around` as `_run` takes it."""
+        self._check_tiles(weight, out)
         ptrs = (weight.data_ptr(), scales.data_ptr())
-        return self._run(self._q8, x, weight.shape[0], weight.shape[1], ptrs, **around)
+        return self._run(self._q8, x, out, weight.shape[1], ptrs, **around)
+
+    def _check_tiles(self, weight: torch.Tensor, out: int) -> None:
+        if weight.shape[0] != -(-out // self.TILE) * self.TILE:
+            raise ValueError(f"quantized matmul: {weight.shape[0]} weight rows for {out} outputs")
 
     def greedy(self, logits: torch.Tensor) -> tuple[list[int], list[bool]]:
         """Each row of logits [B, V] (float32, contiguous, on the CPU): the first index of its
@@ -348,11 +359,12 @@ class DecoderStack:
         )  # fmt: skip
 
     def _linear(self, weight: NamedTuple, bias: torch.Tensor | None) -> _StackLinear:
+        n = weight.out
         if hasattr(weight, "packed"):  # int4: two inputs a byte
-            n, k = weight.packed.shape[0], weight.packed.shape[1] * 2
+            k = weight.packed.shape[1] * 2
             parts = (self.Q4, weight.packed, weight.steps, weight.lows, None)
         else:
-            n, k = weight.weight.shape
+            k = weight.weight.shape[1]
             parts = (self.Q8, weight.weight, None, None, weight.scales)
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
             raise ValueError(f"decoder stack: bias must be float32 ({n},)")

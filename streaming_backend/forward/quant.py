@@ -35,7 +35,8 @@ from streaming_backend.forward import native
 INT4_GROUP = 32
 # the head's format per quantization: an int4 head cost 8 points of greedy agreement (90 % vs 98 %)
 HEAD_KIND = {"none": "none", "int8": "int8", "int4": "int8"}
-LAYOUT_VERSION = 1  # of what quantize_weight produces: raise it when that changes (weight_cache)
+LAYOUT_VERSION = 2  # of what quantize_weight produces: raise it when that changes (weight_cache)
+TILE = native.MatmulKernel.TILE  # weight rows the C kernels take together: their layout's tiles
 INT4_INNER_K_TILES = 1  # the CPU packing ignores it; the op still takes it
 # The activations' dtype at a quantized matmul, by the model's: neither kernel has a fast float32
 # path (16 rows: int4 [576 -> 3072] 23 ms with float32 activations against 0.3-0.5 ms through
@@ -68,18 +69,24 @@ class Int4Weight(NamedTuple):
 class NativeInt8Weight(NamedTuple):
     """An int8 weight [out, in] with one float32 scale per output row, for the C kernel."""
 
-    weight: torch.Tensor  # [out, in] int8
+    # [out, in] int8 in tiles of TILE rows: block b of tile t at (t * blocks + b) * 512, byte
+    # 64 u + 4 c + j input 4u + j of the tile's row c (native_int8_levels: in row order)
+    weight: torch.Tensor
     scales: torch.Tensor  # [out] float32
+    out: int  # output rows; weight's and scales' rows are padded with zeros to whole tiles
 
 
 class NativeInt4Weight(NamedTuple):
     """A 4-bit weight in the C kernel's layout: w = l * step + low per group of INT4_GROUP inputs,
-    l in [0, 15]."""
+    l in [0, 15]; in tiles of TILE output rows (csrc/quant_matmul.c), which the shapes below
+    only size (native_int4_values gives the values in row order)."""
 
-    # [out, in / 2]: byte j of a group holds input j (low nibble) and input j + 16 (high nibble)
+    # [out, in / 2] uint8: group g of tile t at (t * groups + g) * 256; byte 64 p + 4 c + j holds
+    # input 4p + j of the tile's row c (low nibble) and input 16 + 4p + j (high nibble)
     packed: torch.Tensor
-    steps: torch.Tensor  # [out, in / group] float16
-    lows: torch.Tensor  # [out, in / group] float16
+    steps: torch.Tensor  # [out, in / group] float16: tile t's group g at (t * groups + g) * 16
+    lows: torch.Tensor  # [out, in / group] float16, likewise
+    out: int  # output rows; the tensors' rows are padded with zeros to whole tiles
 
 
 Weight = torch.Tensor | Int8Weight | Int4Weight | NativeInt8Weight | NativeInt4Weight
@@ -157,25 +164,67 @@ def quantize_int4(weight: torch.Tensor, group: int) -> Int4Weight:
 
 
 def quantize_int8_native(weight: torch.Tensor) -> NativeInt8Weight:
-    """Symmetric per-row int8 for the C kernel: w ~ q * scale, q in [-127, 127], scale float32."""
-    w = weight.detach().float()
+    """Symmetric per-row int8 for the C kernel: w ~ q * scale, q in [-127, 127], scale float32;
+    q in tiles of TILE rows (native_int8_levels reads it back)."""
+    w = _whole_tiles(weight.detach().float())
     scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # [out]
     q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-    return NativeInt8Weight(q.contiguous(), scales.contiguous())
+    scales[weight.shape[0] :] = 0
+    out, inputs = q.shape
+    # [tiles, TILE, blocks, units, 4] -> [tiles, blocks, units, TILE, 4]: 4 inputs of 16 rows a line
+    tiled = q.view(out // TILE, TILE, inputs // INT4_GROUP, INT4_GROUP // 4, 4).permute(0, 2, 3, 1, 4)
+    levels = tiled.reshape(out, inputs).contiguous()
+    return NativeInt8Weight(levels, scales.contiguous(), weight.shape[0])
+
+
+def native_int8_levels(weight: NativeInt8Weight) -> torch.Tensor:
+    """The int8 levels [out, in] of a NativeInt8Weight, in row order (its tiles undone)."""
+    out, inputs = weight.weight.shape
+    tiled = weight.weight.view(out // TILE, inputs // INT4_GROUP, INT4_GROUP // 4, TILE, 4)
+    return tiled.permute(0, 3, 1, 2, 4).reshape(out, inputs)[: weight.out]
 
 
 def quantize_int4_native(weight: torch.Tensor) -> NativeInt4Weight:
     """Asymmetric int4 per group of INT4_GROUP inputs for the C kernel: w ~ l * step + low, l in
     [0, 15], step and low as float16 (each l the nearest level for them as stored)."""
-    out, inputs = weight.shape
-    w = weight.detach().float().view(out, inputs // INT4_GROUP, INT4_GROUP)
+    w = _whole_tiles(weight.detach().float())
+    out, inputs = w.shape
+    w = w.view(out, inputs // INT4_GROUP, INT4_GROUP)
     low = w.amin(dim=-1).to(torch.float16)  # [out, groups]
     step = ((w.amax(dim=-1) - low.float()) / 15).to(torch.float16)
     levels = torch.round((w - low.float()[..., None]) / step.float().clamp(min=1e-30)[..., None])
     levels = levels.clamp(0, 15).to(torch.uint8)  # [out, groups, group]
-    half = INT4_GROUP // 2
-    packed = levels[..., :half] | (levels[..., half:] << 4)  # [out, groups, group / 2]
-    return NativeInt4Weight(packed.reshape(out, inputs // 2).contiguous(), step, low)
+    groups, tiles = inputs // INT4_GROUP, out // TILE
+    # [tiles, TILE, groups, (low, high), p, j] -> [tiles, groups, p, TILE, j, (low, high)]: byte
+    # 64 p + 4 c + j of a tile's group holds input 4p + j of its row c and input 16 + 4p + j
+    pairs = levels.view(tiles, TILE, groups, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
+    packed = pairs[..., 0] | (pairs[..., 1] << 4)
+    step, low = (t.view(tiles, TILE, groups).transpose(1, 2) for t in (step, low))
+    return NativeInt4Weight(
+        packed.reshape(out, inputs // 2).contiguous(),
+        step.reshape(out, groups).contiguous(),
+        low.reshape(out, groups).contiguous(),
+        weight.shape[0],
+    )
+
+
+def _whole_tiles(w: torch.Tensor) -> torch.Tensor:
+    """w [out, in] with zero rows after it up to a multiple of TILE rows."""
+    missing = -w.shape[0] % TILE
+    return torch.cat([w, w.new_zeros(missing, w.shape[1])]) if missing else w
+
+
+def native_int4_values(weight: NativeInt4Weight) -> tuple[torch.Tensor, ...]:
+    """The levels [out, in] (uint8, 0..15), steps and lows [out, in / INT4_GROUP] (float16) of a
+    NativeInt4Weight, in row order (its tiles undone)."""
+    out, groups = weight.steps.shape
+    tiles = out // TILE
+    pairs = weight.packed.view(tiles, groups, 4, TILE, 4)
+    levels = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1)  # [tiles, groups, p, TILE, j, 2]
+    levels = levels.permute(0, 3, 1, 5, 2, 4).reshape(out, groups * INT4_GROUP)
+    step, low = (t.view(tiles, groups, TILE).transpose(1, 2).reshape(out, groups)
+                 for t in (weight.steps, weight.lows))  # fmt: skip
+    return levels[: weight.out], step[: weight.out], low[: weight.out]
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -216,8 +265,8 @@ def native_linear(
     residual after) -> [m, out] in x's dtype."""
     kernel = native.matmul_kernel()
     if isinstance(weight, NativeInt4Weight):
-        return kernel.q4(x, weight.packed, weight.steps, weight.lows, **around)
-    return kernel.q8(x, weight.weight, weight.scales, **around)
+        return kernel.q4(x, *weight, **around)
+    return kernel.q8(x, *weight, **around)
 
 
 def _native_linear(flat: torch.Tensor, weight: NativeInt8Weight | NativeInt4Weight) -> torch.Tensor:

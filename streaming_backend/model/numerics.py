@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from streaming_backend.forward import native
 from streaming_backend.forward.quant import HEAD_KIND, INT4_GROUP
 from streaming_backend.model.loading import LoadedModel
 from streaming_backend.steps import Steps
@@ -55,6 +56,8 @@ class Numerics:
     threads: int  # torch's CPU threads at load (torch's attention: differed on 1 and 2); GPU: 0
     torch: str  # torch's version (its kernels)
     transformers: str  # its version where its modelling code computes (forward hf), else ""
+    # how our C matmuls sum a value (native.MatmulKernel.SUMS) where they run ("c-" in matmul)
+    matmul_sums: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         """The facts by name."""
@@ -91,6 +94,7 @@ def describe(loaded: LoadedModel, steps: Steps) -> Numerics:
         threads=0 if on_gpu else torch.get_num_threads(),
         torch=torch.__version__,
         transformers=transformers.__version__ if steps.name == "hf" else "",
+        matmul_sums=native.MatmulKernel.SUMS if "c-" in steps.matmul else "",
     )
 
 

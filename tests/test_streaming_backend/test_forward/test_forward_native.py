@@ -480,8 +480,8 @@ def test_the_avx512_and_avx2_builds_give_the_same_bits(tmp_path, monkeypatch):
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump to read the library")
 @pytest.mark.skipif(native.variant() == "generic", reason="the generic build does not prefetch")
 def test_the_matmuls_prefetch_their_weight_rows(tmp_path, monkeypatch):
-    """The quantized matmuls ask for their weight rows ahead (csrc/quant_matmul.c,
-    prefetch_row): about 1.5x the weight stream from memory. gcc drops the calls of a function
+    """The quantized matmuls ask for their weights ahead (csrc/quant_matmul.c, `ask`): about
+    1.5x the weight stream from memory. gcc drops the calls of a function
     of prefetches alone as having no effect unless it is inlined first; this catches the
     library built without them."""
     monkeypatch.setenv("TOKENSTREAM_CACHE", str(tmp_path))

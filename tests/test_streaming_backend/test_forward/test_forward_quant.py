@@ -17,14 +17,16 @@ def dequantize(weight: quant.Weight) -> torch.Tensor:
     which the kernels are checked against."""
     if isinstance(weight, torch.Tensor):
         return weight.float()
-    if isinstance(weight, quant.Int8Weight | quant.NativeInt8Weight):
+    if isinstance(weight, quant.Int8Weight):
         return weight.weight.float() * weight.scales.float()[:, None]
+    if isinstance(weight, quant.NativeInt8Weight):
+        return quant.native_int8_levels(weight).float() * weight.scales[: weight.out].float()[:, None]
     if isinstance(weight, quant.NativeInt4Weight):
-        out = weight.packed.shape[0]
-        packed = weight.packed.view(out, -1, quant.INT4_GROUP // 2)
-        levels = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()  # [out, groups, group]
-        w = levels * weight.steps.float()[..., None] + weight.lows.float()[..., None]
-        return w.reshape(w.shape[0], -1)
+        levels, steps, lows = quant.native_int4_values(weight)
+        out = levels.shape[0]
+        levels = levels.float().view(out, -1, quant.INT4_GROUP)  # [out, groups, group]
+        w = levels * steps.float()[..., None] + lows.float()[..., None]
+        return w.reshape(out, -1)
     # the identity matrix through the kernel: row i of the result is input i of every output
     inputs = weight.packed.shape[1] * 2
     eye = torch.eye(inputs, dtype=weight.scales_zeros.dtype)
@@ -99,18 +101,38 @@ def block_quantized(x: torch.Tensor) -> torch.Tensor:
 def test_native_int4_keeps_each_weight_within_half_a_step():
     """The C kernel's int4: per group of 32 inputs, w ~ l * step + low with l in [0, 15] and
     step, low in float16; each weight within half a step of its value (plus float16's rounding
-    of the low); packed two inputs a byte, j and j + 16 of a group."""
+    of the low); packed two inputs a byte, 4p + j and 16 + 4p + j of a group, in tiles of 16
+    rows (byte 64 p + 4 c + j of a tile's group: its row c)."""
     w = weight()
     q = quant.quantize_int4_native(w)
     assert q.packed.shape == (96, 64) and q.packed.dtype == torch.uint8
     assert q.steps.shape == q.lows.shape == (96, 4) and q.steps.dtype == torch.float16
+    assert q.out == 96
     got = dequantize(q).view(96, 4, 32)
     error = (got - w.view(96, 4, 32)).abs()
-    assert (error <= q.steps.float()[..., None] * 0.51).all()
-    first = q.packed[0, 0].item()  # inputs 0 and 16 of row 0
-    for nibble, column in ((first & 15, 0), (first >> 4, 16)):
-        value = nibble * q.steps[0, 0].float() + q.lows[0, 0].float()
-        assert value == got[0, 0, column]
+    _, steps, lows = quant.native_int4_values(q)
+    assert (error <= steps.float()[..., None] * 0.51).all()
+    # tile 1 (rows 16..31), group 2: its bytes start at (1 * 4 + 2) * 256, its scales at * 16
+    tile, group, p, row, j = 1, 2, 3, 5, 1
+    byte = q.packed.view(-1)[(tile * 4 + group) * 256 + 64 * p + 4 * row + j].item()
+    step = q.steps.view(-1)[(tile * 4 + group) * 16 + row].float()
+    low = q.lows.view(-1)[(tile * 4 + group) * 16 + row].float()
+    for nibble, column in ((byte & 15, 4 * p + j), (byte >> 4, 16 + 4 * p + j)):
+        assert nibble * step + low == got[16 * tile + row, group, column]
+
+
+def test_a_weight_of_rows_off_the_tiles_is_padded_with_zeros():
+    """Output rows that do not fill the last tile of 16: the stored rows are padded with zero
+    weights and scales, `out` keeps the real count, and the kernel writes only those outputs."""
+    w = weight(out=37)
+    for q in (quant.quantize_int4_native(w), quant.quantize_int8_native(w)):
+        assert q.out == 37 and q[0].shape[0] == 48
+        assert (q[1].view(-1)[-1] == 0).all()  # the last padding row's scale
+        torch.testing.assert_close(dequantize(q), w, atol=0.02, rtol=0)  # half an int4 step
+        x = torch.randn(3, 128)
+        got = quant.linear(x, q)
+        assert got.shape == (3, 37)
+        torch.testing.assert_close(got, block_quantized(x) @ dequantize(q).T, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
