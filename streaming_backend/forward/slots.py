@@ -27,6 +27,7 @@ move and the mapping is the identity.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -288,8 +289,7 @@ def _per_layer(stores, which: int, layers: int) -> tuple[torch.Tensor, ...]:
     return tuple(views)
 
 
-# Above this size a CPU allocation is a fresh anonymous mapping (glibc's mmap threshold is at most
-# 32 MiB): the OS hands out zero pages, resident only once written.
+# Above this size a CPU KV allocation is a private anonymous mapping of its own.
 LAZY_ZERO_BYTES = 64 * 2**20
 
 
@@ -298,9 +298,14 @@ def _zeroed(size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
     Writing the zeros (torch.zeros) would make the whole budget resident at start, although most
     slots only ever hold short conversations. Masked positions are read by attention, so they
-    must hold finite values: the OS's zero pages do.
+    must hold finite values. A fresh private anonymous mapping is the OS's zero pages, resident
+    only once written. torch.empty is not one: glibc serves even a 64 MiB request from the top
+    of its heap, pages an earlier tensor wrote (any bits, NaN among them), once frees have
+    raised its trim threshold.
     """
     element = torch.empty((), dtype=dtype).element_size()
-    if device.type != "cpu" or math.prod(size) * element < LAZY_ZERO_BYTES:
+    nbytes = math.prod(size) * element
+    if device.type != "cpu" or nbytes < LAZY_ZERO_BYTES:
         return torch.zeros(size, dtype=dtype, device=device)
-    return torch.empty(size, dtype=dtype, device=device)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=dtype).view(size)  # the tensor keeps the mapping

@@ -5,8 +5,8 @@
 
 A storage that lies in a file mapping (a weight file's, model/weight_cache.py) is shared: its
 pages are the page cache's, held once for every process that maps the file. Any other is the
-process's own. Resident bytes are the storages' pages in memory now (mincore): a large CPU
-allocation stays unresident until written, as the KV cache does (forward/slots.py).
+process's own. Resident bytes are the storages' pages in memory now (mincore): a fresh anonymous
+mapping stays unresident until written, as the KV cache's do (forward/slots.py).
 """
 
 from __future__ import annotations

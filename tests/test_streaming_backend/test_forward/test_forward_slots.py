@@ -195,3 +195,51 @@ def test_copy_prefix_copies_a_rings_rows_and_the_full_layers_prefix():
     assert torch.equal(cache.k[0][target], cache.k[0][source])  # the ring, all 5 rows
     assert torch.equal(cache.k[1][target, :, :11], cache.k[1][source, :, :11])
     assert not cache.k[1][target, :, 11:].any()
+
+
+# In a fresh interpreter: make glibc's heap hold ~100 MiB of freed pages full of NaN bits (a
+# freed 16 MiB mapping raises its mmap threshold, so 1 MiB tensors come from the heap, and a live
+# one above them keeps the span from being trimmed), show that torch.empty(64 MiB) then returns
+# those pages, and build a 64 MiB cache there.
+DIRTY_HEAP = """
+import json, sys, torch
+from streaming_backend.forward.slots import SlotCache
+from streaming_backend.model.memory import Footprint
+from streaming_backend.forward.llama import LlamaShape
+SHAPE = eval(sys.argv[1])  # the test's LlamaShape, as its repr
+MIB = 2**20
+freed = torch.empty(16 * MIB, dtype=torch.uint8)
+del freed
+nans = [torch.full((MIB // 4,), float("nan")) for _ in range(100)]
+above = torch.empty(MIB, dtype=torch.uint8)
+del nans
+dirty = torch.empty(64 * MIB, dtype=torch.uint8)
+seen = {"empty_resident": Footprint.of([dirty]).resident, "empty_zero": bool((dirty == 0).all())}
+del dirty
+cache = SlotCache(SHAPE, 1023, 256, torch.float32, torch.device("cpu"))
+stores = [*cache.k, *cache.v]
+seen["cache_bytes"] = Footprint.of(stores).reserved
+seen["cache_resident"] = Footprint.of(stores).resident
+seen["cache_zero"] = all(bool((t == 0).all()) for t in stores)
+print(json.dumps(seen))
+"""
+
+
+def test_a_large_cache_is_zero_pages_even_where_the_heap_holds_freed_nans():
+    """A large CPU cache is the OS's zero pages: unresident until written, and zeros, even where
+    torch.empty would hand out pages an earlier tensor filled with NaN (masked positions are read
+    by attention, so garbage there would poison every row's output)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    run = subprocess.run(
+        [sys.executable, "-c", DIRTY_HEAP, repr(SHAPE)], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    seen = json.loads(run.stdout.splitlines()[-1])
+    assert seen["empty_resident"] >= 60 * 2**20 and not seen["empty_zero"]  # the trap is set
+    assert seen["cache_bytes"] >= 64 * 2**20
+    assert seen["cache_resident"] < 2**20 and seen["cache_zero"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 from streaming_backend.forward.weight_file import read_tree, write_tree
@@ -11,9 +13,11 @@ MIB = 2**20
 
 
 def test_a_large_allocation_is_resident_as_it_is_written():
-    """64 MiB from torch.empty are reserved, not resident; writing half makes half resident.
-    Views of one storage count once."""
-    buffer = torch.empty(64 * MIB, dtype=torch.uint8)  # a fresh anonymous mapping
+    """64 MiB of a fresh anonymous mapping are reserved, not resident; writing half makes half
+    resident. Views of one storage count once. (torch.empty is not always a fresh mapping: glibc
+    may hand out freed heap pages, test_forward_slots.py)"""
+    pages = mmap.mmap(-1, 64 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer = torch.frombuffer(pages, dtype=torch.uint8)
     before = Footprint.of([buffer, buffer[:MIB], buffer[5:]])
     assert before.reserved == 64 * MIB and before.resident < 4 * MIB
     buffer[: 32 * MIB].fill_(1)
