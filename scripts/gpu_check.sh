@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A GPU check in one command, on a machine with an NVIDIA GPU and the project's .venv
 # (scripts/setup.sh). It installs nothing. It runs:
-#   1. the forward tests (tests/test_streaming_backend/test_forward*.py);
+#   1. the compact forward's tests (tests/test_streaming_backend/test_forward/: llama and slots);
 #   2. the decode step alone (scripts/forward_bench.py): Hugging Face, the compact forward eager,
 #      torch.compile'd and CUDA-graphed, at 1 and 16 streams;
 #   3. the engine in-process (`tokenstream engine-bench`): compact vs hf at 1 and 16 streams;
@@ -38,8 +38,8 @@ step() {  # step NAME COMMAND...: run, log to $OUT/NAME.txt, remember a failure
     fi
 }
 
-step tests "$PY" -m pytest -q tests/test_streaming_backend/test_forward_llama.py \
-    tests/test_streaming_backend/test_forward_slots.py
+step tests "$PY" -m pytest -q tests/test_streaming_backend/test_forward/test_forward_llama.py \
+    tests/test_streaming_backend/test_forward/test_forward_slots.py
 step forward env PYTHONPATH="$PWD" "$PY" scripts/forward_bench.py --dtype "$DTYPE" \
     --systems hf,eager,compiled,graphs --batch 1,16 --steps 64 --rounds 3 \
     --out "$OUT/forward.json"

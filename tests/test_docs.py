@@ -1,7 +1,9 @@
-"""The docs' links: every relative link and anchor in README.md and docs/*.md resolves.
+"""What the docs and scripts point at exists: every relative link and anchor in README.md and
+docs/*.md resolves, and every path of this repository named in the docs and scripts is there.
 
 Anchors are GitHub's: a heading's text, lower-cased, without punctuation, spaces as hyphens, and
-`-1`, `-2`, ... on repeats. Code blocks and code spans are not markdown, so nothing in them counts.
+`-1`, `-2`, ... on repeats. Code blocks and code spans are not markdown, so nothing in them counts
+as a link; paths are read everywhere, code included (a script's commands are code).
 """
 
 from __future__ import annotations
@@ -100,3 +102,57 @@ def test_readme_is_a_front_door():
     assert len(text.splitlines()) <= 200
     assert "bash scripts/setup.sh && .venv/bin/tokenstream serve" in text
     assert "bash scripts/setup.sh --test && .venv/bin/python -m pytest -q" in text
+
+
+# ---- paths of this repository named in the docs and scripts
+
+TOP_FOLDERS = ("tests", "scripts", "streaming_backend", "docs", "repository", "clients", "docker")
+TOP_FOLDERS += (".ci",)
+# A path starts at a top folder that no other path character comes before: in `/v2/repository/...`
+# (a URL) or `$OUT/docs/...` (somewhere else) the folder is not this repository's.
+REPO_PATH = re.compile(
+    r"(?<![\w./$-])(?:" + "|".join(map(re.escape, TOP_FOLDERS)) + r")/[\w./*<>{}$-]*"
+)
+TEMPLATE = re.compile(r"[<>{}$]")  # clients/<name>_client.py: a placeholder, no file of ours
+
+
+def texts() -> list[Path]:
+    """The text files that name repository paths: docs, scripts, docker, CI and the README."""
+    found = [ROOT / "README.md", ROOT / ".ci" / "run"]
+    for folder in ("docs", "scripts", "docker"):
+        found += sorted(p for p in (ROOT / folder).rglob("*") if p.is_file())
+    return [p for p in found if p.suffix not in (".png", ".pyc") and "__pycache__" not in p.parts]
+
+
+def named_paths(text: str) -> set[str]:
+    """The repository paths a text names, templates left out (a sentence's last dot dropped)."""
+    found = {match.rstrip(".") for match in REPO_PATH.findall(text)}
+    return {path for path in found if not TEMPLATE.search(path)}
+
+
+def missing(text: str, root: Path = ROOT) -> list[str]:
+    """The named paths that do not exist under `root` (a glob: that match nothing)."""
+    return sorted(
+        path
+        for path in named_paths(text)
+        if not (any(root.glob(path)) if "*" in path else (root / path).exists())
+    )
+
+
+@pytest.mark.parametrize("path", texts(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_repository_path_named_exists(path):
+    """Each path of this repository that a doc or script names (tests/..., scripts/...,
+    streaming_backend/..., ...) is a file or folder of the checkout, or a glob that matches one."""
+    assert missing(path.read_text(encoding="utf-8")) == []
+
+
+def test_the_path_check_reads_paths_as_meant(tmp_path):
+    """Moved test files are caught; URLs, other roots and templates are not this repository's."""
+    (tmp_path / "tests" / "test_forward").mkdir(parents=True)
+    (tmp_path / "tests" / "test_forward" / "test_llama.py").touch()
+    text = (
+        "pytest tests/test_llama.py tests/test_forward/test_llama.py tests/test_forward/.\n"
+        "see tests/test_forward/test_*.py and tests/test_gone_*.py; POST /v2/repository/models/x\n"
+        "$OUT/docs/run.txt ../docker/README.md clients/<name>_client.py in a sentence: docs/gone."
+    )
+    assert missing(text, tmp_path) == ["docs/gone", "tests/test_gone_*.py", "tests/test_llama.py"]
