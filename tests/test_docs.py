@@ -156,3 +156,10 @@ def test_the_path_check_reads_paths_as_meant(tmp_path):
         "$OUT/docs/run.txt ../docker/README.md clients/<name>_client.py in a sentence: docs/gone."
     )
     assert missing(text, tmp_path) == ["docs/gone", "tests/test_gone_*.py", "tests/test_llama.py"]
+
+
+def test_performance_is_reference():
+    """docs/performance.md stays a reference (settings, a current table per CPU kind, how to
+    compare): history lives in git and design facts in docs/design.md."""
+    text = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 300
