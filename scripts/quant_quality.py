@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> GateConfig:
     parser.add_argument("--quantize", default="int8,int4", help="comma-separated: int8, int4")
     # 256: with 64 (8 chats, ~700 positions) the int4 perplexity change moved by more than a
     # point between runs that changed only attention rounding; 256 (~1250-1500 positions, each
-    # chat's answer until it ends) holds it steadier (docs/performance.md, the quality gate)
+    # chat's answer until it ends) holds it steadier (docs/design.md, the quality gate)
     parser.add_argument("--new-tokens", type=int, default=256, help="answer tokens per chat")
     parser.add_argument("--min-agreement", type=float, default=MIN_AGREEMENT)
     parser.add_argument("--max-perplexity-change", type=float, default=MAX_PERPLEXITY_CHANGE)

@@ -20,7 +20,7 @@ def decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:
     Face fast tokenizer whose decode adds nothing to its backend's (no clean-up of spaces, no
     override), the backend's own decode: the same text without the wrapper's Python, which a
     token's two decodes paid after each decode step with the caches cold (28 us of a 3.1 ms
-    step of the default model, docs/performance.md)."""
+    step of the default model, in the history of docs/performance.md)."""
     backend = getattr(tokenizer, "_tokenizer", None)
     plain = (
         TokenizersBackend is not None

@@ -115,7 +115,7 @@ class Engine:
         a function, the forward's build, its calibration and every step) runs on that one
         thread: torch's OpenMP threads form one team per calling thread, and on a 2-core CPU a
         second team (the main thread's, from building and calibrating the forward there) made
-        every int4 decode step of the engine thread 1.7x as long (docs/performance.md). The
+        every int4 decode step of the engine thread 1.7x as long (docs/design.md). The
         loop itself waits for start().
         """
         self.config = config or EngineConfig()

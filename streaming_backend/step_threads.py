@@ -6,18 +6,17 @@ faster now.
     ...                                   # the step
     threads.after(rows, seconds, context) # its rows, what it took, its longest row's positions
 
-A step is hundreds of parallel regions, and each waits at its end for every thread of torch's
-team. When another process takes a core, the scheduler parks one of those threads for a slice
-of the other's time, region after region, and a step runs many times slower (docs/performance.md,
-"Beside other work"); fewer threads then run faster. So now and then one step runs on a
-neighbouring count (one fewer, or one more up to `most`), and if it took clearly less time than
-the current count takes for the same number of rows, that count becomes current. A probe that
-loses waits twice as long before the next one, so on a quiet machine (or a busy one) the probes
-cost almost nothing once the count has settled; and when the current count's steps get clearly
-slower or faster than they were at the last probe (another process started or ended), the next
-step probes at once. The count never changes a row's numbers: the
-compact forward's kernels give the same bits on any count (tests/test_streaming_backend/
-test_engine_invariance.py).
+A step is hundreds of parallel regions, and each waits at its end for every thread of torch's team.
+When another process takes a core, the scheduler parks one of those threads for a slice of the
+other's time, region after region, and a step runs many times slower (docs/design.md, "The step
+threads beside other work"); fewer threads then run faster. So now and then one step runs on a
+neighbouring count (one fewer, or one more up to `most`), and if it took clearly less time than the
+current count takes for the same number of rows, that count becomes current. A probe that loses
+waits twice as long before the next one, so on a quiet machine (or a busy one) the probes cost
+almost nothing once the count has settled; and when the current count's steps get clearly slower or
+faster than they were at the last probe (another process started or ended), the next step probes at
+once. The count never changes a row's numbers: the compact forward's kernels give the same bits on
+any count (tests/test_streaming_backend/test_engine_invariance.py).
 
 The slowdown is the recent steps' time against the fastest step since load of the same rows
 at a like context (the longest row's positions, within a factor of sqrt(2): attention over 512

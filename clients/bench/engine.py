@@ -254,7 +254,7 @@ def on_own_thread(fn, *args):
     """fn(*args) on a thread of its own, joined; its result, or its exception raised here.
 
     torch's CPU threads form one team per calling thread, and a team left on this thread slowed
-    the engine's thread 1.7x (docs/performance.md): the baseline's team ends with its thread,
+    the engine's thread 1.7x (docs/design.md): the baseline's team ends with its thread,
     before the engines run."""
     outcome: list = []
 

@@ -25,7 +25,7 @@ OK, FAILED, CANCELLED, REJECTED = "ok", "failed", "cancelled", "rejected"
 OUTCOMES = (OK, FAILED, CANCELLED, REJECTED)  # labels of tokenstream_requests_total
 # The slowdown gauge is set at most this often (a thread count change is set at once): a gauge's
 # set, unlike every other metrics call, keeps the model process's GIL for its round trip to
-# Triton's process, so the engine thread's Python waits on it (docs/performance.md).
+# Triton's process, so the engine thread's Python waits on it (docs/design.md).
 STEP_GAUGES_EVERY_S = 1.0
 
 
@@ -127,7 +127,7 @@ class Metrics:
         self._steps_set_at = -math.inf
         # output tokens not yet added to tokenstream_generation_tokens_total: every metrics call
         # is a round trip to Triton's process, so the counter is added to when a stream ends and
-        # at each poll (flush_tokens), not once a token (docs/performance.md)
+        # at each poll (flush_tokens), not once a token (docs/design.md)
         self._unreported_tokens = 0
 
     def count(self, outcome: str) -> None:

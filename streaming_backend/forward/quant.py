@@ -31,7 +31,7 @@ from streaming_backend.configuration.models import QUANTIZE_KINDS
 from streaming_backend.forward import native
 
 # inputs per int4 scale/zero pair: 64 failed the quality gate on the default model (greedy
-# agreement 67 %, perplexity +32 %), 32 passed (docs/performance.md)
+# agreement 67 %, perplexity +32 %), 32 passed (docs/design.md, the quality gate)
 INT4_GROUP = 32
 # the head's format per quantization: an int4 head cost 8 points of greedy agreement (90 % vs 98 %)
 HEAD_KIND = {"none": "none", "int8": "int8", "int4": "int8"}
@@ -286,7 +286,7 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     was enough on a Zen 5 CPU; on an Intel Xeon with AMX neither padding nor calls of one fixed
     size were, natively and under the AVX2 caps (MKL computed the rows at some places in a call
     one way and the rest another). Our kernel sums each row in an order fixed by its input count
-    alone (docs/performance.md, "One model whatever the load"). Without it (no C compiler, a
+    alone (docs/design.md, "One model whatever the load"). Without it (no C compiler, a
     GPU), torch's.
     """
     if not _dense_on_native(x, weight):

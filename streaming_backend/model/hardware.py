@@ -13,7 +13,7 @@ The rule, one pure function (`choose_dtype`) used by the model at load and by th
 A CPU whose bfloat16 instructions torch is told not to use (ONEDNN_MAX_CPU_ISA or
 ATEN_CPU_CAPABILITY below them: `isa_caps`) counts as one without them.
 
-Measured (docs/performance.md): on an AVX2-only EPYC float32 served twice the tokens of bfloat16
+Measured (docs/design.md): on an AVX2-only EPYC float32 served twice the tokens of bfloat16
 at 16 streams and halved TTFT; on an EPYC with AVX512_BF16 bfloat16 matmuls beat float32.
 
 `--quantize auto` (`choose_quantize`) picks the compact forward's weight format the same way:
@@ -31,7 +31,7 @@ above AVX2 (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUC
 under which ATen's int4 kernel runs its AVX2 build) int4 with float32 activations (through
 bfloat16 at each quantized matmul) decoded 3.5x float32's tokens/s for one stream and 1.5x at 16.
 The quality gate held in both. Every call, prefill too, runs the quantized weights, so one model
-answers whatever the load (docs/performance.md, "One model whatever the load").
+answers whatever the load (docs/design.md, "One model whatever the load").
 """
 
 from __future__ import annotations
