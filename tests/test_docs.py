@@ -1,5 +1,6 @@
 """What the docs and scripts point at exists: every relative link and anchor in README.md and
-docs/*.md resolves, and every path of this repository named in the docs and scripts is there.
+docs/*.md resolves, every path of this repository named in the docs and scripts is there, and
+docs/layout.md lists every file.
 
 Anchors are GitHub's: a heading's text, lower-cased, without punctuation, spaces as hyphens, and
 `-1`, `-2`, ... on repeats. Code blocks and code spans are not markdown, so nothing in them counts
@@ -9,6 +10,7 @@ as a link; paths are read everywhere, code included (a script's commands are cod
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -163,3 +165,56 @@ def test_performance_is_reference():
     compare): history lives in git and design facts in docs/design.md."""
     text = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
     assert len(text.splitlines()) <= 300
+
+
+# ---- docs/layout.md lists every file
+
+LAYOUT = ROOT / "docs" / "layout.md"
+# Every file of the checkout has its line in layout.md's Files block but those under tests/, which
+# mirror the packages (tests/test_layout.py checks that). A line naming a folder (ending in "/")
+# stands for every file in it.
+UNLISTED_FOLDERS = ("tests/",)
+
+
+def listed(text: str) -> list[str]:
+    """The first word of each line of the fenced block under the '## Files' heading."""
+    block = text.split("\n## Files\n", 1)[1].split("```", 2)[1]
+    return [line.split()[0] for line in block.splitlines() if line.strip()]
+
+
+def unlisted(files: list[str], entries: list[str]) -> list[str]:
+    """The files that no entry names, themselves or by a folder (the tests' folder left out)."""
+    named, folders = set(entries), tuple(e for e in entries if e.endswith("/"))
+    return sorted(
+        f
+        for f in files
+        if f not in named and not f.startswith(folders) and not f.startswith(UNLISTED_FOLDERS)
+    )
+
+
+def tracked_files() -> list[str]:
+    """The checkout's files as git tracks them (those still on disk)."""
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout: no list of tracked files")
+    return [f for f in out.split("\0") if f and (ROOT / f).is_file()]
+
+
+def test_layout_lists_every_file():
+    """docs/layout.md's Files block has a line for each tracked file outside tests/ (scripts,
+    docs, docker and the top level included), and each line names a file or folder that exists."""
+    entries = listed(LAYOUT.read_text(encoding="utf-8"))
+    assert unlisted(tracked_files(), entries) == []
+    assert sorted(e for e in entries if not (ROOT / e).exists()) == []
+
+
+def test_the_layout_check_reads_lines_and_folders():
+    """A folder line covers its files, tests/ is left out, and a file with no line is caught."""
+    text = "# x\n\n## Files\n\n```\na.py   one\nstatic/   the page\n```\n\n## Other\n"
+    entries = listed(text)
+    assert entries == ["a.py", "static/"]
+    files = ["a.py", "static/x.js", "tests/test_a.py", "b.py", "static_b.py"]
+    assert unlisted(files, entries) == ["b.py", "static_b.py"]
