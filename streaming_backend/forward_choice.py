@@ -31,8 +31,9 @@ class ForwardChoice:
     forward: str  # compact or hf
     why: str | None  # why the Hugging Face forward runs; None on the compact forward
     quantize: str  # the linear weights' format: none, int8, int4 (forward/quant.py)
-    matmul: str  # what runs the linear weights: c-avx512, c-avx2, c-generic, aten, dense; or hf
-    attention: str  # what computes attention: c-avx512, c-avx2, c-generic, torch; or hf
+    # c-VARIANT: our C kernels, built as forward/native.py's variant() says for this CPU
+    matmul: str  # what runs the linear weights: c-VARIANT, aten, dense; or hf
+    attention: str  # what computes attention: c-VARIANT, torch; or hf
     # the compact forward's KV cache: slots, positions, bytes, layers in sliding-window rings
     # and their rows (forward/slots.py, SlotCache.report); None on hf
     kv_cache: dict[str, Any] | None = None

@@ -128,9 +128,9 @@ def quantize_weight(weight: torch.Tensor, kind: str, matmul: str = "auto") -> We
 
 
 def kernel_name(weight: Weight) -> str:
-    """What runs a weight's matmuls: c-avx2 / c-generic (our C kernels as built), aten (torch's
-    weight-only kernels), dense-c-avx2 / ... (a plain tensor on our C kernel) or dense (on
-    torch's)."""
+    """What runs a weight's matmuls: c-VARIANT (our C kernels as built for this CPU, VARIANT
+    being native.variant()'s), aten (torch's weight-only kernels), dense-c-VARIANT (a plain
+    tensor on our C kernel) or dense (on torch's)."""
     if isinstance(weight, NATIVE_WEIGHTS):
         return f"c-{native.matmul_kernel().variant}"
     if not isinstance(weight, torch.Tensor):
