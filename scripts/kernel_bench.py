@@ -2,6 +2,8 @@
 
     PYTHONPATH=. .venv/bin/python scripts/kernel_bench.py                  # the 1B shapes, 1 row
     PYTHONPATH=. .venv/bin/python scripts/kernel_bench.py --rows 1,8 --threads 1,2
+    PYTHONPATH=. .venv/bin/python scripts/kernel_bench.py --formats c-int4,c-int8 --amx both \
+        --rows 1,2,4,8,16,32
     PYTHONPATH=. .venv/bin/python scripts/kernel_bench.py --hidden 576 --intermediate 1536 \\
         --heads 9 --kv-heads 3 --layers 30
 
@@ -12,7 +14,9 @@ shape's 4 layers, are 152 MB in int4), with one activation of --rows rows, and p
 weights (with their scales) read per second for each format: ours (c-int4, c-int8: the C kernels,
 forward/csrc/quant_matmul.c), torch's weight-only kernels (aten-int4, aten-int8: bfloat16
 activations, as the forward feeds them) and dense float32 / bfloat16. Best of --repeats.
-Compare with the machine's copy bandwidth (a 1 GiB float32 copy_, printed first).
+Compare with the machine's copy bandwidth (a 1 GiB float32 copy_, printed first). GMAC/s is
+rows x inputs x outputs multiply-adds per second. --amx both times our kernels with their block
+dots on AMX and without (the same bits), alternated, where the CPU has it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from streaming_backend.forward import quant
+from streaming_backend.forward import native, quant
 
 FORMATS: dict[str, Callable[[torch.Tensor], quant.Weight]] = {
     "c-int4": quant.quantize_int4_native,
@@ -84,7 +88,10 @@ def main() -> None:
     parser.add_argument("--threads", default="2", help="torch threads, comma-separated (2)")
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--amx", choices=("auto", "off", "both"), default="auto")
     args = parser.parse_args()
+    kernel = native.matmul_kernel()
+    amx = {"auto": [kernel.amx], "off": [False], "both": [True, False]}[args.amx]
     print(f"1 GiB float32 copy_: {copy_gbps(args.repeats):.1f} GB/s (one side)")
     generator = torch.Generator().manual_seed(0)
     layer_shapes = shapes(args)
@@ -92,8 +99,9 @@ def main() -> None:
         [torch.randn(n, k, generator=generator) * 0.02 for k, n in layer_shapes]
         for _ in range(args.layers)
     ]
-    print("| format | threads | rows | MB | ms | GB/s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| format | AMX | threads | rows | MB | ms | GB/s | GMAC/s |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    macs = sum(k * n for k, n in layer_shapes) * args.layers
     for name in args.formats.split(","):
         weights = [[FORMATS[name](w) for w in layer] for layer in dense]
         size = sum(quant.weight_bytes(w) for layer in weights for w in layer)
@@ -104,13 +112,16 @@ def main() -> None:
                 xs = {k: torch.randn(rows, k, generator=generator) for k, _ in layer_shapes}
                 xs = {k: x.to(dtype) for k, x in xs.items()}
                 run = functools.partial(step, weights, layer_shapes, xs)
-                seconds = best_seconds(run, args.repeats)
-                print(
-                    f"| {name} | {threads} | {rows} | {size / 1e6:.0f} | {seconds * 1e3:.2f} "
-                    f"| {size / seconds / 1e9:.1f} |",
-                    flush=True,
-                )
-
+                for on in amx if name.startswith("c-") else [False]:
+                    kernel.amx = on
+                    seconds = best_seconds(run, args.repeats)
+                    print(
+                        f"| {name} | {'on' if on else 'off'} | {threads} | {rows} "
+                        f"| {size / 1e6:.0f} | {seconds * 1e3:.2f} | {size / seconds / 1e9:.1f} "
+                        f"| {rows * macs / seconds / 1e9:.1f} |",
+                        flush=True,
+                    )
+    kernel.amx = amx[0]
 
 if __name__ == "__main__":
     main()

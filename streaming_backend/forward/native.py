@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "exact_attention.c", CSRC / "quant_matmul.c")  # one library
 HEADERS = (CSRC / "common.h",)
+AMX_VARIABLE = "TOKENSTREAM_AMX"  # 0: the quantized matmuls leave AMX alone
 COMPILER_VARIABLE = "CC"  # the C compiler, as make reads it; else gcc, else cc
 # -ffp-contract=off: no multiply and add fused unless the source says so, so every copy of an
 # inlined function rounds alike (a row's numbers must not depend on the tile it falls in)
@@ -48,6 +49,9 @@ X86_AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")  # every CPU kind here has them
 # the attention's sums 16 lanes a register (the same sums as the AVX2 build, so the same bits)
 X86_AVX512_FLAGS = (*X86_AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 X86_AVX512_FLAGS += ("-mavx512vnni",)
+# AMX's tile multiplies where the CPU has them (asked at run time, csrc/quant_matmul.c's ts_amx):
+# the same block dots, so the same bits, from the same build
+X86_AVX512_FLAGS += ("-mamx-tile", "-mamx-int8")
 NEEDS = {  # /proc/cpuinfo flags per variant
     "avx2": {"avx2", "fma", "f16c"},
     "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"},
@@ -206,6 +210,21 @@ class MatmulKernel:
         self._greedy.argtypes += [ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int32)]
         for fn in (self._q4, self._q8, self._dense):
             fn.restype = ctypes.c_int
+        self._amx = library.ts_amx
+        self._amx.restype = ctypes.c_int
+        self._amx.argtypes = [ctypes.c_int]
+        if os.environ.get(AMX_VARIABLE, "") == "0":
+            self._amx(0)
+
+    @property
+    def amx(self) -> bool:
+        """Whether the quantized matmuls' block dots run on AMX (a Xeon's tile multiplies):
+        the same bits as without; TOKENSTREAM_AMX=0 keeps them off."""
+        return bool(self._amx(-1))
+
+    @amx.setter
+    def amx(self, on: bool) -> None:
+        self._amx(1 if on else 0)
 
     def q4(self, x: torch.Tensor, packed, steps, lows, out: int, **around) -> torch.Tensor:
         """x . W^T [m, out] for the int4 W (packed [n, k / 2] uint8, steps and lows [n, k / 32]
