@@ -1,0 +1,84 @@
+"""steps/build.py: the compact forward's steps sized from the engine's settings, rebuilt with
+another slot length from what they carry (no conversion, no calibration), and the load log's
+memory line. Which forward runs, and why, is test_forward_choice.py's."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from streaming_backend.configuration.models import EngineConfig
+from streaming_backend.steps import slots as slot_steps
+from streaming_backend.steps.build import (
+    PREFIX_ENTRIES_PER_STREAM,
+    Carried,
+    build_steps,
+    memory,
+)
+from streaming_backend.steps.hf import HfSteps
+
+
+def no_failures(streams, error):
+    raise AssertionError(error)
+
+
+def compact(loaded, **config):
+    return build_steps(loaded, EngineConfig(forward="compact", **config), no_failures)
+
+
+def test_slots_are_at_most_two_per_stream_at_the_length_asked(tiny_loaded):
+    """A budget that holds many slots still gives each live stream one idle prefix entry at
+    most: 2 x max_streams slots, each of max_len positions."""
+    steps = compact(tiny_loaded, max_streams=3, max_len=64, kv_cache_memory="64MiB")
+    assert steps.cache.slots == PREFIX_ENTRIES_PER_STREAM * 3
+    assert steps.cache.max_len == 64
+
+
+def test_a_byte_budget_bounds_the_cache(tiny_loaded):
+    """kv_cache_memory as bytes: the cache (scratch slot included) fits in it; twice the budget
+    holds more slots."""
+    small = compact(tiny_loaded, max_streams=64, max_len=256, kv_cache_memory="1MiB")
+    large = compact(tiny_loaded, max_streams=64, max_len=256, kv_cache_memory="2MiB")
+    assert 1 <= small.cache.slots < large.cache.slots
+    assert small.cache.bytes <= 2**20 and large.cache.bytes <= 2**21
+
+
+def test_rebuilt_steps_keep_the_model_and_pacing_of_the_carried_ones(tiny_loaded, monkeypatch):
+    """Carried: another slot length over the same compact model (no weights converted again),
+    the same pacer (no calibration) and no more cache memory than before."""
+    config = EngineConfig(forward="compact", max_streams=2, max_len=128, kv_cache_memory="4MiB")
+    first = build_steps(tiny_loaded, config, no_failures)
+    carried = Carried.of(first)
+    assert carried.cache_bytes == (first.cache.slots + 1) * first.cache.slot_bytes
+
+    def no_calibration(self):
+        raise AssertionError("carried steps were calibrated again")
+
+    monkeypatch.setattr(slot_steps.SlotSteps, "calibrate", no_calibration)
+    again = build_steps(tiny_loaded, dataclasses.replace(config, max_len=32), no_failures, carried)
+    assert again.forward.model is first.forward.model and again.pacer is first.pacer
+    assert again.cache.max_len == 32 and again.cache.bytes <= carried.cache_bytes
+
+
+def test_the_memory_line_counts_weights_and_the_kv_cache(tiny_loaded):
+    """memory(): the weights shared through a file and private (the tiny model's in memory:
+    none shared), the KV cache reserved (its whole allocation) and written."""
+    steps = compact(tiny_loaded, max_streams=2, max_len=64, kv_cache_memory="8MiB")
+    line = memory(steps.forward)
+    pattern = (
+        r"memory: weights (\d+) MB shared through a file, (\d+) MB private; "
+        r"KV cache (\d+) MiB reserved, (\d+) MiB written \(resident as positions are written\)"
+    )
+    shared, _private, reserved, _written = map(int, re.fullmatch(pattern, line).groups())
+    assert shared == 0
+    assert reserved == pytest.approx(steps.cache.bytes / 2**20, abs=0.5)
+
+
+def test_forward_hf_builds_hugging_faces_steps_with_the_prompt_cap(tiny_loaded):
+    """forward hf: HfSteps, admitting at most max_prefill_tokens prompt tokens a step."""
+    steps = build_steps(
+        tiny_loaded, EngineConfig(forward="hf", max_prefill_tokens=300), no_failures
+    )
+    assert isinstance(steps, HfSteps) and steps.prompt_tokens_per_step == 300
