@@ -33,12 +33,12 @@ class FakeServer:
 
 class FakeTriton:
     """A generate_stream endpoint that answers control requests as each model is told to:
-    'healthy', 'unhealthy', 'stub died' (Triton's error for a dead stub) or 'silent'."""
+    'healthy', 'unhealthy', 'stub died' (Triton's error for a dead stub) or 'silent' (the
+    connection closed with no answer, as a timeout ends it: no wait in the tests)."""
 
     def __init__(self):
         self.answers: dict[str, str] = {}
         self.asked: list[tuple[str, dict]] = []  # (model, control body) per request
-        self.release = threading.Event()  # ends the waits of silent answers
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -48,7 +48,7 @@ class FakeTriton:
                 fake.asked.append((model, json.loads(body[CONTROL])))
                 answer = fake.answers[model]
                 if answer == "silent":
-                    fake.release.wait(10)
+                    self.close_connection = True
                     return
                 if answer == "stub died":
                     self._send(400, {"error": "Stub process 'chat_0_0' is not healthy."})
@@ -76,7 +76,6 @@ class FakeTriton:
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def close(self):
-        self.release.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -89,8 +88,8 @@ def triton():
 
 
 def watch_of(triton: FakeTriton, models, key=KEY, misses=2) -> Watch:
-    """A Watch on the fake endpoint, its canary patient for 0.5 s a request."""
-    canary = CanaryConfig(interval_s=0.01, timeout_s=0.5, misses=misses)
+    """A Watch on the fake endpoint, asking every 10 ms."""
+    canary = CanaryConfig(interval_s=0.01, timeout_s=30, misses=misses)
     return Watch(FakeServer(pid=1, http_url=triton.url), models, key, canary)
 
 
