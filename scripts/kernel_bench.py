@@ -123,5 +123,6 @@ def main() -> None:
                     )
     kernel.amx = amx[0]
 
+
 if __name__ == "__main__":
     main()

@@ -552,14 +552,18 @@ def test_the_amx_tiles_give_the_bits_of_the_avx512_tiles():
                 x = x.to(dtype)
                 norm = torch.rand(inputs, generator=generator).to(dtype)
                 options = [{}, {"prologue": "rms_norm", "norm": norm, "eps": 1e-5}]
-                options.append({"prologue": "silu_mul", "add_to": torch.ones(rows, outputs, dtype=dtype)})
+                options.append(
+                    {"prologue": "silu_mul", "add_to": torch.ones(rows, outputs, dtype=dtype)}
+                )
                 for opts in options:
                     a = x if opts.get("prologue") == "silu_mul" else x[:, :inputs].contiguous()
                     got = {}
                     for on, count in ((True, 2), (False, 1), (True, 1)):
                         kernel.amx = on
                         torch.set_num_threads(count)
-                        fresh = {key: v.clone() if key == "add_to" else v for key, v in opts.items()}
+                        fresh = {
+                            key: v.clone() if key == "add_to" else v for key, v in opts.items()
+                        }
                         got[on, count] = (
                             kernel.q4(a, *weights[0], **fresh),
                             kernel.q8(a, *weights[1], **fresh),

@@ -236,7 +236,11 @@ def test_a_large_cache_is_zero_pages_even_where_the_heap_holds_freed_nans():
 
     root = Path(__file__).resolve().parents[3]
     run = subprocess.run(
-        [sys.executable, "-c", DIRTY_HEAP, repr(SHAPE)], cwd=root, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", DIRTY_HEAP, repr(SHAPE)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert run.returncode == 0, run.stderr
     seen = json.loads(run.stdout.splitlines()[-1])
