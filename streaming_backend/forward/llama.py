@@ -19,8 +19,9 @@ which every path here and the C kernel address alike.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -330,48 +331,83 @@ class CompactWeights(NamedTuple):
     native: NativeParams | None  # where every linear weight runs on our C kernels
 
 
+class Stream(Protocol):
+    """How compact_weights reads a model and hands on what it derives: InMemory's (the weights
+    where they are, the derived ones as they are), or a conversion's (model/weight_cache.py)."""
+
+    def loaded(self, *modules: Any) -> AbstractContextManager[None]:
+        """The modules' weights in memory inside the block (perhaps read in), perhaps released
+        after: compact_weights derives all it needs of them inside."""
+
+    def keep(self, tree: Any) -> Any:
+        """A derived part, whole (a tree of tensors, forward/weight_file.py's kind): what
+        compact_weights puts in its CompactWeights for it, the part itself or what stands for
+        it where it was written out."""
+
+
+class InMemory:
+    """The Stream of a model held in memory: the derived weights kept as they are."""
+
+    def loaded(self, *modules: Any) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def keep(self, tree: Any) -> Any:
+        return tree
+
+
 def compact_weights(
-    model: Any, quantize: str = "none", matmul: str = "auto", release: bool = False
+    model: Any, quantize: str = "none", matmul: str = "auto", stream: Stream | None = None
 ) -> CompactWeights:
     """The compact forward's weights of a loaded Hugging Face model (UnsupportedModel if its
     family is not one of FAMILIES): q/k/v and gate/up fused (the model's parameters re-pointed
     at the fused tensors), the linear weights quantized as `quantize`, the RoPE tables.
-    `release`: each decoder layer's parameters go to the meta device once its block is derived,
-    so that at most one layer's float copies live at once (the caller then drops the model)."""
+    `stream` (InMemory's when None): how each module's weights are read and each derived part
+    handed on. A conversion's reads a decoder layer's weights in just before its block is
+    derived and writes the block out as soon as it is whole, then drops both, so that one
+    layer's float and derived tensors live at a time."""
     shape = model_shape(model)
     check_kind(quantize)
+    stream = stream or InMemory()
     inner = model.model
-    embed = inner.embed_tokens.weight.detach()  # [V, hidden]
-    head = quantize_weight(model.lm_head.weight.detach(), HEAD_KIND[quantize], matmul)
     family, config = FAMILIES[model.config.model_type], model.config
-    final_norm = _norm_weight(inner.norm, family)
-    # the looked-up rows' scale: Gemma's embedding module holds one (rounded to the dtype)
-    scale = getattr(inner.embed_tokens, "embed_scale", None)
-    embed_scale = 1.0 if scale is None else float(scale.to(embed.dtype))
-    if family.multipliers:
-        # folded into the weights: the residual branches' output projections (copies) and the
-        # final norm, so that every path, the C layers' included, runs them unchanged
-        embed_scale = float(config.embedding_multiplier)
-        final_norm = final_norm / config.logits_scaling
-    blocks = []
-    for layer in inner.layers:
-        block = _block(layer, family)
+    with stream.loaded(inner.embed_tokens, model.lm_head, inner.norm):
+        embed = inner.embed_tokens.weight.detach()  # [V, hidden]
+        dtype = embed.dtype
+        head = quantize_weight(model.lm_head.weight.detach(), HEAD_KIND[quantize], matmul)
+        final_norm = _norm_weight(inner.norm, family)
+        # the looked-up rows' scale: Gemma's embedding module holds one (rounded to the dtype)
+        scale = getattr(inner.embed_tokens, "embed_scale", None)
+        embed_scale = 1.0 if scale is None else float(scale.to(dtype))
         if family.multipliers:
-            block = _scaled_outputs(block, config.residual_multiplier)
-        if shape.rotary_dim not in (None, shape.head_dim):
-            block = _turned_first(block, shape)
-        blocks.append(block.quantized(quantize, matmul))
-        if release:
-            layer.to("meta")
+            # folded into the weights: the residual branches' output projections (copies) and
+            # the final norm, so that every path, the C layers' included, runs them unchanged
+            embed_scale = float(config.embedding_multiplier)
+            final_norm = final_norm / config.logits_scaling
+        # the C layers run it where every linear weight is theirs (told layer by layer; a
+        # layer that is not leaves the float32 parameters of those before unused)
+        native = isinstance(head, NATIVE_WEIGHTS) and shape.head_dim % 2 == 0
+        # the C layers' float32 parameters (their activations are float32 whatever the dtype)
+        float_norm = final_norm.float() if native else None
+        embed, head, final_norm, float_norm = stream.keep((embed, head, final_norm, float_norm))
+    blocks, float_blocks = [], []
+    for layer in inner.layers:
+        with stream.loaded(layer):
+            block = _block(layer, family)
+            if family.multipliers:
+                block = _scaled_outputs(block, config.residual_multiplier)
+            if shape.rotary_dim not in (None, shape.head_dim):
+                block = _turned_first(block, shape)
+            block = block.quantized(quantize, matmul)
+            native = native and all(isinstance(w, NATIVE_WEIGHTS) for w in block.weights())
+            block, floats = stream.keep((block, _float_params(block) if native else None))
+        blocks.append(block)
+        float_blocks.append(floats)
     # RoPE's tables, and which one each layer applies (Family.rope_layers)
     layer_ropes = _layer_ropes(config, family, inner.rotary_emb)
     used = sorted(set(layer_ropes))
-    linear_weights = [head, *(w for b in blocks for w in b.weights())]
-    native = None
-    if all(isinstance(w, NATIVE_WEIGHTS) for w in linear_weights) and shape.head_dim % 2 == 0:
-        # the C layers' float32 parameters (their activations are float32 whatever the dtype)
-        float_ropes = _used_ropes(inner.rotary_emb, shape, used, torch.float32)
-        native = NativeParams([_float_params(b) for b in blocks], final_norm.float(), float_ropes)
+    ropes = _used_ropes(inner.rotary_emb, shape, used, dtype)
+    float_ropes = _used_ropes(inner.rotary_emb, shape, used, torch.float32) if native else None
+    ropes, float_ropes = stream.keep((ropes, float_ropes))
     return CompactWeights(
         shape=shape,
         quantize=quantize,
@@ -382,8 +418,8 @@ def compact_weights(
         embed_scale=embed_scale,
         logit_cap=config.final_logit_softcapping if family.logit_cap else None,
         layer_ropes=tuple(used.index(i) for i in layer_ropes),
-        ropes=_used_ropes(inner.rotary_emb, shape, used, embed.dtype),
-        native=native,
+        ropes=ropes,
+        native=NativeParams(float_blocks, float_norm, float_ropes) if native else None,
     )
 
 

@@ -37,6 +37,7 @@ INT4_GROUP = 32
 HEAD_KIND = {"none": "none", "int8": "int8", "int4": "int8"}
 LAYOUT_VERSION = 2  # of what quantize_weight produces: raise it when that changes (weight_cache)
 TILE = native.MatmulKernel.TILE  # weight rows the C kernels take together: their layout's tiles
+ROWS_AT_ONCE = 256 * TILE  # rows of a weight quantize_weight quantizes at a time (_by_rows)
 INT4_INNER_K_TILES = 1  # the CPU packing ignores it; the op still takes it
 # The activations' dtype at a quantized matmul, by the model's: neither kernel has a fast float32
 # path (16 rows: int4 [576 -> 3072] 23 ms with float32 activations against 0.3-0.5 ms through
@@ -121,10 +122,30 @@ def quantize_weight(weight: torch.Tensor, kind: str, matmul: str = "auto") -> We
     fits = weight.shape[1] % native.MatmulKernel.BLOCK == 0
     on_native = check_matmul(matmul) == "auto" and fits and native.matmul_kernel() is not None
     if kind == "int8":
-        return quantize_int8_native(weight) if on_native else quantize_int8(weight)
+        return _by_rows(quantize_int8_native if on_native else quantize_int8, weight)
     if weight.shape[1] % INT4_GROUP:
         return weight  # the kernels group whole inputs
-    return quantize_int4_native(weight) if on_native else quantize_int4(weight, INT4_GROUP)
+    if on_native:
+        return _by_rows(quantize_int4_native, weight)
+    return quantize_int4(weight, INT4_GROUP)  # torch's packing: whole
+
+
+def _by_rows(quantize, weight: torch.Tensor) -> Weight:
+    """quantize(weight) for a format whose tensors hold its rows, in whole tiles, along their
+    first dimension (every one but Int4Weight): ROWS_AT_ONCE rows quantized at a time, their
+    parts joined. The same values (a row, a tile, is quantized alone), with the float32 copies
+    of ROWS_AT_ONCE rows at a time, not of the whole weight (a head's is 4 bytes a parameter)."""
+    if weight.shape[0] <= ROWS_AT_ONCE:
+        return quantize(weight)
+    parts = [quantize(rows) for rows in weight.split(ROWS_AT_ONCE)]
+    joined = {
+        name: torch.cat([getattr(part, name) for part in parts])
+        for name, value in parts[0]._asdict().items()
+        if isinstance(value, torch.Tensor)
+    }
+    if "out" in parts[0]._fields:
+        joined["out"] = weight.shape[0]
+    return parts[0]._replace(**joined)
 
 
 def kernel_name(weight: Weight) -> str:
@@ -172,7 +193,9 @@ def quantize_int8_native(weight: torch.Tensor) -> NativeInt8Weight:
     scales[weight.shape[0] :] = 0
     out, inputs = q.shape
     # [tiles, TILE, blocks, units, 4] -> [tiles, blocks, units, TILE, 4]: 4 inputs of 16 rows a line
-    tiled = q.view(out // TILE, TILE, inputs // INT4_GROUP, INT4_GROUP // 4, 4).permute(0, 2, 3, 1, 4)
+    tiled = q.view(out // TILE, TILE, inputs // INT4_GROUP, INT4_GROUP // 4, 4).permute(
+        0, 2, 3, 1, 4
+    )
     levels = tiled.reshape(out, inputs).contiguous()
     return NativeInt8Weight(levels, scales.contiguous(), weight.shape[0])
 

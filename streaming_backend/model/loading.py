@@ -127,7 +127,7 @@ def load_model(
     if weights or not local:
         model = _pretrained(target, torch_dtype, torch_device)
     else:
-        model = _skeleton(path, torch_dtype)
+        model = skeleton(path, torch_dtype)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -160,7 +160,7 @@ def _pretrained(target: str, dtype: torch.dtype, device: torch.device) -> Any:
     return model.to(device).eval()
 
 
-def _skeleton(folder: Path, dtype: torch.dtype) -> Any:
+def skeleton(folder: Path, dtype: torch.dtype) -> Any:
     """A folder's model without its weights: its modules on the meta device (no memory), its
     config and generation config as from_pretrained reads them."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,14 +111,24 @@ def device_kernels(device: torch.device) -> str:
 def weights_digest(loaded: LoadedModel) -> str:
     """16 hex digits of a sha256 over the model's config, its tokenizer (vocabulary, merges,
     chat template), its whole input embedding and an even sample of every weight tensor."""
+    model = loaded.model
+    embedding = model.get_input_embeddings().weight.detach()  # [V, hidden]
+    tensors = ((name, t.detach()) for name, t in model.state_dict().items())
+    return digest_weights(model.config, loaded.tokenizer, embedding, tensors)
+
+
+def digest_weights(
+    config: Any, tokenizer: Any, embedding: torch.Tensor, tensors: Iterable[tuple[str, Any]]
+) -> str:
+    """weights_digest of a model given as its parts: `tensors` its state dict's (name, tensor)
+    in order, which may be read one at a time (model/checkpoint.py's)."""
     digest = hashlib.sha256()
-    digest.update(_config_json(loaded.model.config).encode())
-    digest.update(_tokenizer_text(loaded.tokenizer).encode())
-    embedding = loaded.model.get_input_embeddings().weight.detach()  # [V, hidden]
+    digest.update(_config_json(config).encode())
+    digest.update(_tokenizer_text(tokenizer).encode())
     for rows in embedding.split(EMBEDDING_ROWS_PER_COPY):
         digest.update(_bytes(rows))
-    for name, tensor in loaded.model.state_dict().items():
-        flat = tensor.detach().reshape(-1)
+    for name, tensor in tensors:
+        flat = tensor.reshape(-1)
         step = max(1, flat.numel() // SAMPLE_VALUES)
         digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype}".encode())
         digest.update(_bytes(flat[::step][:SAMPLE_VALUES]))

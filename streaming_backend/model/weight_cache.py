@@ -32,12 +32,13 @@ import typing
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from streaming_backend.forward import llama, native, quant, weight_file
 from streaming_backend.forward.llama import CompactLlama, compact_weights, model_shape
+from streaming_backend.model.checkpoint import HeldModel, StreamedModel
 from streaming_backend.model.loading import LoadedModel, progress, with_weights
 from streaming_backend.model.numerics import weights_digest
 from streaming_backend.paths import cache_dir
@@ -159,18 +160,41 @@ def _read(path: Path) -> tuple[Any, dict] | None:
 
 
 def _convert(loaded: LoadedModel, quantize: str, matmul: str, path: Path) -> None:
-    """Derive the compact weights from the checkpoint's Hugging Face weights and write them to
-    `path`; then free every float weight and give the memory back to the system."""
+    """Derive the compact weights from the checkpoint and write them to `path` layer by layer:
+    each layer's weights read from the checkpoint's files (checkpoint.StreamedModel; or, where
+    its files name them otherwise, the Hugging Face model loaded whole: HeldModel), its block
+    derived, written out and dropped. Then give the memory back to the system."""
     progress(f"converting {loaded.name} for the compact forward (once; cached in {path})")
     started = time.monotonic()
-    full = with_weights(loaded)
-    meta = {"weights_digest": weights_digest(full), "checkpoint": str(loaded.checkpoint)}
-    weights = compact_weights(full.model, quantize, matmul, release=True)
-    size = weight_file.write_tree(path, weights, meta)
-    del full, weights
+    source = StreamedModel.of(loaded) or HeldModel(with_weights(loaded))
+    meta = {"weights_digest": source.weights_digest(), "checkpoint": str(loaded.checkpoint)}
+    with weight_file.TreeWriter(path) as writer:
+        weights = compact_weights(source.model, quantize, matmul, _Written(source, writer))
+        size = writer.finish(weights, meta)
+    del source, weights
     _remove_older(path)
     progress(f"converted in {time.monotonic() - started:.1f} s: {size / 1e9:.2f} GB")
     release_memory()
+
+
+class _Written(NamedTuple):
+    """compact_weights' stream in a conversion (llama.Stream): the source's modules read while
+    needed, each derived part written to the weight file at once."""
+
+    source: StreamedModel | HeldModel
+    writer: weight_file.TreeWriter
+
+    @contextmanager
+    def loaded(self, *modules: Any) -> Iterator[None]:
+        with self.source.loaded(*modules):
+            yield
+        # the released weights' memory back to the system at once: glibc's heap keeps freed
+        # blocks under its mmap threshold (which it raises to 32 MiB as large blocks are
+        # freed), and a layer's new tensors do not fill the holes of the last one's exactly
+        trim_heap()
+
+    def keep(self, tree: Any) -> Any:
+        return self.writer.put(tree)
 
 
 def _remove_stale(path: Path) -> None:
@@ -206,9 +230,14 @@ def _stem(path: Path) -> str:
 
 
 def release_memory() -> None:
-    """Collect garbage and return the C heap's free memory to the system (glibc's
-    malloc_trim), so that freed weights leave the resident size, not only Python's view."""
+    """Collect garbage and return the C heap's free memory to the system, so that freed
+    weights leave the resident size, not only Python's view."""
     gc.collect()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Return the C heap's free memory to the system (glibc's malloc_trim)."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: its allocator keeps what it keeps

@@ -20,7 +20,9 @@ def dequantize(weight: quant.Weight) -> torch.Tensor:
     if isinstance(weight, quant.Int8Weight):
         return weight.weight.float() * weight.scales.float()[:, None]
     if isinstance(weight, quant.NativeInt8Weight):
-        return quant.native_int8_levels(weight).float() * weight.scales[: weight.out].float()[:, None]
+        return (
+            quant.native_int8_levels(weight).float() * weight.scales[: weight.out].float()[:, None]
+        )
     if isinstance(weight, quant.NativeInt4Weight):
         levels, steps, lows = quant.native_int4_values(weight)
         out = levels.shape[0]
@@ -133,6 +135,24 @@ def test_a_weight_of_rows_off_the_tiles_is_padded_with_zeros():
         got = quant.linear(x, q)
         assert got.shape == (3, 37)
         torch.testing.assert_close(got, block_quantized(x) @ dequantize(q).T, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("kind", "matmul"), [("int8", "auto"), ("int8", "aten"), ("int4", "auto")])
+def test_a_weight_quantized_part_by_part_is_the_weight_quantized_whole(kind, matmul, monkeypatch):
+    """A weight of more rows than ROWS_AT_ONCE (the last part off the tiles) is quantized a
+    part at a time: the same tensors, bit for bit, as quantized in one go (torch's int4
+    packing, not by rows, is quantized whole)."""
+    torch.manual_seed(0)
+    weight = torch.randn(5 * quant.TILE + 3, 64).to(torch.bfloat16)
+    whole = quant.quantize_weight(weight, kind, matmul)
+    monkeypatch.setattr(quant, "ROWS_AT_ONCE", 2 * quant.TILE)
+    parts = quant.quantize_weight(weight, kind, matmul)
+    assert type(parts) is type(whole)
+    for at_once, part_by_part in zip(whole, parts, strict=True):
+        if isinstance(at_once, torch.Tensor):
+            assert part_by_part.dtype == at_once.dtype and torch.equal(part_by_part, at_once)
+        else:
+            assert part_by_part == at_once
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

@@ -17,6 +17,8 @@ import torch
 from streaming_backend.forward.weight_file import (
     MAGIC,
     PAGE,
+    Stored,
+    TreeWriter,
     WeightFileError,
     read_tree,
     write_tree,
@@ -81,6 +83,38 @@ def test_a_tree_comes_back_equal_in_views_of_one_read_only_mapping(tmp_path):
     assert all(start <= t.data_ptr() < end and t.data_ptr() % PAGE == 0 for t in tensors)
     assert back[1][1].packed.data_ptr() == back[1][1].scales.data_ptr()  # one entry
     assert back[3][0].data_ptr() != back[1][1].packed.data_ptr()  # another view: its own
+
+
+def test_a_tree_written_piece_by_piece_reads_back_as_written_whole(tmp_path):
+    """Parts put one at a time (each tensor written at once, replaced by a Stored), then the
+    tree of them finished: the same tree, tensors and meta as write_tree of the whole tree,
+    in a file of the same size; a view two places of one part hold is stored once."""
+    tree = a_tree()
+    with TreeWriter(tmp_path / "w") as writer:
+        sizes, pairs = writer.put(tree[0]), writer.put(tree[1])
+        assert isinstance(pairs[1].packed, Stored) and pairs[1].packed == pairs[1].scales
+        assert len(list(tmp_path.iterdir())) == 1  # the tensors' temporary file, nothing at w
+        size = writer.finish((sizes, pairs, *tree[2:]), {"weights_digest": "abc"})
+    assert [p.name for p in tmp_path.iterdir()] == ["w"]  # the temporary files gone
+    assert size == write_tree(tmp_path / "whole", tree, {"weights_digest": "abc"})
+    back, meta = read_tree(tmp_path / "w", [Pair, Sizes])
+    whole, _ = read_tree(tmp_path / "whole", [Pair, Sizes])
+    assert meta == {"weights_digest": "abc"} and back[0] == tree[0] and back[2:3] == tree[2:3]
+    leaves = zip(torch.utils._pytree.tree_leaves(back), torch.utils._pytree.tree_leaves(whole))
+    for piecewise, at_once in leaves:
+        if isinstance(at_once, torch.Tensor):
+            assert piecewise.dtype == at_once.dtype and torch.equal(piecewise, at_once)
+        else:
+            assert piecewise == at_once
+    assert back[1][1].packed.data_ptr() == back[1][1].scales.data_ptr()
+
+
+def test_a_writer_left_without_finishing_leaves_nothing(tmp_path):
+    """An error between two parts: no file at the path, no temporary file."""
+    with pytest.raises(RuntimeError), TreeWriter(tmp_path / "w") as writer:
+        writer.put([torch.ones(4096)])
+        raise RuntimeError("the conversion failed")
+    assert not list(tmp_path.iterdir())
 
 
 def test_the_mapping_outlives_the_tree_until_its_last_tensor(tmp_path):

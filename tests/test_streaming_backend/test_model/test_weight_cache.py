@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from streaming_backend.forward import quant
-from streaming_backend.forward.llama import CompactLlama
+from streaming_backend.forward.llama import CompactLlama, compact_weights
 from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
 from streaming_backend.forward.slots import CacheBudget
 from streaming_backend.model import weight_cache
+from streaming_backend.model.checkpoint import StreamedModel
 from streaming_backend.model.loading import load_model
 from streaming_backend.model.numerics import weights_digest
 from streaming_backend.model.weight_cache import FOLDER, compact_model
@@ -91,6 +92,80 @@ def test_a_skeleton_maps_its_converted_weights_and_gives_the_same_logits(
         in_memory.attention,
         in_memory.native,
     )
+
+
+# the families the compact forward runs; a mixture of experts' files name its experts one by
+# one where transformers stacks them on load, so its conversion loads the model whole
+STREAMED = ["llama", "qwen3", "granite", "olmo2", "smollm3", "phi3", "gemma2", "gemma3_text"]
+WHOLE = ["qwen3_moe"]
+
+
+@pytest.mark.parametrize("family", STREAMED + WHOLE)
+def test_a_conversion_writes_what_the_whole_model_derives(
+    cache, tmp_path, default_model_dir, family
+):
+    """A conversion read layer by layer from the checkpoint's files (loaded whole where they
+    name weights otherwise) writes bit for bit the compact weights derived from the model
+    from_pretrained loads (in bfloat16 from float32 files: converted alike), and its digest."""
+    from conftest import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / family, default_model_dir, family=family)
+    loaded = load_model(str(folder), dtype="bfloat16", device="cpu", weights=False)
+    assert (StreamedModel.of(loaded) is not None) == (family in STREAMED)
+    mapped = compact_model(loaded, "int4").weights
+    full = load_model(str(folder), dtype="bfloat16", device="cpu")
+    derived = compact_weights(full.model, "int4")
+    ours, structure = torch.utils._pytree.tree_flatten(mapped)
+    theirs, expected_structure = torch.utils._pytree.tree_flatten(derived)
+    assert structure == expected_structure
+    for read, made in zip(ours, theirs, strict=True):
+        if isinstance(made, torch.Tensor):
+            assert read.dtype == made.dtype and torch.equal(read, made)
+        else:
+            assert read == made
+    assert weight_cache.weight_file.read_meta(next(cache.glob("*.weights")))["weights_digest"] == (
+        weights_digest(full)
+    )
+
+
+PEAK = """
+import sys
+from pathlib import Path
+from streaming_backend.model.loading import load_model
+from streaming_backend.model.weight_cache import compact_model
+
+def kilobytes(key):
+    [line] = [x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(key)]
+    return int(line.split()[1])
+
+loaded = load_model(sys.argv[1], dtype="float32", device="cpu", weights=False)
+Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here
+before = kilobytes("VmRSS:")
+compact_model(loaded, "int8")
+print(kilobytes("VmHWM:") - before)
+"""
+
+
+def test_a_conversion_holds_about_a_layer_at_a_time(cache, tmp_path, default_model_dir):
+    """Converting a checkpoint of 16 layers of 14 MB and an embedding of 50 MB (float32)
+    raises the converting process's peak resident size by less than half the checkpoint's
+    bytes (loading the model whole, as before, took more than all of them)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=4096,
+        num_hidden_layers=16, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, tie_word_embeddings=True,
+    )  # fmt: skip
+    folder = tmp_path / "layers"
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    code = textwrap.dedent(PEAK)
+    run = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert int(run.stdout) * 1024 < size / 2, (int(run.stdout) * 1024, size)
 
 
 def test_another_checkpoint_quantization_or_layout_is_another_file(cache, checkpoint, monkeypatch):
