@@ -8,13 +8,15 @@ fused and quantized linear weights, embedding, norms, RoPE tables) and the diges
 reports for the checkpoint. It is named by a digest of what decides its bytes: the checkpoint's
 files (each one's path, size and modification time), the quantization, what runs it (our C
 kernels or torch's), the dtype, torch's version, quant.LAYOUT_VERSION and the source of the
-modules that derive it. The first load of a checkpoint reads its Hugging Face weights, derives
-the compact ones, writes them (atomically: forward/weight_file.py) and lets the Hugging Face
-model go; it and every later load then map the file read-only, so the processes serving one
-checkpoint the same way (the chat model, each dialogue_model instance, a restart) share its
-pages and none keeps a float copy of a quantized weight or a mapping of the checkpoint. Loads of
-one file wait on a lock while one of them converts; files of the same checkpoint and settings
-left by older versions are removed when a new one is written.
+modules that derive it. The first load of a checkpoint converts it a layer at a time: reads the
+layer's weights from the checkpoint's files (model/checkpoint.py), derives its compact weights,
+writes them out (the file appears whole at the end, atomically: forward/weight_file.py) and
+drops both, so that its peak is about one layer's, not the model's. It and every later load
+then map the file read-only, so the processes serving one checkpoint the same way (the chat
+model, each dialogue_model instance, a restart) share its pages and none keeps a float copy of
+a quantized weight or a mapping of the checkpoint. Loads of one file wait on a lock while one
+of them converts; files of the same checkpoint and settings left by older versions are removed
+when a new one is written.
 
 Only a skeleton (load_model's weights=False) of a local checkpoint on the CPU goes through a
 file; a model loaded with its weights, on a GPU or from a hub id is derived in memory, as before.
@@ -38,6 +40,7 @@ import torch
 
 from streaming_backend.forward import llama, native, quant, weight_file
 from streaming_backend.forward.llama import CompactLlama, compact_weights, model_shape
+from streaming_backend.model import checkpoint
 from streaming_backend.model.checkpoint import HeldModel, StreamedModel
 from streaming_backend.model.loading import LoadedModel, progress, with_weights
 from streaming_backend.model.numerics import weights_digest
@@ -57,7 +60,7 @@ TYPES = (
     *(t for t in typing.get_args(quant.Weight) if t is not torch.Tensor),
 )
 # the code that decides a file's bytes: any change to it is a new file
-SOURCES = (llama, quant, native, weight_file)
+SOURCES = (llama, quant, native, weight_file, checkpoint)
 
 
 def compact_model(
