@@ -25,6 +25,7 @@ from streaming_backend.errors import EngineStopped, Overloaded, StreamingError
 from streaming_backend.events import FinishReason, TokenEvent
 from streaming_backend.forward_choice import ForwardChoice
 from streaming_backend.model.loading import LoadedModel
+from streaming_backend.model.memory import MemoryReport
 from streaming_backend.model.numerics import Numerics, describe
 from streaming_backend.prompt_limits import PromptLimits
 from streaming_backend.sampling import sampling
@@ -199,6 +200,11 @@ class Engine:
         """The decode steps' thread count and pace (None off a CPU or with adaptive_threads off).
         Read from other threads: a snapshot, never a lock on the engine."""
         return self._threads.report() if self._threads is not None else None
+
+    def memory_report(self) -> MemoryReport | None:
+        """What the forward's weights and KV cache cost the host now (None on the Hugging Face
+        forward or a GPU). Read from other threads: addresses and pages, never values."""
+        return self._steps.memory()
 
     def health(self) -> tuple[bool, str]:
         """(healthy, reason): unhealthy once the device is poisoned or the thread has died."""

@@ -90,9 +90,13 @@ NUMERICS = "numerics"
 STEPS = "steps"
 # forward: which forward runs the model and why (forward_choice.ForwardChoice)
 FORWARD = "forward"
+# memory: what the compact forward's weights and KV cache cost the host now, in bytes
+# (model/memory.py MemoryReport.as_dict: weights shared and private, KV cache reserved and
+# touched), else null
+MEMORY = "memory"
 HEALTH_KEYS = (
     "healthy", "reason", "draining", "active", "waiting", SYSTEM_FINGERPRINT, NUMERICS, STEPS,
-    FORWARD,
+    FORWARD, MEMORY,
 )  # fmt: skip
 ADMIN_KEY_VARIABLE = "TOKENSTREAM_ADMIN_KEY"  # the admin key, as the model process sees it
 ADMIN_HEADER = "tokenstream-admin-key"  # the header Triton's restricted repository API checks

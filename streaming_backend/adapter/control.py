@@ -3,7 +3,7 @@
 A control request carries {"key": <admin key>, "action": <wire.CONTROL_ACTIONS>}. It is taken only
 with the admin key the launcher put in the model process's environment, and answered with the
 model's health as JSON: wire.HEALTH_KEYS (its state, the system fingerprint and the numerics it
-names, which forward runs and why). The outbox answers it, so an
+names, which forward runs and why, what its memory costs now). The outbox answers it, so an
 answer proves that the outbox thread, the engine and the stub all still work.
 """
 
@@ -67,9 +67,10 @@ class Control:
         """The model's health (wire.HEALTH_KEYS), as the supervisor's canary reads it."""
         healthy, reason = self.engine.health()
         numerics, steps = self.engine.numerics, self.engine.step_report()
+        memory = self.engine.memory_report()
         values = (
             healthy, reason, self.draining, active, self.engine.waiting_streams,
             numerics.fingerprint, numerics.as_dict(), steps.as_dict() if steps else None,
-            self.engine.forward_choice.as_dict(),
+            self.engine.forward_choice.as_dict(), memory.as_dict() if memory else None,
         )  # fmt: skip
         return dict(zip(HEALTH_KEYS, values, strict=True))

@@ -18,6 +18,7 @@ from streaming_backend.wire import (
     ADMIN_HEADER,
     CONTROL,
     FORWARD,
+    MEMORY,
     NUMERICS,
     STEPS,
     SYSTEM_FINGERPRINT,
@@ -50,6 +51,7 @@ class ModelHealth:
     )
     steps: dict[str, Any] | None = None  # decode threads and pace (step_threads.StepReport)
     forward: dict[str, Any] | None = None  # which forward runs and why (forward_choice.py)
+    memory: dict[str, Any] | None = None  # its weights' and KV cache's bytes (wire.MEMORY)
 
 
 def control(http_url: str, model: str, key: str, action: str, timeout: float) -> ModelHealth:
@@ -70,6 +72,7 @@ def control(http_url: str, model: str, key: str, action: str, timeout: float) ->
             numerics=state.get(NUMERICS),
             steps=state.get(STEPS),
             forward=state.get(FORWARD),
+            memory=state.get(MEMORY),
         )
     raise ControlError(f"{model} answered a control request with no response")
 

@@ -41,6 +41,7 @@ from streaming_backend.wire import (
     CONTROL_END,
     CONTROL_HEALTH,
     FORWARD,
+    MEMORY,
     NUMERICS,
     STEPS,
     SYSTEM_FINGERPRINT,
@@ -159,8 +160,8 @@ class Supervisor:
 
     def status(self) -> dict:
         """State, reason, counters and endpoints, as /status shows them; the chat model's
-        numerics, system fingerprint, steps and forward as its latest canary told them (None
-        before one did)."""
+        numerics, system fingerprint, steps, forward and memory as its latest canary told them
+        (None before one did)."""
         server = self.server
         watch = self._watch
         health = watch.answers.get(CHAT_MODEL) if watch is not None else None
@@ -179,6 +180,7 @@ class Supervisor:
             NUMERICS: health.numerics if health else None,
             STEPS: health.steps if health else None,
             FORWARD: health.forward if health else None,
+            MEMORY: health.memory if health else None,
         }
 
     # ---- run --------------------------------------------------------------------------------

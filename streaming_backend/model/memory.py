@@ -2,6 +2,8 @@
 
     memory = Footprint.of(tensors)   # each storage once; CPU tensors only
     memory.reserved, memory.resident, memory.shared
+    report = MemoryReport.of(weights, kv_cache)   # a compact forward's, now
+    report.as_dict(), report.describe()           # for /status and the load log
 
 A storage that lies in a file mapping (a weight file's, model/weight_cache.py) is shared: its
 pages are the page cache's, held once for every process that maps the file. Any other is the
@@ -49,8 +51,41 @@ class Footprint(NamedTuple):
         return self.reserved - self.shared
 
 
+class MemoryReport(NamedTuple):
+    """What a compact forward costs the host now: its weights (shared where they lie in its
+    weight file) and its KV cache (reserved whole, touched as positions are written)."""
+
+    weights: Footprint
+    kv_cache: Footprint
+
+    @classmethod
+    def of(cls, weights: Iterable[torch.Tensor], kv_cache: Iterable[torch.Tensor]) -> MemoryReport:
+        """The report of the weights' and the KV cache's tensors, read now."""
+        return cls(Footprint.of(weights), Footprint.of(kv_cache))
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        """Bytes by part, as /status shows them (wire.MEMORY)."""
+        return {
+            "weights": {"shared_bytes": self.weights.shared, "private_bytes": self.weights.private},
+            "kv_cache": {
+                "reserved_bytes": self.kv_cache.reserved,
+                "touched_bytes": self.kv_cache.resident,
+            },
+        }
+
+    def describe(self) -> str:
+        """The load log's line."""
+        weights, kv = self.weights, self.kv_cache
+        return (
+            f"memory: weights {weights.shared / 1e6:.0f} MB shared through a file, "
+            f"{weights.private / 1e6:.0f} MB private; KV cache {kv.reserved / 2**20:.0f} MiB "
+            f"reserved, {kv.resident / 2**20:.0f} MiB touched (resident as positions are written)"
+        )
+
+
 def resident_bytes(address: int, size: int) -> int:
-    """Bytes of the pages of [address, address + size) in memory now (mincore)."""
+    """Bytes of the pages of [address, address + size) in memory now (mincore), at most
+    `size` (a span that is not page-aligned shares its end pages)."""
     page = mmap.PAGESIZE
     start = address - address % page
     pages = -(-(address + size - start) // page)
@@ -59,7 +94,7 @@ def resident_bytes(address: int, size: int) -> int:
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     if libc.mincore(ctypes.c_void_p(start), pages * page, vector) != 0:
         raise OSError(ctypes.get_errno(), "mincore failed")
-    return int(torch.frombuffer(vector, dtype=torch.uint8).bitwise_and(1).sum()) * page
+    return min(int(torch.frombuffer(vector, dtype=torch.uint8).bitwise_and(1).sum()) * page, size)
 
 
 def _file_mappings() -> list[tuple[int, int]]:

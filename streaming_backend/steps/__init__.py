@@ -20,6 +20,7 @@ from typing import NamedTuple, Protocol, TypeVar
 import torch
 
 from streaming_backend.batch import Decoded
+from streaming_backend.model.memory import MemoryReport
 from streaming_backend.sampling.settings import SamplingSettings
 
 __all__ = ["Decoded", "OnFailure", "Prefilled", "Steps", "Stream"]
@@ -65,6 +66,10 @@ class Steps(Protocol[S]):
     weights_digest: str
 
     def capacity(self) -> int: ...  # streams that can be admitted now
+
+    # what the forward costs the host now (model/memory.py); None where it does not tell (hf,
+    # a GPU). Called from any thread: it reads the tensors' addresses and pages, not their values
+    def memory(self) -> MemoryReport | None: ...
 
     def live(self) -> list[S]: ...  # every admitted stream, prefilling or decoding
 

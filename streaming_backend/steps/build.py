@@ -8,7 +8,6 @@ from typing import Any, NamedTuple
 from streaming_backend.configuration.models import EngineConfig, parse_memory
 from streaming_backend.forward_choice import fall_back
 from streaming_backend.model.loading import LoadedModel, progress, resolve_quantize, with_weights
-from streaming_backend.model.memory import Footprint
 from streaming_backend.steps import OnFailure, Steps
 from streaming_backend.steps.hf import ASKED_FOR, HfSteps
 from streaming_backend.steps.pacing import PrefillPacer
@@ -76,8 +75,8 @@ def build_steps(
         steps.calibrate()
     else:
         steps.pacer = carried.pacer
-    if loaded.device.type == "cpu":
-        progress(memory(forward))
+    if (report := steps.memory()) is not None:
+        progress(report.describe())
     log.info(
         "compact forward: %d KV cache slots of %d positions (%.0f MiB%s), prefix cache %s, %s%s",
         cache.slots,
@@ -91,15 +90,3 @@ def build_steps(
         else "",
     )
     return steps
-
-
-def memory(forward: Any) -> str:
-    """What a compact forward (forward/runner.py SlotForward) costs the host, for the load log:
-    its weights shared (a weight file's pages) and private, its KV cache reserved and written."""
-    weights = Footprint.of(forward.model.tensors())
-    kv = Footprint.of([*forward.cache.k, *forward.cache.v])
-    return (
-        f"memory: weights {weights.shared / 1e6:.0f} MB shared through a file, "
-        f"{weights.private / 1e6:.0f} MB private; KV cache {kv.reserved / 2**20:.0f} MiB "
-        f"reserved, {kv.resident / 2**20:.0f} MiB written (resident as positions are written)"
-    )

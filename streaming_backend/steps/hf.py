@@ -62,6 +62,10 @@ class HfSteps:
     def capacity(self) -> int:
         return self.config.max_streams - len(self._batch) - len(self._pending)
 
+    def memory(self) -> None:
+        """Not told: the Hugging Face forward's cache grows with its rows."""
+        return None
+
     def live(self) -> list:
         return [*self._pending, *self._batch.rows]
 

@@ -26,6 +26,7 @@ import torch
 from streaming_backend.batch import RunningBatch, SlotRows
 from streaming_backend.configuration.models import EngineConfig
 from streaming_backend.forward.runner import PromptChunk, SlotForward
+from streaming_backend.model.memory import MemoryReport
 from streaming_backend.model.prefix_cache import PrefixCache
 from streaming_backend.steps import Decoded, OnFailure, Prefilled
 from streaming_backend.steps.pacing import PrefillPacer, timed
@@ -85,6 +86,12 @@ class SlotSteps:
     def kv_cache(self) -> dict:
         """The slot cache's size and rings (SlotCache.report), for /status."""
         return self.cache.report()
+
+    def memory(self) -> MemoryReport | None:
+        """What the weights and the KV cache cost the host now; None on a GPU."""
+        if self.forward.device.type != "cpu":
+            return None
+        return MemoryReport.of(self.forward.model.tensors(), [*self.cache.k, *self.cache.v])
 
     @property
     def decode_path(self) -> str:

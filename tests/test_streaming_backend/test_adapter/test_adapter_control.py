@@ -35,6 +35,7 @@ class FakeEngine:
     numerics: Facts = field(default_factory=lambda: Facts("numerics"))
     steps: Facts | None = field(default_factory=lambda: Facts("steps"))
     forward_choice: Facts = field(default_factory=lambda: Facts("forward"))
+    memory: Facts | None = field(default_factory=lambda: Facts("memory"))
     shutdowns: int = 0
 
     def health(self) -> tuple[bool, str]:
@@ -42,6 +43,9 @@ class FakeEngine:
 
     def step_report(self) -> Facts | None:
         return self.steps
+
+    def memory_report(self) -> Facts | None:
+        return self.memory
 
     def shutdown(self) -> None:
         self.shutdowns += 1
@@ -107,7 +111,7 @@ def test_end_drains_and_ends_every_open_stream():
 
 def test_the_health_answer_names_each_fact_under_its_key():
     """wire.HEALTH_KEYS in order, each from its source: the engine's health, the open and
-    waiting streams, the fingerprint, numerics, step report and forward choice."""
+    waiting streams, the fingerprint, numerics, step report, forward choice and memory."""
     engine = FakeEngine(healthy=(False, "the engine thread died"))
     health = Control(engine, KEY).health(active=5)
     assert list(health) == list(wire.HEALTH_KEYS)
@@ -121,6 +125,7 @@ def test_the_health_answer_names_each_fact_under_its_key():
         wire.NUMERICS: {"name": "numerics"},
         wire.STEPS: {"name": "steps"},
         wire.FORWARD: {"name": "forward"},
+        wire.MEMORY: {"name": "memory"},
     }
 
 
@@ -128,3 +133,9 @@ def test_no_step_report_is_null():
     """Steps without a report (no adaptive threads) answer steps as null."""
     health = Control(FakeEngine(steps=None), KEY).health(active=0)
     assert health[wire.STEPS] is None
+
+
+def test_no_memory_report_is_null():
+    """A forward that does not tell its memory (Hugging Face's, a GPU) answers memory as null."""
+    health = Control(FakeEngine(memory=None), KEY).health(active=0)
+    assert health[wire.MEMORY] is None

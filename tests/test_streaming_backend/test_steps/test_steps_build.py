@@ -15,7 +15,6 @@ from streaming_backend.steps.build import (
     PREFIX_ENTRIES_PER_STREAM,
     Carried,
     build_steps,
-    memory,
 )
 from streaming_backend.steps.hf import HfSteps
 
@@ -63,16 +62,22 @@ def test_rebuilt_steps_keep_the_model_and_pacing_of_the_carried_ones(tiny_loaded
 
 
 def test_the_memory_line_counts_weights_and_the_kv_cache(tiny_loaded):
-    """memory(): the weights shared through a file and private (the tiny model's in memory:
-    none shared), the KV cache reserved (its whole allocation) and written."""
+    """The steps' memory report: the weights shared through a file and private (the tiny
+    model's in memory: none shared), the KV cache reserved (its whole allocation) and touched
+    (the calibration wrote a few positions); its log line says the same."""
     steps = compact(tiny_loaded, max_streams=2, max_len=64, kv_cache_memory="8MiB")
-    line = memory(steps.forward)
+    report = steps.memory()
+    figures = report.as_dict()
+    assert figures["weights"]["shared_bytes"] == 0 < figures["weights"]["private_bytes"]
+    assert figures["kv_cache"]["reserved_bytes"] == steps.cache.bytes
+    assert 0 < figures["kv_cache"]["touched_bytes"] <= steps.cache.bytes
     pattern = (
         r"memory: weights (\d+) MB shared through a file, (\d+) MB private; "
-        r"KV cache (\d+) MiB reserved, (\d+) MiB written \(resident as positions are written\)"
+        r"KV cache (\d+) MiB reserved, (\d+) MiB touched \(resident as positions are written\)"
     )
-    shared, _private, reserved, _written = map(int, re.fullmatch(pattern, line).groups())
-    assert shared == 0
+    line = re.fullmatch(pattern, report.describe())
+    shared, private, reserved, _touched = map(int, line.groups())
+    assert shared == 0 and private == round(figures["weights"]["private_bytes"] / 1e6)
     assert reserved == pytest.approx(steps.cache.bytes / 2**20, abs=0.5)
 
 

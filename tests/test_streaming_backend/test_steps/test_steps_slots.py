@@ -12,7 +12,7 @@ from families import tiny_config_model
 
 from streaming_backend.engine import Engine, EngineConfig
 from streaming_backend.events import FinishReason
-from streaming_backend.forward import runner
+from streaming_backend.forward import runner, slots
 from streaming_backend.sampling.settings import SamplingSettings
 
 GREEDY = SamplingSettings(temperature=0, max_tokens=10, ignore_eos=True)
@@ -208,3 +208,19 @@ def test_hf_forward_has_no_prefix_reuse(tiny_loaded):
         first, _, _ = _run(engine, PROMPT)
         assert _run(engine, PROMPT + first)[1] == 0
         assert engine.forward == "hf"
+
+
+def test_the_memory_report_follows_the_positions_written(tiny_loaded, monkeypatch):
+    """With the KV cache a lazily zeroed mapping (as a large one is; slots.LAZY_ZERO_BYTES),
+    the engine's memory report, read now each time, counts more of it touched after a long
+    prompt than after a short one, never more than is reserved; the weights it reports are
+    those of the forward (the tiny model's in memory: private)."""
+    monkeypatch.setattr(slots, "LAZY_ZERO_BYTES", 0)
+    with _engine(tiny_loaded, max_streams=2) as engine:
+        _run(engine, PROMPT)
+        before = engine.memory_report()
+        _run(engine, list(range(1000, 1200)), dataclasses.replace(GREEDY, max_tokens=2))
+        after = engine.memory_report()
+    assert before.kv_cache.reserved == after.kv_cache.reserved == engine._steps.cache.bytes
+    assert 0 < before.kv_cache.resident < after.kv_cache.resident <= after.kv_cache.reserved
+    assert after.weights.shared == 0 < after.weights.private == after.weights.reserved
