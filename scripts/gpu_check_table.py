@@ -31,7 +31,7 @@ def num(value: float | None) -> str:
 
 
 def latency_cells(ttft: dict, itl: dict) -> tuple[str, str, str]:
-    """TTFT p50, ITL avg and p99 of a stats mapping (clients/metrics.py)."""
+    """TTFT p50, ITL avg and p99 of a stats mapping (clients/library/metrics.py)."""
     return num(ttft.get("p50")), num(itl.get("avg")), num(itl.get("p99"))
 
 

@@ -18,7 +18,7 @@ import threading
 import time
 
 from clients.bench.prompts import synthetic_prompts
-from clients.grpc_client import GenerateRequest, stream_generate
+from clients.library.grpc_client import GenerateRequest, stream_generate
 from streaming_backend.configuration.models import parameter_strings
 from streaming_backend.launcher import ServerConfig, TritonServer, free_port
 from streaming_backend.wire import CHAT_MODEL

@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from clients.grpc_client import AsyncChatClient, GenerateRequest, GenerationError
+from clients.library.grpc_client import AsyncChatClient, GenerateRequest, GenerationError
 from streaming_backend.launcher import free_port
 from streaming_backend.launcher.processes import descendants
 

@@ -232,7 +232,7 @@ def _string_literals(path: Path) -> list[tuple[int, str]]:
 TENSOR_NAMES = (set(wire.INPUT_NAMES) | set(wire.OUTPUT_NAMES)) - SHARED_WORDS
 # Literals that spell a tensor name by coincidence, each with its reason.
 NOT_TENSOR_NAMES = {
-    ("clients/request.py", "input_ids"): "GenerateRequest's own field, set in __post_init__",
+    ("clients/library/request.py", "input_ids"): "GenerateRequest's own field (__post_init__)",
     ("streaming_backend/prompts.py", "input_ids"): "the Hugging Face tokenizer's output key",
 }
 

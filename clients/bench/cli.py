@@ -1,6 +1,6 @@
 """`tokenstream bench`: TTFT, inter-token latency and throughput over grpc, sse, ws and openai.
 
-Definitions follow genai-perf / AIPerf (see clients/metrics.py); each TTFT is split into
+Definitions follow genai-perf / AIPerf (see clients/library/metrics.py); each TTFT is split into
 queue, prefill and network parts from the server's per-response timestamps. With --multi-turn the
 load is conversations whose history grows, and TTFT is reported per turn index.
 """
@@ -33,7 +33,7 @@ from clients.bench.report import (
 from clients.bench.runner import Level, Workload, multi_turn_problem, run_level, warm_up
 from clients.bench.summary import ClockMap
 from clients.bench.transports import TRANSPORTS, Prompt, make_transport
-from clients.targets import DNS_SCHEME, TARGET_HELP, parse_target, target_option
+from clients.library.targets import DNS_SCHEME, TARGET_HELP, parse_target, target_option
 from streaming_backend.configuration import endpoints
 from streaming_backend.wire import CHAT_MODEL
 

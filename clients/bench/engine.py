@@ -7,8 +7,8 @@ time) and then our engine on each forward (`--forward compact,hf`: ours, and the
 forward under our engine, labelled eng-compact and eng-hf, their rounds interleaved) at each
 concurrency, every stream producing exactly --output-tokens tokens (ignore_eos). Each token
 becomes a Chunk stamped when it existed, so TTFT, ITL, throughput and percentiles are those of
-clients/metrics.py, as in `tokenstream bench`. It prints a table and writes every figure to a
-JSON file. A client of the core: it runs the engine in this process.
+clients/library/metrics.py, as in `tokenstream bench`. It prints a table and writes every figure
+to a JSON file. A client of the core: it runs the engine in this process.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from clients import metrics
-from clients.chunk import Chunk
+from clients.library import metrics
+from clients.library.chunk import Chunk
 from streaming_backend.configuration.models import QUANTIZE_KINDS
 from streaming_backend.engine import Engine, EngineConfig
 from streaming_backend.events import TokenEvent
@@ -96,7 +96,7 @@ def summarize(
     timelines: list[Timeline],
     busy_ns: int | None = None,
 ):
-    """Aggregate tokens/s, TTFT and inter-token latency (clients/metrics.py) of requests.
+    """Aggregate tokens/s, TTFT and inter-token latency (clients/library/metrics.py) of requests.
 
     Throughput is over `busy_ns` when given (the system's own rounds, when other systems' rounds
     ran between them), else over the span from the first request sent to the last token.
@@ -119,7 +119,7 @@ def summarize(
 
 
 def span_ns(timelines: list[Timeline]) -> int:
-    """The span of clients/metrics.py over these requests (0 when none got a response)."""
+    """The span of clients/library/metrics.py over these requests (0 when none got a response)."""
     return metrics.span_ns((t.sent_ns, t.chunks) for t in timelines) or 0
 
 

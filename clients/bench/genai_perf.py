@@ -9,7 +9,7 @@ definitions and TTFT breakdown, beside genai-perf's own figures.
 A run against the OpenAI-compatible API (`--endpoint-type chat --streaming`, or `completions`)
 keeps each response's raw event text instead (`{"response": "data: {...}\n\n"}`, several events
 when they arrived together): those are read as our openai transport reads them
-(clients/openai_client.py: a text event, delta.content or text, is one token; a usage event
+(clients/library/openai_client.py: a text event, delta.content or text, is one token; a usage event
 carries the model's count of the rest).
 """
 
@@ -20,10 +20,10 @@ from pathlib import Path
 
 from clients.bench.report import RunResult
 from clients.bench.summary import ClockMap, RequestRecord
-from clients.chunk import Chunk, GenerationError
-from clients.openai_client import DONE
-from clients.openai_client import event_chunk as openai_event_chunk
-from clients.sse_client import event_chunk, parse_sse_line
+from clients.library.chunk import Chunk, GenerationError
+from clients.library.openai_client import DONE
+from clients.library.openai_client import event_chunk as openai_event_chunk
+from clients.library.sse_client import event_chunk, parse_sse_line
 from streaming_backend.wire import (
     CUMULATIVE_LOGPROB,
     FINISH_REASON,

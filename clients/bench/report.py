@@ -18,8 +18,8 @@ from clients.bench.summary import (
     ttft_breakdown_ns,
 )
 from clients.bench.transports import TRANSPORTS
-from clients.chunk import Chunk
-from clients.metrics import NS_PER_MS
+from clients.library.chunk import Chunk
+from clients.library.metrics import NS_PER_MS
 
 SCHEMA = "tokenstream-bench/2"  # /2: TTFT to the first response, time to first text apart
 

@@ -1,6 +1,6 @@
 """A benchmark level's records and their summary: each request's send time and Chunks, the TTFT
-breakdown from the server's stamps, and every figure of one level (definitions: clients/metrics.py),
-per turn index too when the level ran multi-turn conversations.
+breakdown from the server's stamps, and every figure of one level (definitions:
+clients/library/metrics.py), per turn index too when the level ran multi-turn conversations.
 
 Every request that got a response and no error counts (as genai-perf); errors and cancellations
 are counted on their own. All client timestamps are CLOCK_MONOTONIC nanoseconds.
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from clients import metrics as m
-from clients.chunk import Chunk
+from clients.library import metrics as m
+from clients.library.chunk import Chunk
 from streaming_backend.wire import FinishReason, ServerTiming
 
 OK, ERROR, CANCELLED = "ok", "error", "cancelled"
@@ -81,7 +81,7 @@ class RequestRecord:
             return ERROR
         return OK if self.chunks else ERROR
 
-    # the metrics of clients/metrics.py on this request
+    # the metrics of clients/library/metrics.py on this request
     def ttft_ns(self) -> int | None:
         """Time to first token (first response)."""
         return m.ttft_ns(self.sent_ns, self.chunks)

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from clients.bench.summary import RequestRecord
-from clients.chunk import Chunk, GenerationError
-from clients.request import GenerateRequest
+from clients.library.chunk import Chunk, GenerationError
+from clients.library.request import GenerateRequest
 from streaming_backend.wire import CANCELLED, CHAT_MODEL, TIMING
 
 TRANSPORTS = ("grpc", "sse", "ws", "openai")
@@ -78,7 +78,7 @@ async def record_chunks(rec: RequestRecord, chunks: AsyncIterator[Chunk]) -> Non
 
 
 class GrpcTransport:
-    """tritonclient.grpc.aio stream_infer through clients.grpc_client: a stream per request."""
+    """tritonclient.grpc.aio stream_infer through clients.library.grpc_client: a stream each."""
 
     name = "grpc"
 
@@ -88,7 +88,7 @@ class GrpcTransport:
 
     async def open(self, slots: int) -> None:
         """Create the channel (one HTTP/2 connection multiplexes every stream)."""
-        from clients.grpc_client import AsyncChatClient
+        from clients.library.grpc_client import AsyncChatClient
 
         if self.client is None:
             self.client = AsyncChatClient(self.url, self.model)
@@ -110,12 +110,12 @@ class GrpcTransport:
 
 
 class SseTransport:
-    """Triton's HTTP POST /v2/models/<model>/generate_stream through clients.sse_client."""
+    """Triton's HTTP POST /v2/models/<model>/generate_stream through clients.library.sse_client."""
 
     name = "sse"
 
     def __init__(self, url: str, model: str = CHAT_MODEL):
-        from clients.sse_client import generate_stream_url
+        from clients.library.sse_client import generate_stream_url
 
         self.endpoint = generate_stream_url(url, model)
         self.session = None
@@ -143,7 +143,7 @@ class SseTransport:
 
     async def generate(self, rec: RequestRecord, prompt: Prompt, params: dict) -> None:
         """POST one request and record each event's Chunk."""
-        from clients.sse_client import generate
+        from clients.library.sse_client import generate
 
         request = generate_request(prompt, params)
         rec.sent_ns = time.monotonic_ns()
@@ -159,7 +159,7 @@ class SseTransport:
 
 
 class OpenAITransport:
-    """The bridge's OpenAI-compatible API (/v1, streamed) through clients.openai_client."""
+    """The bridge's OpenAI-compatible API (/v1, streamed) through clients.library.openai_client."""
 
     name = "openai"
 
@@ -191,7 +191,7 @@ class OpenAITransport:
 
     async def generate(self, rec: RequestRecord, prompt: Prompt, params: dict) -> None:
         """POST one streamed request and record each event's Chunk."""
-        from clients.openai_client import generate
+        from clients.library.openai_client import generate
 
         request = generate_request(prompt, params)
         rec.sent_ns = time.monotonic_ns()
@@ -221,7 +221,7 @@ class WsTransport:
         """Open connections up to min(slots, max_connections); requests go round-robin."""
         from websockets.asyncio.client import connect
 
-        from clients.ws_client import BridgeConnection
+        from clients.bridge.ws_client import BridgeConnection
 
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
         while len(self.conns) < max(1, min(slots, self.max_connections)):
@@ -246,7 +246,7 @@ class WsTransport:
 
 async def bridge_generate(conn, rec: RequestRecord, prompt: Prompt, params: dict) -> None:
     """One generation over a BridgeConnection: its frames become Chunks in `rec`."""
-    from clients.ws_client import bridge_request, done_timing, frame_chunk
+    from clients.bridge.ws_client import bridge_request, done_timing, frame_chunk
 
     msg = bridge_request(conn.new_id(str(rec.index)), prompt.text, prompt.messages, params)
     rec.sent_ns = time.monotonic_ns()

@@ -14,8 +14,11 @@ One concern per module, in the order a message travels:
 - openai_api.py  the /v1 routes: one gRPC stream per request
 - http.py        static chat page, /healthz answers, Host / Origin / token checks
 - app.py         which path goes where (page, /healthz, /ws, /v1)
+- upstream.py    what connection.py and openai_api.py need of the Bridge (app.py: its Site)
 - server.py      the Bridge (server, Triton client, health watch); serve_bridge, run_bridge
 - config.py      BridgeConfig;  cli.py: argparse -> BridgeConfig -> run
+- static/        the chat page (its scripts speak protocol.py's words)
+- ws_client.py   the protocol from the client's side: frames -> Chunks (the benchmark's ws)
 
 Protocols: docs/bridge.md and docs/openai.md.
 """

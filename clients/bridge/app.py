@@ -10,18 +10,33 @@ passes first (the Host header, plain JSON for 404 and 405).
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from aiohttp import web
 
 from clients.bridge import http, openai_api
-
-if TYPE_CHECKING:
-    from clients.bridge.server import Bridge
+from clients.bridge.upstream import Upstream
 
 
-def build_app(bridge: Bridge) -> web.Application:
-    """The application of one Bridge."""
+class Site(Upstream, Protocol):
+    """The bridge as its application sees it (server.py's Bridge is one): what the API's
+    handlers need, plus the health answer, the websocket handler and the shutdown hook."""
+
+    def health(self) -> dict[str, Any]:
+        """The /healthz body; its "ready" decides the status."""
+        ...
+
+    async def handle_websocket(self, request: web.Request) -> web.StreamResponse:
+        """Run one websocket connection until it ends."""
+        ...
+
+    async def close_connections(self) -> None:
+        """Close every websocket as the server goes away."""
+        ...
+
+
+def build_app(bridge: Site) -> web.Application:
+    """The application of one bridge."""
     app = web.Application(
         middlewares=[_guard(bridge)],
         client_max_size=bridge.cfg.max_body_bytes,
@@ -35,7 +50,7 @@ def build_app(bridge: Bridge) -> web.Application:
     return app
 
 
-def _guard(bridge: Bridge):
+def _guard(bridge: Site):
     """The middleware every request passes first."""
 
     @web.middleware
@@ -55,7 +70,7 @@ def _guard(bridge: Bridge):
     return guard
 
 
-async def _health(bridge: Bridge, request: web.Request) -> web.Response:
+async def _health(bridge: Site, request: web.Request) -> web.Response:
     health = bridge.health()
     return http.json_response(200 if health["ready"] else 503, health)
 

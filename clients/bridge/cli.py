@@ -9,7 +9,7 @@ import os
 from clients.bridge.config import BridgeConfig
 from clients.bridge.http import WS_PATH
 from clients.bridge.server import run_bridge
-from clients.targets import TARGET_HELP, target_option
+from clients.library.targets import TARGET_HELP, target_option
 from streaming_backend.wire import CHAT_MODEL
 
 TOKEN_ENV = "TOKENSTREAM_BRIDGE_TOKEN"

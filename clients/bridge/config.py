@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from clients.chunk import DEFAULT_IDLE_TIMEOUT_S
-from clients.replica_health import FAILURES_TO_NOT_READY
+from clients.library.chunk import DEFAULT_IDLE_TIMEOUT_S
+from clients.library.replica_health import FAILURES_TO_NOT_READY
 from streaming_backend.configuration import endpoints
 from streaming_backend.wire import CHAT_MODEL
 
@@ -37,7 +37,7 @@ class BridgeConfig:
     stop_grace_s: float = 2.0
     health_interval_s: float = 1.0
     # probes in a row without an answer before a ready replica counts as not ready
-    # (clients/replica_health.py); a "not ready" answer counts at once
+    # (clients/library/replica_health.py); a "not ready" answer counts at once
     health_failures: int = FAILURES_TO_NOT_READY
     socket_send_buffer: int | None = None  # SO_SNDBUF per client socket; None = kernel default
     model: str = CHAT_MODEL

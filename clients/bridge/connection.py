@@ -15,20 +15,18 @@ import logging
 import socket
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from clients.aio import within
 from clients.bridge import protocol as p
 from clients.bridge.frames import Trace, done_frame, error_frame, token_frame
 from clients.bridge.http import token_matches
 from clients.bridge.messages import Auth, Cancel, Generate, ProtocolError, parse_message
+from clients.bridge.upstream import Upstream
 from clients.bridge.websocket import SocketClosed, WebSocket
-from clients.chunk import Chunk
-from clients.grpc_client import GenerationError
+from clients.library.aio import within
+from clients.library.chunk import Chunk
+from clients.library.grpc_client import GenerationError
 from streaming_backend.wire import INTERNAL, UNAVAILABLE, FinishReason
-
-if TYPE_CHECKING:
-    from clients.bridge.server import Bridge
 
 log = logging.getLogger("tokenstream.bridge")
 
@@ -38,7 +36,7 @@ Close = tuple[int, str]  # a websocket close code and reason
 class Connection:
     """One websocket client: its generations, its bounded outbox, its lifetime."""
 
-    def __init__(self, bridge: Bridge, ws: WebSocket, number: int, authed: bool) -> None:
+    def __init__(self, bridge: Upstream, ws: WebSocket, number: int, authed: bool) -> None:
         self.bridge, self.cfg, self.ws, self.number = bridge, bridge.cfg, ws, number
         self.authed = authed
         self.generations: dict[str, asyncio.Task] = {}
@@ -162,7 +160,7 @@ class Connection:
         """Forward the upstream stream's chunks as token frames; its finish reason."""
         finish_reason = None
         trace.upstream_ns = time.monotonic_ns()
-        chunks = self.bridge.client.generate(msg.request, request_id)
+        chunks = self.bridge.generate(msg.request, request_id)
         async with contextlib.aclosing(chunks):  # leaving early cancels the stream upstream
             async for chunk in chunks:
                 finish_reason = self.relay(msg.gen_id, chunk, trace) or finish_reason

@@ -2,7 +2,7 @@
 timing trace that the `done` frame reports.
 
 No I/O here. Every span of `timing.bridge` and `timing.server` is computed in this file, from the
-definitions of clients/metrics.py where one exists (TTFT, time to first text).
+definitions of clients/library/metrics.py where one exists (TTFT, time to first text).
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from clients import metrics
 from clients.bridge import protocol as p
-from clients.chunk import Chunk
+from clients.library import metrics
+from clients.library.chunk import Chunk
 from streaming_backend.wire import FINISH_REASON, TIMING, ServerTiming
 
 
@@ -33,7 +33,8 @@ class Trace:
     accepted_ns: int  # the generate frame was parsed
     upstream_ns: int = 0  # the request went to Triton
     # the first response, the first with a token and the first with text (at most three chunks):
-    # clients/metrics.py reads the same TTFT and time to first text here as in every response
+    # clients/library/metrics.py reads the same TTFT and time to first text here as in every
+    # response
     head: list[Chunk] = field(default_factory=list)
     first_out_ns: int | None = None  # the first token frame was queued for the client
     prompt_tokens: int | None = None

@@ -17,7 +17,7 @@ from aiohttp import web
 
 WS_PATH = "/ws"
 HEALTH_PATH = "/healthz"
-STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
+STATIC_DIR = Path(__file__).resolve().parent / "static"
 STATIC_TYPES = {
     ".html": "text/html; charset=utf-8",
     ".js": "text/javascript; charset=utf-8",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from clients.bridge import protocol as p
-from clients.grpc_client import GenerateRequest
+from clients.library.grpc_client import GenerateRequest
 from streaming_backend.sampling.request_keys import ROWS, SAMPLING_KEYS
 from streaming_backend.wire import INVALID_REQUEST, MESSAGES, ROLES
 

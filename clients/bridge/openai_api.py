@@ -18,7 +18,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -46,12 +45,10 @@ from clients.bridge.openai_response import (
     whole_response,
 )
 from clients.bridge.openai_tools import ToolCallParser
-from clients.chunk import Chunk, GenerationError
+from clients.bridge.upstream import Upstream
+from clients.library.chunk import Chunk, GenerationError
 from streaming_backend.sampling.request_keys import GUIDED_KEYS
 from streaming_backend.wire import INTERNAL, UNAVAILABLE
-
-if TYPE_CHECKING:
-    from clients.bridge.server import Bridge
 
 log = logging.getLogger("tokenstream.bridge")
 
@@ -64,7 +61,7 @@ SSE_HEADERS = {
 Parser = Callable[[object, str], ApiRequest]
 
 
-def add_routes(app: web.Application, bridge: Bridge) -> None:
+def add_routes(app: web.Application, bridge: Upstream) -> None:
     """Add the API's routes (and its shutdown hook) to the bridge's application."""
     api = OpenAIApi(bridge)
     app.router.add_post(f"{API_PREFIX}/chat/completions", api.chat_completions)
@@ -92,7 +89,7 @@ def error_response(error: ApiError) -> web.Response:
 class OpenAIApi:
     """The API's handlers and the streams they hold open."""
 
-    def __init__(self, bridge: Bridge) -> None:
+    def __init__(self, bridge: Upstream) -> None:
         self.bridge, self.cfg = bridge, bridge.cfg
         self.created = int(time.time())
         self.tasks: set[asyncio.Task] = set()  # handlers holding a generation
@@ -174,7 +171,7 @@ class OpenAIApi:
         async with contextlib.AsyncExitStack() as stack:
             streams = []
             for choice_request in api.choice_requests():
-                chunks = self.bridge.client.generate(choice_request, f"oai-{uuid.uuid4().hex[:12]}")
+                chunks = self.bridge.generate(choice_request, f"oai-{uuid.uuid4().hex[:12]}")
                 streams.append(await stack.enter_async_context(contextlib.aclosing(chunks)))
             try:
                 firsts = [await _next(streams[0])]

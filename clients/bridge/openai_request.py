@@ -13,7 +13,7 @@ from typing import Any
 
 from clients.bridge.openai_errors import ApiError, invalid
 from clients.bridge.openai_tools import Tools, parse_tool_calls, parse_tools
-from clients.request import GenerateRequest
+from clients.library.request import GenerateRequest
 from streaming_backend.sampling.request_keys import (
     GUIDED_GRAMMAR,
     GUIDED_JSON,

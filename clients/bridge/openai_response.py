@@ -17,7 +17,7 @@ from typing import Any
 from clients.bridge.openai_errors import ApiError
 from clients.bridge.openai_request import CHAT
 from clients.bridge.openai_tools import ToolCall, ToolCallParser
-from clients.chunk import Chunk
+from clients.library.chunk import Chunk
 from streaming_backend.wire import CANCELLED, FinishReason
 
 SSE_DONE = b"data: [DONE]\n\n"

@@ -11,9 +11,9 @@ Bridge -> client:
     {"type": "error", "id", "code", "message"}      id null: the connection's, not a generation's
 A generation ends with exactly one `done` or one `error` frame.
 
-The bridge parses with these (messages.py) and builds with them (frames.py); the websocket client
-(clients/ws_client.py) speaks them too; the page (clients/static/*.js) spells the same strings,
-and tests/test_clients/test_bridge/test_bridge_protocol.py checks it against this module. Roles,
+The bridge parses with these (messages.py) and builds with them (frames.py); its websocket client
+(ws_client.py) speaks them too; the page (static/*.js) spells the same strings, and
+tests/test_clients/test_bridge/test_bridge_protocol.py checks it against this module. Roles,
 sampling keys and the model's error codes come from the wire contract (streaming_backend/wire.py).
 """
 
@@ -60,7 +60,7 @@ QUEUE_MS = "queue_ms"  # queued -> prefill started
 PREFILL_MS = "prefill_ms"  # prefill started -> first token emitted
 FIRST_TOKEN_MS = "first_token_ms"  # the server's own: request received -> first token emitted
 SERVER_SPANS = (QUEUE_MS, PREFILL_MS, FIRST_TOKEN_MS)
-# timing.bridge: spans (ms) the bridge measured (clients/metrics.py defines TTFT and first text)
+# timing.bridge: spans (ms) the bridge measured (TTFT and first text as clients/library/metrics.py)
 FIRST_FRAME_MS = "first_frame_ms"  # generate frame accepted -> first token frame queued
 UPSTREAM_TTFT_MS = "upstream_ttft_ms"  # TTFT of the bridge's request to Triton
 UPSTREAM_FIRST_TEXT_MS = "upstream_time_to_first_text_ms"  # its time to first text

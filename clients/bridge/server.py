@@ -15,6 +15,7 @@ import itertools
 import logging
 import signal
 import threading
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -24,9 +25,11 @@ from clients.bridge.app import build_app
 from clients.bridge.config import BridgeConfig
 from clients.bridge.connection import Connection
 from clients.bridge.websocket import WebSocket
-from clients.grpc_client import AsyncChatClient
-from clients.replica_health import ReplicaHealth
-from clients.targets import parse_target
+from clients.library.chunk import Chunk
+from clients.library.grpc_client import AsyncChatClient
+from clients.library.replica_health import ReplicaHealth
+from clients.library.request import GenerateRequest
+from clients.library.targets import parse_target
 
 log = logging.getLogger("tokenstream.bridge")
 
@@ -114,6 +117,10 @@ class Bridge:
                 level = logging.INFO if ready else logging.WARNING
                 log.log(level, "Triton at %s is %s", self.cfg.triton_url, _state(ready))
             self.triton_ready = ready
+
+    def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[Chunk]:
+        """One generation's Chunks on its own gRPC stream (closing the iterator cancels it)."""
+        return self.client.generate(request, request_id)
 
     @property
     def ready(self) -> bool:

@@ -13,7 +13,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from clients.grpc_client import GenerateRequest, GenerationError, stream_generate
+from clients.library.grpc_client import GenerateRequest, GenerationError, stream_generate
 from streaming_backend.sampling.request_keys import MAX_TOKENS
 from streaming_backend.wire import (
     DIALOGUE_INPUT_IDS,

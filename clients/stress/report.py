@@ -6,7 +6,7 @@ import collections
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 
-from clients.metrics import stats
+from clients.library.metrics import stats
 from clients.stress.load import Outcome
 from clients.stress.server_stats import Batching, Resources
 

@@ -7,7 +7,7 @@ Standard library only (no torch, no clients). Its parts, one concern each:
 - `processes.py`: /proc walking, killing a process tree, /dev/shm cleanup, free ports
 - `server.py`: `ServerConfig` and `TritonServer` (start, wait_ready, a bounded stop)
 
-`tokenstream serve` (the CLI that runs this beside the websocket bridge) is clients/serve.py.
+`tokenstream serve` (the CLI that runs this beside the websocket bridge) is clients/cli/serve.py.
 """
 
 from streaming_backend.launcher.processes import free_port

@@ -32,7 +32,7 @@ from conftest import (
     ws_generation,
 )
 
-from clients.reload import ReloadConfig, reload
+from clients.cli.reload import ReloadConfig, reload
 from streaming_backend import wire
 from streaming_backend.launcher.control import control
 from streaming_backend.wire import SERVER_LOST, UNAVAILABLE

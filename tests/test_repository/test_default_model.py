@@ -33,7 +33,7 @@ def test_default_model_answers_a_chat_prompt(default_loaded):
 
 def test_default_model_behind_triton(default_model_dir):  # fixture: converted once, cached
     """`tokenstream serve`'s default model streams a sensible Chinese answer over gRPC."""
-    from clients.grpc_client import GenerateRequest, stream_generate
+    from clients.library.grpc_client import GenerateRequest, stream_generate
 
     server = start_server(None, dtype="auto")  # the model config's own default: the GGUF
     try:

@@ -17,7 +17,7 @@ def test_a_family_is_served_on_the_compact_forward_as_in_process(
 ):
     """Greedy, with int4 weights: the compact forward runs it in-process, and tritonserver's
     chat model streams the same answer, ending with FINAL."""
-    from clients.grpc_client import GenerateRequest, stream_generate
+    from clients.library.grpc_client import GenerateRequest, stream_generate
     from streaming_backend.engine import Engine, EngineConfig
     from streaming_backend.model.loading import load_model
     from streaming_backend.prompts import encode_prompt

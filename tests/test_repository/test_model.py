@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import wait_for
 
-from clients.grpc_client import GenerateRequest, GenerationError, stream_generate
+from clients.library.grpc_client import GenerateRequest, GenerationError, stream_generate
 from streaming_backend import wire
 from streaming_backend.detokenize import REPLACEMENT
 from streaming_backend.prompts import encode_prompt
@@ -269,7 +269,7 @@ def _raw_sampling_request(server, prompt: str, sampling_text: str) -> None:
     import numpy as np
     import tritonclient.grpc as grpcclient
 
-    from clients.grpc_client import build_inputs, to_generation_error
+    from clients.library.grpc_client import build_inputs, to_generation_error
 
     inputs = [
         i for i in build_inputs(GenerateRequest(prompt=prompt)) if i.name() != "sampling_parameters"

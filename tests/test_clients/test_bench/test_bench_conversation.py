@@ -13,7 +13,7 @@ from clients.bench.conversation import FOLLOW_UPS, first_turn, follow_up, next_t
 from clients.bench.prompts import Sampling
 from clients.bench.runner import Level, Workload, multi_turn_problem, run_level
 from clients.bench.transports import Prompt
-from clients.chunk import Chunk
+from clients.library.chunk import Chunk
 
 CHAT = Prompt(
     messages=(

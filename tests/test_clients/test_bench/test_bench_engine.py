@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from clients.bench import engine as bench
-from clients.chunk import Chunk
+from clients.library.chunk import Chunk
 
 MS = 1_000_000
 

@@ -22,7 +22,7 @@ from clients.bench.report import (
     validate_report,
 )
 from clients.bench.summary import ClockMap, RequestRecord
-from clients.chunk import Chunk
+from clients.library.chunk import Chunk
 from streaming_backend.wire import ServerTiming
 
 MS = 1_000_000

@@ -13,7 +13,7 @@ from clients.bench.summary import (
     summarize,
     ttft_breakdown_ns,
 )
-from clients.chunk import Chunk
+from clients.library.chunk import Chunk
 from streaming_backend.wire import ServerTiming
 
 MS = 1_000_000
@@ -155,7 +155,7 @@ def test_turn_summary_per_turn_index_and_over_the_later_turns():
     """TTFT (the project's percentile), prompt and cached tokens per turn; turns 5 on together;
     a failed turn is sent but not completed."""
     from clients.bench.summary import LATER_TURNS_FROM
-    from clients.metrics import percentile
+    from clients.library.metrics import percentile
 
     assert LATER_TURNS_FROM == 5
     records = [

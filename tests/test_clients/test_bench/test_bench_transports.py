@@ -12,8 +12,8 @@ from clients.bench.prompts import Sampling, load_prompts, synthetic_prompts
 from clients.bench.runner import Level, Workload, run_level, warm_up
 from clients.bench.summary import RequestRecord
 from clients.bench.transports import Prompt, bridge_generate, generate_request
-from clients.chunk import Chunk, GenerationError
-from clients.ws_client import BridgeConnection, bridge_request, done_timing, frame_chunk
+from clients.bridge.ws_client import BridgeConnection, bridge_request, done_timing, frame_chunk
+from clients.library.chunk import Chunk, GenerationError
 
 MS = 1_000_000
 TIMING = {

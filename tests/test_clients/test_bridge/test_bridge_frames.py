@@ -6,7 +6,7 @@ import pytest
 
 from clients.bridge.frames import Trace, done_frame, error_frame, token_frame
 from clients.bridge.protocol import BRIDGE_SPANS
-from clients.chunk import Chunk
+from clients.library.chunk import Chunk
 from streaming_backend.wire import ServerTiming
 
 
@@ -50,7 +50,7 @@ def test_done_frame_usage_and_timing():
 
 def test_the_upstream_ttft_is_the_first_response_even_without_a_token():
     """A response with neither text nor token (the prompt count alone) starts the TTFT, as in
-    clients/metrics.py; the server's stamps come from the first response with a token."""
+    clients/library/metrics.py; the server's stamps come from the first response with a token."""
     server = ServerTiming(1, 2, 3, 4)
     trace = Trace(accepted_ns=0, upstream_ns=0)
     for chunk in (_chunk("", 0, 2_000_000, n_in=5), _chunk("a", 1, 3_000_000, timing=server)):

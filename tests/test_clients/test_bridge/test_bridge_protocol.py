@@ -1,5 +1,5 @@
 """The websocket protocol's vocabulary (clients/bridge/protocol.py): the bridge, the websocket
-client and the chat page (clients/static/*.js) all speak it."""
+client and the chat page (clients/bridge/static/*.js) all speak it."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from clients import ws_client
 from clients.bridge import protocol as p
+from clients.bridge import ws_client
 from clients.bridge.frames import Trace, done_frame, error_frame, token_frame
 from clients.bridge.messages import Auth, Cancel, Generate, parse_message
 from streaming_backend.wire import FINISH_REASON, TIMING
 
-STATIC = Path(__file__).resolve().parents[3] / "clients" / "static"
+STATIC = Path(__file__).resolve().parents[3] / "clients" / "bridge" / "static"
 STRING = r"""(?:"([^"\\]*)"|'([^'\\]*)')"""  # a JS string literal without escapes
 
 

@@ -19,7 +19,7 @@ from clients.bridge.openai_response import (
     usage_chunk,
     whole_response,
 )
-from clients.chunk import Chunk
+from clients.library.chunk import Chunk
 
 
 def chunk(text="", n=None, prompt=None, finish=None) -> Chunk:

@@ -14,7 +14,7 @@ from clients.bridge.openai_errors import ApiError
 from clients.bridge.openai_request import CHAT, COMPLETION, parse_chat
 from clients.bridge.openai_response import Answer, delta_chunks, finish_chunk, whole_response
 from clients.bridge.openai_tools import ToolCallParser, parse_tools
-from clients.chunk import Chunk
+from clients.library.chunk import Chunk
 
 WEATHER = {
     "type": "function",

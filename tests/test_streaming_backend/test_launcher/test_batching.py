@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from clients.serve import add_arguments, config_from_args
+from clients.cli.serve import add_arguments, config_from_args
 from streaming_backend.launcher.batching import DialogueBatching
 from streaming_backend.launcher.binary import TritonBinary
 from streaming_backend.launcher.repository import make_runtime_repository

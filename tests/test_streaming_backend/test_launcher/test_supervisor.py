@@ -18,7 +18,7 @@ import tritonclient.http as httpclient
 from conftest import stub_pids, supervised_server, wait_for
 from tritonclient.utils import InferenceServerException
 
-from clients.grpc_client import GenerateRequest, stream_generate
+from clients.library.grpc_client import GenerateRequest, stream_generate
 from streaming_backend.launcher.control import ControlError, control
 from streaming_backend.launcher.health import metrics_text
 from streaming_backend.launcher.supervisor import (
@@ -32,6 +32,7 @@ from streaming_backend.wire import (
     CONTROL_END,
     CONTROL_HEALTH,
     FORWARD,
+    MEMORY,
     NUMERICS,
     SAMPLING_PARAMETERS,
     STEPS,
@@ -340,6 +341,35 @@ def test_health_endpoints_tell_ready_live_status_and_metrics(supervised) -> None
     assert "tokenstream_supervisor_ready 1" in text
     assert text == metrics_text(supervisor)
     assert get(f"{url}/nothing")[0] == 404
+
+
+@pytest.mark.server
+def test_status_tells_the_weights_and_kv_cache_memory(supervised, tiny_model_dir) -> None:
+    """/status's memory, as the chat model's canary tells it: its weights all shared, as many
+    bytes as their weight file holds, none private; its KV cache reserved whole (the slots'
+    bytes) and touched at most as much (the tiny model's cache is small enough to be zeroed at
+    once: wholly touched; a large one's is touched as used, test_steps_slots.py)."""
+    from streaming_backend.forward.weight_file import read_meta
+    from streaming_backend.model.weight_cache import FOLDER
+    from streaming_backend.paths import cache_dir
+
+    supervisor, url, _ = supervised
+    assert infer_text(supervisor.server.grpc_url, "Hello")
+    wait_for(lambda: get(f"{url}/status")[1][MEMORY] is not None)  # a canary came
+    status = get(f"{url}/status")[1]
+    memory, kv_cache = status[MEMORY], status[FORWARD]["kv_cache"]
+    [weights] = [
+        path
+        for path in (cache_dir() / FOLDER).glob("*.weights")
+        if read_meta(path)["checkpoint"] == str(tiny_model_dir)
+    ]
+    assert memory["weights"] == {"shared_bytes": weights.stat().st_size, "private_bytes": 0}
+    assert memory["kv_cache"]["reserved_bytes"] == kv_cache["bytes"]
+    assert 0 < memory["kv_cache"]["touched_bytes"] <= kv_cache["bytes"]
+    health = control(
+        supervisor.server.http_url, CHAT_MODEL, supervisor.admin_key, CONTROL_HEALTH, 10
+    )
+    assert health.memory == memory
 
 
 @pytest.mark.server

@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from clients.grpc_client import AsyncChatClient
-from clients.targets import Target
+from clients.library.grpc_client import AsyncChatClient
+from clients.library.targets import Target
 
 READY, NOT_READY = "ready", "not ready"
 # Unanswered probes in a row before a ready replica counts as not ready (with the bridge's 1 s

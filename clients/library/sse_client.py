@@ -8,7 +8,7 @@ the response holding a finish reason is the last one. genai-perf's profile expor
 response's outputs in the same form, so `event_chunk` reads those too.
 
 A stream that receives nothing (no headers, no line) for `idle_timeout_s` fails with the same
-`unavailable` error as the gRPC client's (clients/chunk.py `idle_error`), not retried by failover.
+`unavailable` error as the gRPC client's (chunk.py's `idle_error`), not retried by failover.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Mapping
 
-from clients.chunk import (
+from clients.library.chunk import (
     DEFAULT_IDLE_TIMEOUT_S,
     Chunk,
     GenerationError,
@@ -25,7 +25,7 @@ from clients.chunk import (
     parse_timing,
     within_idle_timeout,
 )
-from clients.request import GenerateRequest, request_inputs
+from clients.library.request import GenerateRequest, request_inputs
 from streaming_backend.wire import (
     CHAT_MODEL,
     FINISH_REASON,

@@ -1,4 +1,4 @@
-"""Triton's generate_stream events -> Chunks (clients/sse_client.py), without a server."""
+"""Triton's generate_stream events -> Chunks (clients/library/sse_client.py), without a server."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from clients.chunk import GenerationError
-from clients.request import GenerateRequest
-from clients.sse_client import (
+from clients.library.chunk import GenerationError
+from clients.library.request import GenerateRequest
+from clients.library.sse_client import (
     event_chunk,
     generate,
     generate_stream_url,

@@ -1,7 +1,7 @@
 """Scale-out across Triton replicas: real tritonservers on 127.0.0.2, 127.0.0.3 (and 127.0.0.4
 later), the same ports on each (all of 127.0.0.0/8 is on `lo`), clients spreading generations
-over them with gRPC's round_robin (clients/targets.py), failing over before the first token
-(clients/failover.py) and watching each replica (clients/replica_health.py).
+over them with gRPC's round_robin (clients/library/targets.py), failing over before the first token
+(clients/library/failover.py) and watching each replica (clients/library/replica_health.py).
 
 Each replica's share is read from its own metrics port (tokenstream_generation_tokens_total).
 """
@@ -31,7 +31,7 @@ from websockets.asyncio.client import connect
 
 from clients.bench.cli import add_arguments, config_from_args, run_bench
 from clients.bridge import HEALTH_PATH
-from clients.targets import parse_target
+from clients.library.targets import parse_target
 from streaming_backend.launcher import TritonServer, free_port
 from streaming_backend.wire import CHAT_MODEL
 

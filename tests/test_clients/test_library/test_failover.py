@@ -1,4 +1,4 @@
-"""Tests of clients/failover.py: a generation that fails as unavailable before its first
+"""Tests of clients/library/failover.py: a generation that fails as unavailable before its first
 response is tried again; anything else, or any failure after a response, is raised as is.
 (The real thing, against replicas that stop, is in test_scale_out.py.)"""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from clients.chunk import Chunk, GenerationError
-from clients.failover import RETRY_DELAYS_S, failover, failover_sync, next_delay
+from clients.library.chunk import Chunk, GenerationError
+from clients.library.failover import RETRY_DELAYS_S, failover, failover_sync, next_delay
 
 NO_DELAYS = (0.0, 0.0, 0.0)
 

@@ -1,4 +1,4 @@
-"""Tests of clients/chat.py: stats, history handling, and the real CLI in a pseudo-terminal."""
+"""Tests of clients/cli/chat.py: stats, history handling, and the real CLI in a pseudo-terminal."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from clients import chat
-from clients.chunk import Chunk
-from clients.grpc_client import GenerationError
+from clients.cli import chat
+from clients.library.chunk import Chunk
+from clients.library.grpc_client import GenerationError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def _chunk(text: str, t_ns: int, n: int | None = 1, final=False, reason=None) -> Chunk:

@@ -1,4 +1,4 @@
-"""Tests of clients/prompt.py: Ctrl-C ends the prompt's wait even when the wait missed it."""
+"""Tests of clients/cli/prompt.py: Ctrl-C ends the prompt's wait even when the wait missed it."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from clients.prompt import KICK_SIGNAL, InterruptiblePrompt
+from clients.cli.prompt import KICK_SIGNAL, InterruptiblePrompt
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def _sigint_to_watcher_once_waiting(prompt: InterruptiblePrompt) -> threading.Thread:
@@ -67,7 +67,7 @@ def test_signal_state_restored_and_lines_pass_through():
 
 CHILD = """
 import readline, sys
-from clients.prompt import InterruptiblePrompt
+from clients.cli.prompt import InterruptiblePrompt
 with InterruptiblePrompt() as prompt:
     try:
         print("got", repr(prompt.read_line("ask> ")), flush=True)

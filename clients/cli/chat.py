@@ -17,17 +17,17 @@ from typing import Any, TextIO
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from clients import metrics
-from clients.chunk import Chunk
-from clients.grpc_client import (
+from clients.cli.prompt import InterruptiblePrompt
+from clients.library import metrics
+from clients.library.chunk import Chunk
+from clients.library.grpc_client import (
     BALANCED_CHANNEL_ARGS,
     MODEL_NAME,
     GenerateRequest,
     GenerationError,
     stream_generate,
 )
-from clients.prompt import InterruptiblePrompt
-from clients.targets import TARGET_HELP, target_option
+from clients.library.targets import TARGET_HELP, target_option
 from streaming_backend.configuration import endpoints
 from streaming_backend.sampling.request_keys import SAMPLING_KEYS
 
@@ -48,7 +48,7 @@ class ChatConfig:
 class AnswerStats:
     """What one answer cost, measured in this process."""
 
-    ttft_s: float | None  # request sent -> first response received (clients/metrics.py)
+    ttft_s: float | None  # request sent -> first response received (clients/library/metrics.py)
     first_text_s: float | None  # request sent -> first printable text received
     tokens: int
     decode_tokens_per_s: float | None  # tokens after the first / time after the first
@@ -157,7 +157,7 @@ def answer(cfg: ChatConfig, history: list[dict], out: TextIO) -> tuple[str, Answ
 
 def measure(start_ns: int, chunks: Sequence[Chunk], finish_reason: str) -> AnswerStats:
     """TTFT, time to first text, token count and decode rate of one answer (definitions:
-    clients/metrics.py)."""
+    clients/library/metrics.py)."""
     ttft = metrics.ttft_ns(start_ns, chunks)
     first_text = metrics.time_to_first_text_ns(start_ns, chunks)
     return AnswerStats(

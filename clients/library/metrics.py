@@ -21,7 +21,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from clients.chunk import Chunk
+from clients.library.chunk import Chunk
 
 NS_PER_MS = 1_000_000
 NS_PER_S = 1_000_000_000

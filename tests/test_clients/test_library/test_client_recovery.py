@@ -12,8 +12,8 @@ from bridge_support import bridge_to, frame, http_get, next_frame, ws_url
 from conftest import wait_for
 from websockets.asyncio.client import connect
 
-from clients.failover import retryable
-from clients.grpc_client import (
+from clients.library.failover import retryable
+from clients.library.grpc_client import (
     AsyncChatClient,
     GenerateRequest,
     GenerationError,

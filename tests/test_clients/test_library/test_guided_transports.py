@@ -11,9 +11,9 @@ import pytest
 import websockets
 from bridge_support import bridge_to, collect, frame, ws_url
 
-from clients.chunk import GenerationError
-from clients.grpc_client import AsyncChatClient, GenerateRequest, stream_generate
-from clients.sse_client import generate, generate_stream_url
+from clients.library.chunk import GenerationError
+from clients.library.grpc_client import AsyncChatClient, GenerateRequest, stream_generate
+from clients.library.sse_client import generate, generate_stream_url
 
 pytestmark = pytest.mark.server
 

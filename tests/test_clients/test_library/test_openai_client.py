@@ -1,5 +1,5 @@
-"""Tests of clients/openai_client.py: OpenAI events -> Chunks, request bodies, the idle timeout
-(no Triton)."""
+"""Tests of clients/library/openai_client.py: OpenAI events -> Chunks, request bodies, the idle
+timeout (no Triton)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from clients.chunk import GenerationError
-from clients.openai_client import endpoint_url, event_chunk, generate, request_body
-from clients.request import GenerateRequest
+from clients.library.chunk import GenerationError
+from clients.library.openai_client import endpoint_url, event_chunk, generate, request_body
+from clients.library.request import GenerateRequest
 
 
 def test_events_become_chunks_with_the_models_token_count():

@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 
 from clients.bridge import protocol as p
-from clients.chunk import (
+from clients.library.chunk import (
     DEFAULT_IDLE_TIMEOUT_S,
     Chunk,
     GenerationError,

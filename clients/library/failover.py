@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from clients.chunk import Chunk, GenerationError
+from clients.library.chunk import Chunk, GenerationError
 from streaming_backend.wire import UNAVAILABLE
 
 log = logging.getLogger("tokenstream.client")

@@ -1,4 +1,5 @@
-"""Tests for clients/serve.py: `tokenstream serve` runs Triton (and the bridge), stops cleanly."""
+"""Tests for clients/cli/serve.py: `tokenstream serve` runs Triton (and the bridge), stops
+cleanly."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import alive, shm_files, write_echo_model
 
-from clients.serve import add_arguments, config_from_args
+from clients.cli.serve import add_arguments, config_from_args
 from streaming_backend.configuration.models import ModelSettings
 from streaming_backend.launcher import free_port
 from streaming_backend.launcher.processes import descendants, is_alive

@@ -14,8 +14,13 @@ import json
 import time
 from collections.abc import AsyncIterator, Mapping
 
-from clients.chunk import DEFAULT_IDLE_TIMEOUT_S, Chunk, GenerationError, within_idle_timeout
-from clients.request import GenerateRequest
+from clients.library.chunk import (
+    DEFAULT_IDLE_TIMEOUT_S,
+    Chunk,
+    GenerationError,
+    within_idle_timeout,
+)
+from clients.library.request import GenerateRequest
 from streaming_backend.wire import CHAT_MODEL, ERROR_CODES, error_code
 
 API_PATH = "/v1"

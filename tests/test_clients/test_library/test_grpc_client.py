@@ -1,4 +1,5 @@
-"""Tests of clients/grpc_client.py: request tensors, response parsing, errors, live streams."""
+"""Tests of clients/library/grpc_client.py: request tensors, response parsing, errors, live
+streams."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from tritonclient.utils import (
     serialize_byte_tensor,
 )
 
-from clients import grpc_client as gc
+from clients.library import grpc_client as gc
 from streaming_backend import wire
 from streaming_backend.wire import ServerTiming
 

@@ -21,7 +21,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
-from clients.chunk import (
+from clients.library.chunk import (
     DEFAULT_IDLE_TIMEOUT_S,
     Chunk,
     GenerationError,
@@ -30,9 +30,9 @@ from clients.chunk import (
     parse_timing,
     within_idle_timeout,
 )
-from clients.failover import failover, failover_sync
-from clients.request import GenerateRequest, request_inputs
-from clients.targets import channel_args
+from clients.library.failover import failover, failover_sync
+from clients.library.request import GenerateRequest, request_inputs
+from clients.library.targets import channel_args
 from streaming_backend.wire import (
     CHAT_MODEL,
     ENABLE_EMPTY_FINAL,
@@ -169,8 +169,8 @@ def stream_generate(
 ) -> Iterator[Chunk]:
     """Stream one generation synchronously; setting `cancel` or closing the iterator cancels it.
 
-    `url` is any target of clients.targets; a stream that fails as unavailable before its first
-    response is retried on another replica (clients.failover). Raises GenerationError (code
+    `url` is any target of targets.py; a stream that fails as unavailable before its first
+    response is retried on another replica (failover.py). Raises GenerationError (code
     `unavailable`) when nothing arrives for `idle_timeout_s`.
     """
     request_id = request_id or uuid.uuid4().hex
@@ -254,7 +254,7 @@ def _next_response(
 class AsyncChatClient:
     """Asyncio client: many concurrent generations, one stream each, over one gRPC channel.
 
-    `url` is any target of clients.targets (one replica, `dns:///name:port`, `ipv4:a:p,b:p`):
+    `url` is any target of targets.py (one replica, `dns:///name:port`, `ipv4:a:p,b:p`):
     round_robin sends each generation's stream to the next replica.
     """
 
@@ -303,7 +303,7 @@ class AsyncChatClient:
         """Stream one generation; closing the iterator early (aclose) cancels it upstream.
 
         A stream that fails as unavailable before its first response is retried on another
-        replica (clients.failover); after that, errors are raised as they come.
+        replica (failover.py); after that, errors are raised as they come.
         """
         request_id = request_id or uuid.uuid4().hex
         return failover(lambda: self._generate_once(request, request_id))

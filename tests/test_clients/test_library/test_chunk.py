@@ -1,10 +1,10 @@
-"""The client-side response type (clients/chunk.py): its token-count rule and timing."""
+"""The client-side response type (clients/library/chunk.py): its token-count rule and timing."""
 
 from __future__ import annotations
 
 import pytest
 
-from clients.chunk import Chunk, parse_timing
+from clients.library.chunk import Chunk, parse_timing
 from streaming_backend.wire import ServerTiming
 
 

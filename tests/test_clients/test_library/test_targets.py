@@ -1,4 +1,4 @@
-"""Tests of clients/targets.py: the target forms that name one or several replicas, and the
+"""Tests of clients/library/targets.py: the target forms that name one or several replicas, and the
 channel arguments that spread streams over them."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from clients.grpc_client import BALANCED_CHANNEL_ARGS, CHANNEL_ARGS
-from clients.targets import parse_target, target_option
+from clients.library.grpc_client import BALANCED_CHANNEL_ARGS, CHANNEL_ARGS
+from clients.library.targets import parse_target, target_option
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,9 @@
 """The `tokenstream` command: one CLI with a subcommand per tool."""
 
+# The subcommands with no package of their own live beside this file: `serve` (serve.py:
+# tritonserver under its supervisor, and the bridge), `reload` (reload.py) and `chat` (chat.py,
+# with prompt.py's terminal prompt). `python -m clients.cli` runs the command too (__main__.py).
+
 from __future__ import annotations
 
 import argparse
@@ -9,9 +13,12 @@ import sys
 # subcommand -> module exposing `add_arguments(parser)` and `main(args) -> int`.
 # Modules are imported lazily so `tokenstream chat` does not pay for torch.
 SUBCOMMANDS = {
-    "serve": ("clients.serve", "start and supervise tritonserver (and the bridge) on repository/"),
-    "reload": ("clients.reload", "swap the model of a running serve without downtime"),
-    "chat": ("clients.chat", "chat with a running server in the terminal over gRPC"),
+    "serve": (
+        "clients.cli.serve",
+        "start and supervise tritonserver (and the bridge) on repository/",
+    ),
+    "reload": ("clients.cli.reload", "swap the model of a running serve without downtime"),
+    "chat": ("clients.cli.chat", "chat with a running server in the terminal over gRPC"),
     "bridge": ("clients.bridge", "run the websocket bridge and chat page on its own"),
     "bench": ("clients.bench.cli", "measure TTFT, inter-token latency and throughput"),
     "engine-bench": ("clients.bench.engine", "benchmark the in-process engine vs HF generate"),
@@ -31,7 +38,3 @@ def main(argv: list[str] | None = None) -> int:
             importlib.import_module(module_name).add_arguments(p)
     args = parser.parse_args(argv)
     return int(importlib.import_module(args._module).main(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,5 +1,6 @@
-"""Readiness of each replica with hysteresis (clients/replica_health.py): a lost probe under load
-does not flap it; a replica that stops answering, or says it is not ready, is taken out."""
+"""Readiness of each replica with hysteresis (clients/library/replica_health.py): a lost probe
+under load does not flap it; a replica that stops answering, or says it is not ready, is taken
+out."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from bridge_support import bridge_to, http_get
 from conftest import start_server
 
 from clients.bridge import HEALTH_PATH
-from clients.replica_health import NOT_READY, READY, ReplicaHealth
-from clients.targets import parse_target
+from clients.library.replica_health import NOT_READY, READY, ReplicaHealth
+from clients.library.targets import parse_target
 
 ADDRESS = "127.0.0.1:1"
 

@@ -1,7 +1,7 @@
 """How long the chat page takes to bring a streaming answer up to date, per frame (a benchmark,
 not a test: it prints figures and asserts none).
 
-    PYTHONPATH=tests .venv/bin/python tests/test_clients/test_static/page_bench.py
+    PYTHONPATH=tests .venv/bin/python tests/test_clients/test_bridge/test_static/page_bench.py
 
 (`tests/` on the path for bridge_support, as pytest puts it there; this folder is the script's.)
 

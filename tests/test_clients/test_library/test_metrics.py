@@ -1,12 +1,13 @@
-"""The one definition of TTFT, ITL, latency, throughput and percentiles (clients/metrics.py)."""
+"""The one definition of TTFT, ITL, latency, throughput and percentiles
+(clients/library/metrics.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from clients import metrics as m
-from clients.chunk import Chunk
+from clients.library import metrics as m
+from clients.library.chunk import Chunk
 from streaming_backend.wire import ServerTiming
 
 MS = 1_000_000

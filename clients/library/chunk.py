@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from clients.aio import within
+from clients.library.aio import within
 from streaming_backend.wire import INTERNAL, UNAVAILABLE, ServerTiming
 
 # A generation that receives nothing for this long ends with an `unavailable` error instead of
