@@ -1,15 +1,22 @@
 """A served model's memory: PSS summed over the server's processes after one request, each
-process's share, the model stubs' peaks, and the time until the server was ready.
+process's share, the model stubs' peaks, and the time until the server was ready; or llama.cpp's
+the same way, for the ratio.
 
     PYTHONPATH=. .venv/bin/python scripts/measure_memory.py --model ../models/llama-1b \\
         --serve-args "--models chat"
     PYTHONPATH=. .venv/bin/python scripts/measure_memory.py --model ../models/llama-1b   # both
+    PYTHONPATH=. .venv/bin/python scripts/measure_memory.py --llama-env ../peers/llama \\
+        --llama-gguf ../models/llama-1b-q4_0.gguf      # llama.cpp's server, n_ctx 8192
 
 Starts `tokenstream serve` (no bridge, free ports), waits for the supervisor's /ready, sends the
 chat model one short greedy request over Triton's generate_stream, then reads
 /proc/PID/smaps_rollup of every process of the server (the launcher, tritonserver and its
 model stubs): PSS counts a page shared by N processes as 1/N in each, so the sum counts it
-once, as llama.cpp's one process counts its own. Prints one JSON document and stops the server.
+once, as llama.cpp's one process counts its own. With --llama-env, llama-cpp-python's server
+(that virtual environment's, scripts/compare_peers.py says how to make it) serves the GGUF file
+with a context of --n-ctx positions and one thread per core instead, is sent one short greedy
+request over its OpenAI API, and is measured alike. Prints one JSON document and stops the
+server.
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 
@@ -32,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 900
 FIELDS = ("Rss", "Pss", "Pss_Anon", "Pss_File", "Pss_Shmem")  # of smaps_rollup, in kB
 OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
+QUESTION = "What is the capital of France?"  # the one short request's
 
 
 def memory(pid: int) -> dict[str, float]:
@@ -66,7 +76,7 @@ def wait_ready(port: int, process: subprocess.Popen) -> float:
 def one_request(http_port: int, max_tokens: int) -> str:
     """One greedy chat request over generate_stream; the text it streamed."""
     body = {
-        "messages": json.dumps([{"role": "user", "content": "What is the capital of France?"}]),
+        "messages": json.dumps([{"role": "user", "content": QUESTION}]),
         "stream": True,
         "sampling_parameters": json.dumps({"temperature": 0, "max_tokens": max_tokens}),
     }
@@ -83,33 +93,108 @@ def one_request(http_port: int, max_tokens: int) -> str:
     return "".join(text)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="--model for serve (default: the shipped model)")
-    parser.add_argument("--serve-args", default="", help="more serve options, one string")
-    parser.add_argument("--max-tokens", type=int, default=16)
-    args = parser.parse_args()
+def llama_ready(port: int, process: subprocess.Popen) -> float:
+    """Seconds until llama.cpp's server answers GET /v1/models (the server exiting fails it)."""
+    started = time.monotonic()
+    while time.monotonic() - started < READY_TIMEOUT_S:
+        if process.poll() is not None:
+            raise RuntimeError(f"llama.cpp's server exited with status {process.returncode}")
+        try:
+            with OPENER.open(f"http://127.0.0.1:{port}/v1/models", timeout=5) as response:
+                if response.status == 200:
+                    return time.monotonic() - started
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"not ready after {READY_TIMEOUT_S} s")
+
+
+def llama_request(port: int, max_tokens: int) -> str:
+    """One greedy chat request over llama.cpp's OpenAI API; its text."""
+    body = {
+        "messages": [{"role": "user", "content": QUESTION}],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+    }
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with OPENER.open(request, timeout=300) as response:
+        return json.loads(response.read())["choices"][0]["message"]["content"]
+
+
+class Server(NamedTuple):
+    """A server to measure: how to start it, wait for it and send it its one request."""
+
+    command: list[str]
+    wait_ready: Callable[[subprocess.Popen], float]
+    request: Callable[[], str]
+
+
+def ours(args: argparse.Namespace) -> Server:
+    """`tokenstream serve` without its bridge, on free ports."""
     ports = {name: free_port() for name in ("http", "grpc", "metrics", "supervisor")}
     command = [sys.executable, "-m", "clients.cli", "serve", "--no-bridge"]
     command += [arg for name, port in ports.items() for arg in (f"--{name}-port", str(port))]
     command += ["--model", args.model] if args.model else []
     command += args.serve_args.split()
-    process = subprocess.Popen(command, cwd=REPO, start_new_session=True)
+    return Server(
+        command,
+        lambda process: wait_ready(ports["supervisor"], process),
+        lambda: one_request(ports["http"], args.max_tokens),
+    )
+
+
+def llama_cpp(args: argparse.Namespace) -> Server:
+    """llama-cpp-python's server on the GGUF file: --n-ctx positions, a thread per core."""
+    port = free_port()
+    command = [str(Path(args.llama_env) / "bin" / "python"), "-m", "llama_cpp.server"]
+    command += ["--model", args.llama_gguf, "--n_ctx", str(args.n_ctx)]
+    command += ["--n_threads", str(os.cpu_count()), "--host", "127.0.0.1", "--port", str(port)]
+    return Server(
+        command,
+        lambda process: llama_ready(port, process),
+        lambda: llama_request(port, args.max_tokens),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="--model for serve (default: the shipped model)")
+    parser.add_argument("--serve-args", default="", help="more serve options, one string")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--llama-env", help="measure llama.cpp: llama-cpp-python's venv")
+    parser.add_argument("--llama-gguf", help="the GGUF file llama.cpp serves (--llama-env)")
+    parser.add_argument("--n-ctx", type=int, default=8192, help="llama.cpp's context (positions)")
+    args = parser.parse_args()
+    if args.llama_env and not args.llama_gguf:
+        parser.error("--llama-env needs --llama-gguf")
+    server = llama_cpp(args) if args.llama_env else ours(args)
+    process = subprocess.Popen(server.command, cwd=REPO, start_new_session=True)
     try:
-        ready_s = wait_ready(ports["supervisor"], process)
-        text = one_request(ports["http"], args.max_tokens)
+        ready_s = server.wait_ready(process)
+        text = server.request()
         processes = [psutil.Process(process.pid), *psutil.Process(process.pid).children(True)]
         each = {f"{p.pid} {' '.join(p.cmdline()[:2])[-60:]}": memory(p.pid) for p in processes}
         total = {key: round(sum(m.get(key, 0) for m in each.values()), 1) for key in FIELDS}
-        print(json.dumps({"command": command[2:], "ready_s": round(ready_s, 1), "text": text,
-                          "total_mb": total, "processes_mb": each}, indent=1))  # fmt: skip
+        result = {"command": server.command[2:], "ready_s": round(ready_s, 1), "text": text}
+        print(json.dumps(result | {"total_mb": total, "processes_mb": each}, indent=1))
     finally:
+        stop(process)
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group, SIGKILL after 60 s (a group gone already: done)."""
+    try:
         os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        process.wait(60)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,46 @@
+"""scripts/measure_memory.py: the command lines of the servers it measures (no server started)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "measure_memory.py"
+
+
+def load_script():
+    """The script as a module (it is not a package)."""
+    spec = importlib.util.spec_from_file_location("measure_memory", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["measure_memory"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def arguments(**values) -> argparse.Namespace:
+    defaults = dict(model=None, serve_args="", max_tokens=16, llama_env=None, llama_gguf=None)
+    return argparse.Namespace(**(defaults | {"n_ctx": 8192} | values))
+
+
+def test_llama_cpp_serves_the_gguf_file_with_its_context_and_a_thread_per_core():
+    """llama.cpp: the venv's llama_cpp.server on the GGUF file, n_ctx 8192 (the issue's way),
+    one thread per core, on loopback."""
+    script = load_script()
+    server = script.llama_cpp(arguments(llama_env="/peers/llama", llama_gguf="/m/q4_0.gguf"))
+    command = server.command
+    assert command[:3] == ["/peers/llama/bin/python", "-m", "llama_cpp.server"]
+    pairs = dict(zip(command[3::2], command[4::2], strict=True))
+    assert pairs["--model"] == "/m/q4_0.gguf" and pairs["--n_ctx"] == "8192"
+    assert pairs["--n_threads"] == str(os.cpu_count()) and pairs["--host"] == "127.0.0.1"
+
+
+def test_ours_is_serve_without_the_bridge_with_the_options_given():
+    """Ours: `tokenstream serve --no-bridge` on free ports, the model and the options given."""
+    script = load_script()
+    command = script.ours(arguments(model="/m/llama-1b", serve_args="--models chat")).command
+    assert command[1:5] == ["-m", "clients.cli", "serve", "--no-bridge"]
+    assert command[-4:] == ["--model", "/m/llama-1b", "--models", "chat"]
+    assert "--supervisor-port" in command and "--http-port" in command
