@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import psutil
+from compare_peers import group, remove_openmp_registration  # this folder's
 
 from streaming_backend.launcher import free_port
 
@@ -186,7 +187,9 @@ def main() -> None:
 
 
 def stop(process: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group, SIGKILL after 60 s (a group gone already: done)."""
+    """SIGTERM to the server's process group, SIGKILL after 60 s (a group gone already: done);
+    then the OpenMP registrations its processes leave when stopped by a signal (llama.cpp's)."""
+    pids = group(process.pid)
     try:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(60)
@@ -195,6 +198,8 @@ def stop(process: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
     process.wait()
+    for pid in pids:
+        remove_openmp_registration(pid)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "measure_memory.py"
 
 
-def load_script():
-    """The script as a module (it is not a package)."""
+def load_script(monkeypatch):
+    """The script as a module (it is not a package), its folder importable as when it runs."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("measure_memory", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules["measure_memory"] = module
@@ -25,10 +26,10 @@ def arguments(**values) -> argparse.Namespace:
     return argparse.Namespace(**(defaults | {"n_ctx": 8192} | values))
 
 
-def test_llama_cpp_serves_the_gguf_file_with_its_context_and_a_thread_per_core():
+def test_llama_cpp_serves_the_gguf_file_with_its_context_and_a_thread_per_core(monkeypatch):
     """llama.cpp: the venv's llama_cpp.server on the GGUF file, n_ctx 8192 (the issue's way),
     one thread per core, on loopback."""
-    script = load_script()
+    script = load_script(monkeypatch)
     server = script.llama_cpp(arguments(llama_env="/peers/llama", llama_gguf="/m/q4_0.gguf"))
     command = server.command
     assert command[:3] == ["/peers/llama/bin/python", "-m", "llama_cpp.server"]
@@ -37,9 +38,9 @@ def test_llama_cpp_serves_the_gguf_file_with_its_context_and_a_thread_per_core()
     assert pairs["--n_threads"] == str(os.cpu_count()) and pairs["--host"] == "127.0.0.1"
 
 
-def test_ours_is_serve_without_the_bridge_with_the_options_given():
+def test_ours_is_serve_without_the_bridge_with_the_options_given(monkeypatch):
     """Ours: `tokenstream serve --no-bridge` on free ports, the model and the options given."""
-    script = load_script()
+    script = load_script(monkeypatch)
     command = script.ours(arguments(model="/m/llama-1b", serve_args="--models chat")).command
     assert command[1:5] == ["-m", "clients.cli", "serve", "--no-bridge"]
     assert command[-4:] == ["--model", "/m/llama-1b", "--models", "chat"]
