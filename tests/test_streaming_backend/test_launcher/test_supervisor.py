@@ -358,12 +358,12 @@ def test_status_tells_the_weights_and_kv_cache_memory(supervised, tiny_model_dir
     wait_for(lambda: get(f"{url}/status")[1][MEMORY] is not None)  # a canary came
     status = get(f"{url}/status")[1]
     memory, kv_cache = status[MEMORY], status[FORWARD]["kv_cache"]
-    [weights] = [
-        path
+    sizes = [  # the tiny model's weight files (other tests may serve it otherwise quantized)
+        path.stat().st_size
         for path in (cache_dir() / FOLDER).glob("*.weights")
         if read_meta(path)["checkpoint"] == str(tiny_model_dir)
     ]
-    assert memory["weights"] == {"shared_bytes": weights.stat().st_size, "private_bytes": 0}
+    assert memory["weights"]["shared_bytes"] in sizes and memory["weights"]["private_bytes"] == 0
     assert memory["kv_cache"]["reserved_bytes"] == kv_cache["bytes"]
     assert 0 < memory["kv_cache"]["touched_bytes"] <= kv_cache["bytes"]
     health = control(
