@@ -107,7 +107,7 @@ FINAL_RESPONSE = "triton_final_response"  # response parameter: this response ca
 
 # ---- chat messages ------------------------------------------------------------------------------
 ROLES = ("system", "user", "assistant", "tool")
-# A tool call in the generic format (streaming_backend/tool_prompt.py), one per line:
+# A tool call in the generic format (streaming_backend/prompts/tool_prompt.py), one per line:
 # <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 

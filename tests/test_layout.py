@@ -233,7 +233,7 @@ TENSOR_NAMES = (set(wire.INPUT_NAMES) | set(wire.OUTPUT_NAMES)) - SHARED_WORDS
 # Literals that spell a tensor name by coincidence, each with its reason.
 NOT_TENSOR_NAMES = {
     ("clients/library/request.py", "input_ids"): "GenerateRequest's own field (__post_init__)",
-    ("streaming_backend/prompts.py", "input_ids"): "the Hugging Face tokenizer's output key",
+    ("streaming_backend/prompts/__init__.py", "input_ids"): "the Hugging Face tokenizer's output",
 }
 
 

@@ -3,7 +3,7 @@ a grammar, and the answer's calls parsed back.
 
 No I/O here. The model gets the tools and the history's calls as they are (the `tools` input,
 messages with `tool_calls`); it renders them with its chat template when that takes tools, else
-in the generic format of streaming_backend/tool_prompt.py, where a call is one line
+in the generic format of streaming_backend/prompts/tool_prompt.py, where a call is one line
 
     <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
 

@@ -15,8 +15,8 @@ import math
 import time
 from collections.abc import Callable
 
+from streaming_backend.engine.step_threads import StepReport
 from streaming_backend.events import FinishReason, TokenEvent
-from streaming_backend.step_threads import StepReport
 
 log = logging.getLogger("tokenstream.model")
 LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0]

@@ -266,7 +266,7 @@ class EngineConfig:
     compile: bool = _CHAT["compile"]  # torch.compile the compact decode step
     quantize: str = _CHAT["quantize"]  # the compact forward's weights: auto, none, int8, int4
     # On a CPU: decode steps on fewer torch threads while fewer measure faster, as when another
-    # process holds a core (streaming_backend/step_threads.py); off: torch's count throughout.
+    # process holds a core (streaming_backend/engine/step_threads.py); off: torch's count always.
     adaptive_threads: bool = _CHAT["adaptive_threads"]
     # Test-only, for benchmark calibration: the first token exists exactly this long after its
     # prefill starts, each next token this long after the previous step (when compute is faster).

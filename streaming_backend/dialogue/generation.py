@@ -23,7 +23,7 @@ from streaming_backend.configuration.models import EngineConfig
 from streaming_backend.dialogue.beam import BeamSearch, Hypothesis, step_all
 from streaming_backend.errors import InvalidRequest, StreamingError
 from streaming_backend.model.loading import LoadedModel
-from streaming_backend.prompt_limits import PromptLimits
+from streaming_backend.prompts.prompt_limits import PromptLimits
 from streaming_backend.sampling import sampling
 from streaming_backend.sampling.logits import NextTokenChooser
 from streaming_backend.sampling.settings import SamplingSettings

@@ -50,7 +50,7 @@ class ModelHealth:
         None  # the facts it names (streaming_backend/model/numerics.py)
     )
     steps: dict[str, Any] | None = None  # decode threads and pace (step_threads.StepReport)
-    forward: dict[str, Any] | None = None  # which forward runs and why (forward_choice.py)
+    forward: dict[str, Any] | None = None  # which forward runs and why (steps/forward_choice.py)
     memory: dict[str, Any] | None = None  # its weights' and KV cache's bytes (wire.MEMORY)
 
 

@@ -10,6 +10,7 @@ whose prompt is done, with their next-token logits), step the decoding rows (`de
 `RunningBatch` step), fork a decoding stream into a new one with a copy of its model state
 (`fork`: beam search) and free a stream's row when it ends (`remove`). Choosing tokens (the
 batch's `NextTokenChooser`) and errors stay in the engine, events in `stream_events`.
+batch.py holds the running batch both use; forward_choice.py says which forward was built and why.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from typing import NamedTuple, Protocol, TypeVar
 
 import torch
 
-from streaming_backend.batch import Decoded
 from streaming_backend.model.memory import MemoryReport
 from streaming_backend.sampling.settings import SamplingSettings
+from streaming_backend.steps.batch import Decoded
 
 __all__ = ["Decoded", "OnFailure", "Prefilled", "Steps", "Stream"]
 

@@ -6,9 +6,9 @@ import logging
 from typing import Any, NamedTuple
 
 from streaming_backend.configuration.models import EngineConfig, parse_memory
-from streaming_backend.forward_choice import fall_back
 from streaming_backend.model.loading import LoadedModel, progress, resolve_quantize, with_weights
 from streaming_backend.steps import OnFailure, Steps
+from streaming_backend.steps.forward_choice import fall_back
 from streaming_backend.steps.hf import ASKED_FOR, HfSteps
 from streaming_backend.steps.pacing import PrefillPacer
 

@@ -16,12 +16,12 @@ from collections.abc import Collection, Iterator, Sequence
 
 import torch
 
-from streaming_backend.batch import CacheRows, DecodeInputs, Prefill, RunningBatch
 from streaming_backend.configuration.models import EngineConfig
 from streaming_backend.model import kvcache
 from streaming_backend.model.loading import LoadedModel
 from streaming_backend.model.numerics import weights_digest
 from streaming_backend.steps import Decoded, OnFailure, Prefilled, S
+from streaming_backend.steps.batch import CacheRows, DecodeInputs, Prefill, RunningBatch
 
 log = logging.getLogger(__name__)
 

@@ -23,12 +23,12 @@ from collections.abc import Collection, Iterator, Sequence
 
 import torch
 
-from streaming_backend.batch import RunningBatch, SlotRows
 from streaming_backend.configuration.models import EngineConfig
 from streaming_backend.forward.runner import PromptChunk, SlotForward
 from streaming_backend.model.memory import MemoryReport
 from streaming_backend.model.prefix_cache import PrefixCache
 from streaming_backend.steps import Decoded, OnFailure, Prefilled
+from streaming_backend.steps.batch import RunningBatch, SlotRows
 from streaming_backend.steps.pacing import PrefillPacer, timed
 
 log = logging.getLogger(__name__)

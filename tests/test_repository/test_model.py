@@ -15,7 +15,7 @@ from conftest import wait_for
 
 from clients.library.grpc_client import GenerateRequest, GenerationError, stream_generate
 from streaming_backend import wire
-from streaming_backend.detokenize import REPLACEMENT
+from streaming_backend.engine.detokenize import REPLACEMENT
 from streaming_backend.prompts import encode_prompt
 
 pytestmark = pytest.mark.server

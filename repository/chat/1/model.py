@@ -50,7 +50,7 @@ class TritonPythonModel:
         """Load the model, start the engine and the outbox thread."""
         self.settings = ModelSettings.from_config(json.loads(args["model_config"]))
         device = instance_device(args["model_instance_kind"], args["model_instance_device_id"])
-        # loaded on the engine's own thread, where all its torch work runs (engine.py); the
+        # loaded on the engine's own thread, where all its torch work runs (engine/); the
         # compact forward maps its weights from their file (model/weight_cache.py), the Hugging
         # Face one loads the model's own
         settings = self.settings

@@ -292,7 +292,7 @@ def test_gauges_are_set_only_when_their_value_changes():
 def test_the_step_gauges_follow_the_report_to_a_hundredth():
     """The thread count and the slowdown (rounded to 0.01) are set when they change; no report
     (a GPU, adaptive_threads off) sets nothing."""
-    from streaming_backend.step_threads import StepReport
+    from streaming_backend.engine.step_threads import StepReport
 
     metrics = Metrics(pb.MetricFamily, "chat", "1")
     metrics.set_steps(None)
@@ -309,7 +309,7 @@ def test_the_slowdown_gauge_is_set_at_most_once_a_second_and_a_switch_at_once():
     once in STEP_GAUGES_EVERY_S (its newest value, at the first poll after); a new thread count
     is set at once, with the slowdown of that moment."""
     from streaming_backend.adapter.metrics import STEP_GAUGES_EVERY_S
-    from streaming_backend.step_threads import StepReport
+    from streaming_backend.engine.step_threads import StepReport
 
     assert STEP_GAUGES_EVERY_S == 1.0
     metrics = Metrics(pb.MetricFamily, "chat", "1")

@@ -155,7 +155,7 @@ def default_loaded(default_model_dir):
 def test_one_thread_and_two_give_the_same_logits(default_loaded, kind, dtype):
     """The default model, prefilled among other prompts and decoded beside 15 streams, on one
     torch thread and on two: the same logits, bit for bit. The engine may change the thread
-    count between steps when other work takes a core (streaming_backend/step_threads.py), so
+    count between steps when other work takes a core (streaming_backend/engine/step_threads.py), so
     a row's numbers must not depend on it."""
     config = ForwardConfig(CacheBudget(bytes=256 << 20), max_len=256, max_slots=20, quantize=kind)
     probe = Probe(SlotForward.create(default_loaded[dtype], config))

@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Protocol
 
-from streaming_backend.detokenize import IncrementalDetokenizer
+from streaming_backend.engine.detokenize import IncrementalDetokenizer
 from streaming_backend.errors import NonFiniteLogits, StreamingError
 from streaming_backend.events import FinishReason, LogprobDetail, TokenEvent, TokenLogprob
 from streaming_backend.model.loading import LoadedModel

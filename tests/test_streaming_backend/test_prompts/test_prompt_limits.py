@@ -1,9 +1,9 @@
-"""The one prompt check of both models (streaming_backend.prompt_limits), as a table."""
+"""The one prompt check of both models (streaming_backend.prompts.prompt_limits), as a table."""
 
 import pytest
 
 from streaming_backend.errors import InvalidRequest
-from streaming_backend.prompt_limits import PromptLimits
+from streaming_backend.prompts.prompt_limits import PromptLimits
 
 LIMITS = PromptLimits(vocab=100, context=8)
 

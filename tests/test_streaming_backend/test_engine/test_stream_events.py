@@ -5,14 +5,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from streaming_backend.detokenize import IncrementalDetokenizer
 from streaming_backend.engine import StreamHandle, _Stream
+from streaming_backend.engine.detokenize import IncrementalDetokenizer
+from streaming_backend.engine.stream_events import StreamEvents
 from streaming_backend.errors import MaskFailed, NonFiniteLogits, StreamingError
 from streaming_backend.events import FinishReason
 from streaming_backend.sampling.logits import Choice
 from streaming_backend.sampling.settings import SamplingSettings
 from streaming_backend.sampling.stopping import StopStringMatcher
-from streaming_backend.stream_events import StreamEvents
 
 EOS = 0
 

@@ -16,7 +16,7 @@ waits twice as long before the next one, so on a quiet machine (or a busy one) t
 almost nothing once the count has settled; and when the current count's steps get clearly slower or
 faster than they were at the last probe (another process started or ended), the next step probes at
 once. The count never changes a row's numbers: the compact forward's kernels give the same bits on
-any count (tests/test_streaming_backend/test_engine_invariance.py).
+any count (tests/test_streaming_backend/test_engine/test_engine_invariance.py).
 
 The slowdown is the recent steps' time against the fastest step since load of the same rows
 at a like context (the longest row's positions, within a factor of sqrt(2): attention over 512

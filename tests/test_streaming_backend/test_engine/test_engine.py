@@ -637,8 +637,8 @@ def test_the_engine_names_the_numerics_its_forward_runs(tiny_loaded, forward, qu
 def test_the_decode_steps_report_their_threads_when_adaptive(tiny_loaded, adaptive):
     """With adaptive_threads (the default) the engine times its decode steps and reports their
     thread count and pace; without, there is no report and torch's count stays as it was."""
+    from streaming_backend.engine.step_threads import context_band
     from streaming_backend.sampling.settings import SamplingSettings
-    from streaming_backend.step_threads import context_band
 
     threads = torch.get_num_threads()
     config = EngineConfig(adaptive_threads=adaptive)

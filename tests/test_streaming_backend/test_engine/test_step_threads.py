@@ -1,10 +1,10 @@
-"""The decode steps' thread count, chosen by measurement (streaming_backend/step_threads.py)."""
+"""The decode steps' thread count, chosen by measurement (engine/step_threads.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from streaming_backend.step_threads import (
+from streaming_backend.engine.step_threads import (
     FIRST_PROBE_STEPS,
     LAST_PROBE_STEPS,
     StepReport,

@@ -1,5 +1,5 @@
-"""Which forward a model runs on and why (streaming_backend/forward_choice.py), as steps/build.py
-picks it: the compact forward with its kernels, else Hugging Face's with the reason."""
+"""Which forward a model runs on and why (steps/forward_choice.py), as steps/build.py picks it:
+the compact forward with its kernels, else Hugging Face's with the reason."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from families import tiny_config_model
 from streaming_backend.configuration.models import EngineConfig
 from streaming_backend.dialogue.generation import Generator
 from streaming_backend.forward.llama import FAMILIES, UnsupportedModel
-from streaming_backend.forward_choice import ForwardChoice
 from streaming_backend.model.loading import LoadedModel
 from streaming_backend.steps.build import build_steps
+from streaming_backend.steps.forward_choice import ForwardChoice
 from streaming_backend.steps.hf import ASKED_FOR
 
 OUTSIDE = "stablelm"  # a family the compact forward does not run (LayerNorm, partial RoPE)

@@ -1,4 +1,8 @@
-"""Prompts: raw text, chat messages (rendered with the tokenizer's chat template) or token ids."""
+"""Prompts: raw text, chat messages (rendered with the tokenizer's chat template) or token ids.
+
+Beside this module: tool_prompt.py (tools in a chat prompt) and prompt_limits.py (a prompt checked
+against the model, for both models).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from streaming_backend.errors import InvalidRequest
-from streaming_backend.tool_prompt import (
+from streaming_backend.prompts.tool_prompt import (
     generic_messages,
     parse_tool_calls,
     parse_tools,
@@ -19,7 +23,7 @@ from streaming_backend.wire import INPUT_IDS, MESSAGES, ROLES, TEXT_INPUT, TOOLS
 
 # Chat prompts shipped with the package (English, Chinese, emoji, multi-turn, a system prompt):
 # the default workload of the benchmarks and the tests' real-text prompts.
-DEFAULT_PROMPTS_FILE = Path(__file__).resolve().parent / "data" / "chat_prompts.jsonl"
+DEFAULT_PROMPTS_FILE = Path(__file__).resolve().parent.parent / "data" / "chat_prompts.jsonl"
 
 
 def parse_messages(messages: str | bytes | Sequence[Any]) -> list[dict[str, Any]]:

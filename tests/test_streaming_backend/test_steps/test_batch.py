@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from streaming_backend.batch import CacheRows, Prefill, RunningBatch, SlotRows
 from streaming_backend.model import kvcache
 from streaming_backend.sampling.settings import SamplingSettings
+from streaming_backend.steps.batch import CacheRows, Prefill, RunningBatch, SlotRows
 
 
 @dataclass(eq=False)

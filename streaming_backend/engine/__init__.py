@@ -4,6 +4,9 @@ Requests are submitted from any thread and join the running batch between decode
 (iteration-level batching). Each step runs one forward pass for all live streams, samples each
 row with its own settings and hands out one `TokenEvent` per stream through that stream's sink
 (built by `stream_events.StreamEvents`: the engine schedules, it does not write events).
+
+Beside it in this package: stream_events.py (a chosen token -> its TokenEvent), detokenize.py
+(incremental text) and step_threads.py (how many torch threads the decode steps run on).
 """
 
 from __future__ import annotations
@@ -20,24 +23,24 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from streaming_backend.configuration.models import EngineConfig
-from streaming_backend.detokenize import IncrementalDetokenizer
+from streaming_backend.engine.detokenize import IncrementalDetokenizer
+from streaming_backend.engine.step_threads import StepReport, StepThreads
+from streaming_backend.engine.stream_events import EventSink, StreamEvents
 from streaming_backend.errors import EngineStopped, Overloaded, StreamingError
 from streaming_backend.events import FinishReason, TokenEvent
-from streaming_backend.forward_choice import ForwardChoice
 from streaming_backend.model.loading import LoadedModel
 from streaming_backend.model.memory import MemoryReport
 from streaming_backend.model.numerics import Numerics, describe
-from streaming_backend.prompt_limits import PromptLimits
+from streaming_backend.prompts.prompt_limits import PromptLimits
 from streaming_backend.sampling import sampling
 from streaming_backend.sampling.grammar import GrammarCompiler, GrammarMatcher, compute_masks_ahead
 from streaming_backend.sampling.logits import NextTokenChooser
 from streaming_backend.sampling.request_keys import MAX_TOKENS
 from streaming_backend.sampling.settings import SamplingSettings
 from streaming_backend.sampling.stopping import StopStringMatcher
-from streaming_backend.step_threads import StepReport, StepThreads
 from streaming_backend.steps import Steps
 from streaming_backend.steps.build import build_steps
-from streaming_backend.stream_events import EventSink, StreamEvents
+from streaming_backend.steps.forward_choice import ForwardChoice
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from streaming_backend.detokenize import REPLACEMENT, IncrementalDetokenizer, decoder
+from streaming_backend.engine.detokenize import REPLACEMENT, IncrementalDetokenizer, decoder
 
 TEXTS = [
     "The Great Wall of China is long.",
