@@ -83,14 +83,20 @@ class FakeTriton:
 @pytest.fixture
 def triton():
     fake = FakeTriton()
+    # the watched server's pid: a process of our own with no children, so that the zombie look
+    # finds none (pid 1 collects any orphan that died, and may hold one unreaped for a while)
+    childless = subprocess.Popen(["sleep", "600"])
+    fake.server_pid = childless.pid
     yield fake
+    childless.kill()
+    childless.wait()
     fake.close()
 
 
 def watch_of(triton: FakeTriton, models, key=KEY, misses=2) -> Watch:
     """A Watch on the fake endpoint, asking every 10 ms."""
     canary = CanaryConfig(interval_s=0.01, timeout_s=30, misses=misses)
-    return Watch(FakeServer(pid=1, http_url=triton.url), models, key, canary)
+    return Watch(FakeServer(pid=triton.server_pid, http_url=triton.url), models, key, canary)
 
 
 def test_a_server_that_exited_is_lost_at_once():
