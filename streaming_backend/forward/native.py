@@ -50,8 +50,9 @@ X86_AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")  # every CPU kind here has them
 X86_AVX512_FLAGS = (*X86_AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 X86_AVX512_FLAGS += ("-mavx512vnni",)
 # AMX's tile multiplies where the CPU has them (asked at run time, csrc/quant_matmul.c's ts_amx):
-# the same block dots, so the same bits, from the same build
-X86_AVX512_FLAGS += ("-mamx-tile", "-mamx-int8")
+# the same block dots, so the same bits, from the same build; left out where the compiler does
+# not know them (gcc before 11), so an older compiler still builds the AVX-512 kernels
+AMX_FLAGS = ("-mamx-tile", "-mamx-int8")
 NEEDS = {  # /proc/cpuinfo flags per variant
     "avx2": {"avx2", "fma", "f16c"},
     "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"},
@@ -485,14 +486,24 @@ def library_path(cc: str, kind: str) -> Path:
     digest = hashlib.sha256()
     for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
-    for part in (" ".join(flags(kind)).encode(), version.encode()):
+    for part in (" ".join(flags(kind, cc)).encode(), version.encode()):
         digest.update(part)
     return cache_dir() / "native" / f"tokenstream_kernels-{kind}-{digest.hexdigest()[:12]}.so"
 
 
-def flags(kind: str) -> tuple[str, ...]:
-    """The compiler flags of a build for `kind`."""
-    return BASE_FLAGS + {"avx2": X86_AVX2_FLAGS, "avx512": X86_AVX512_FLAGS}.get(kind, ())
+def flags(kind: str, cc: str | None = None) -> tuple[str, ...]:
+    """The compiler flags of a build for `kind` (with `cc`: AMX's only if it takes them)."""
+    chosen = BASE_FLAGS + {"avx2": X86_AVX2_FLAGS, "avx512": X86_AVX512_FLAGS}.get(kind, ())
+    if kind == "avx512" and (cc is None or accepts(cc, AMX_FLAGS)):
+        chosen += AMX_FLAGS
+    return chosen
+
+
+@functools.cache
+def accepts(cc: str, options: tuple[str, ...]) -> bool:
+    """Whether `cc` compiles an empty C file with these options."""
+    command = [cc, *options, "-x", "c", "-c", "-o", os.devnull, "-"]
+    return subprocess.run(command, input="", capture_output=True, text=True).returncode == 0
 
 
 def build(cc: str, kind: str) -> Path:
@@ -504,7 +515,7 @@ def build(cc: str, kind: str) -> Path:
     fd, partial = tempfile.mkstemp(prefix=target.name + ".", dir=target.parent)
     os.close(fd)
     try:
-        command = [cc, *flags(kind), "-o", partial, *map(str, SOURCES), "-lm"]
+        command = [cc, *flags(kind, cc), "-o", partial, *map(str, SOURCES), "-lm"]
         subprocess.run(command, check=True, capture_output=True, text=True)
         os.replace(partial, target)  # atomic: a concurrent build renames the same bytes
     finally:

@@ -592,6 +592,23 @@ def test_tokenstream_amx_0_keeps_the_matmuls_off_amx(monkeypatch):
         native.matmul_kernel().amx = True
 
 
+@pytest.mark.skipif(not cpu_has("avx512"), reason="the CPU has no AVX-512 with VNNI")
+def test_a_compiler_without_amx_still_builds_the_avx512_kernels(tmp_path, monkeypatch):
+    """A compiler that rejects AMX's flags (gcc before 11) builds the AVX-512 kernels without
+    them, and they run without AMX, rather than the build failing and the forward losing every
+    kernel."""
+    monkeypatch.setenv("TOKENSTREAM_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "AMX_FLAGS", ("-mno-such-option-anywhere",))
+    cc = native.compiler()
+    assert "-mno-such-option-anywhere" not in native.flags("avx512", cc)
+    assert "-mno-such-option-anywhere" in native.flags("avx512")  # no compiler: as declared
+    kernel = native.MatmulKernel(ctypes.CDLL(str(native.build(cc, "avx512"))), "avx512")
+    assert not kernel.amx
+    weight = quant.quantize_int4_native(torch.randn(40, 64))
+    x = torch.randn(9, 64)
+    assert torch.equal(kernel.q4(x, *weight), native.matmul_kernel().q4(x, *weight))
+
+
 def test_the_greedy_pick_is_the_first_largest_in_every_build(tmp_path, monkeypatch):
     """ts_greedy_rows (sampling's greedy rows): the first index of each row's largest value, as
     torch's max gives it, ties at every lane place and lengths on and off the vector widths;
