@@ -58,14 +58,14 @@ def memory(pid: int) -> dict[str, float]:
     return figures
 
 
-def wait_ready(port: int, process: subprocess.Popen) -> float:
-    """Seconds until the supervisor's /ready answers 200 (the server exiting fails it)."""
+def wait_ok(url: str, process: subprocess.Popen, name: str) -> float:
+    """Seconds until GET url answers 200 (`name`, the server, exiting fails it)."""
     started = time.monotonic()
     while time.monotonic() - started < READY_TIMEOUT_S:
         if process.poll() is not None:
-            raise RuntimeError(f"serve exited with status {process.returncode}")
+            raise RuntimeError(f"{name} exited with status {process.returncode}")
         try:
-            with OPENER.open(f"http://127.0.0.1:{port}/ready", timeout=5) as response:
+            with OPENER.open(url, timeout=5) as response:
                 if response.status == 200:
                     return time.monotonic() - started
         except OSError:
@@ -92,22 +92,6 @@ def one_request(http_port: int, max_tokens: int) -> str:
             if line.startswith(b"data: "):
                 text.append(json.loads(line[6:]).get("text_output", ""))
     return "".join(text)
-
-
-def llama_ready(port: int, process: subprocess.Popen) -> float:
-    """Seconds until llama.cpp's server answers GET /v1/models (the server exiting fails it)."""
-    started = time.monotonic()
-    while time.monotonic() - started < READY_TIMEOUT_S:
-        if process.poll() is not None:
-            raise RuntimeError(f"llama.cpp's server exited with status {process.returncode}")
-        try:
-            with OPENER.open(f"http://127.0.0.1:{port}/v1/models", timeout=5) as response:
-                if response.status == 200:
-                    return time.monotonic() - started
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"not ready after {READY_TIMEOUT_S} s")
 
 
 def llama_request(port: int, max_tokens: int) -> str:
@@ -143,7 +127,7 @@ def ours(args: argparse.Namespace) -> Server:
     command += args.serve_args.split()
     return Server(
         command,
-        lambda process: wait_ready(ports["supervisor"], process),
+        lambda process: wait_ok(f"http://127.0.0.1:{ports['supervisor']}/ready", process, "serve"),
         lambda: one_request(ports["http"], args.max_tokens),
     )
 
@@ -156,7 +140,9 @@ def llama_cpp(args: argparse.Namespace) -> Server:
     command += ["--n_threads", str(os.cpu_count()), "--host", "127.0.0.1", "--port", str(port)]
     return Server(
         command,
-        lambda process: llama_ready(port, process),
+        lambda process: wait_ok(
+            f"http://127.0.0.1:{port}/v1/models", process, "llama.cpp's server"
+        ),
         lambda: llama_request(port, args.max_tokens),
     )
 
