@@ -293,6 +293,27 @@ static inline int32_t four(const int8_t *p) {
  * of a function of prefetches alone, which has no effect it sees (tested). */
 static inline __attribute__((always_inline)) void ask(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T0); }
 
+/* y for R activation rows from row and the tile at col: q4's sums (acc + lows), q8's (acc times
+ * the weight rows' scales). */
+static inline __attribute__((always_inline)) void emit_q4_rows(const Call *c, int64_t row, int R, int64_t col,
+                                                               const __m512 *acc, const __m512 *low) {
+    for (int r = 0; r < R; r++) {
+        float values[TILE];
+        _mm512_storeu_ps(values, _mm512_add_ps(acc[r], low[r]));
+        emit_tile(c, row + r, col, values);
+    }
+}
+
+static inline __attribute__((always_inline)) void emit_q8_rows(const Call *c, int64_t row, int R, int64_t col,
+                                                               const __m512 *acc) {
+    const __m512 scales = _mm512_loadu_ps(c->scales + col);
+    for (int r = 0; r < R; r++) {
+        float values[TILE];
+        _mm512_storeu_ps(values, _mm512_mul_ps(acc[r], scales));
+        emit_tile(c, row + r, col, values);
+    }
+}
+
 /* The 16 weight rows' D = l . v of one block (l: 4 registers of low and high nibbles, as the
  * layout pairs them: lo[p] inputs 4p.., hi[p] inputs 16 + 4p..), exact int32 in lanes. */
 static inline __m512i q4_dot(const __m512i lo[4], const __m512i hi[4], const int8_t *q, const int8_t *r) {
@@ -345,11 +366,7 @@ static inline __attribute__((always_inline)) void q4_tile(const Call *c, int64_t
             low[r] = _mm512_fmadd_ps(low16, _mm512_set1_ps(c->xq.s[ds]), low[r]);
         }
     }
-    for (int r = 0; r < R; r++) {
-        float values[TILE];
-        _mm512_storeu_ps(values, _mm512_add_ps(acc[r], low[r]));
-        emit_tile(c, row + r, col, values);
-    }
+    emit_q4_rows(c, row, R, col, acc, low);
 }
 
 /* q8 with VNNI's unsigned-by-signed products: the weights as l + 128 (unsigned), so each block's
@@ -384,12 +401,7 @@ static inline __attribute__((always_inline)) void q8_tile(const Call *c, int64_t
             acc[r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(c->xq.d[ds]), acc[r]);
         }
     }
-    const __m512 scales = _mm512_loadu_ps(c->scales + col);
-    for (int r = 0; r < R; r++) {
-        float values[TILE];
-        _mm512_storeu_ps(values, _mm512_mul_ps(acc[r], scales));
-        emit_tile(c, row + r, col, values);
-    }
+    emit_q8_rows(c, row, R, col, acc);
 }
 #elif defined(TS_AVX2)
 #define ROWS 2
@@ -670,11 +682,7 @@ static inline __attribute__((always_inline)) void amx_q4_tile(const Call *c, int
         for (int j = 0; j < M; j++)
             low[j] = _mm512_fmadd_ps(low16, _mm512_set1_ps(c->xq.s[(row + j) * blocks + b]), low[j]);
     }
-    for (int j = 0; j < M; j++) {
-        float values[TILE];
-        _mm512_storeu_ps(values, _mm512_add_ps(acc[j], low[j]));
-        emit_tile(c, row + j, col, values);
-    }
+    emit_q4_rows(c, row, M, col, acc, low);
 }
 
 /* q8_tile's sums for M activation rows from row, on AMX: the weights multiply as they lie; a
@@ -699,12 +707,7 @@ static inline __attribute__((always_inline)) void amx_q8_tile(const Call *c, int
             acc[j] = _mm512_fmadd_ps(dot, _mm512_set1_ps(c->xq.d[(row + j) * blocks + a]), acc[j]);
         }
     }
-    const __m512 scales = _mm512_loadu_ps(c->scales + col);
-    for (int j = 0; j < M; j++) {
-        float values[TILE];
-        _mm512_storeu_ps(values, _mm512_mul_ps(acc[j], scales));
-        emit_tile(c, row + j, col, values);
-    }
+    emit_q8_rows(c, row, M, col, acc);
 }
 
 /* amx_q4_tile / amx_q8_tile for M rows: a constant 16 (unrolled) or any other count. */
