@@ -202,14 +202,17 @@ def test_copy_prefix_copies_a_rings_rows_and_the_full_layers_prefix():
 # one above them keeps the span from being trimmed), show that torch.empty(64 MiB) then returns
 # those pages, and build a 64 MiB cache there.
 DIRTY_HEAP = """
-import json, sys, torch
+import ctypes, json, sys, torch
+libc = ctypes.CDLL("libc.so.6")
+# glibc's state after a large block was freed, set outright: blocks of up to 32 MiB come from the
+# heap, and its freed memory stays (how far glibc raised these by itself varied with the start-up)
+assert libc.mallopt(-3, 32 * 2**20) == 1  # M_MMAP_THRESHOLD
+assert libc.mallopt(-1, 2**30) == 1  # M_TRIM_THRESHOLD
 from streaming_backend.forward.slots import SlotCache
 from streaming_backend.model.memory import Footprint
 from streaming_backend.forward.llama import LlamaShape
 SHAPE = eval(sys.argv[1])  # the test's LlamaShape, as its repr
 MIB = 2**20
-freed = torch.empty(16 * MIB, dtype=torch.uint8)
-del freed
 nans = [torch.full((MIB // 4,), float("nan")) for _ in range(100)]
 above = torch.empty(MIB, dtype=torch.uint8)
 del nans
