@@ -294,6 +294,16 @@ def test_the_core_stays_small_at_its_top():
     assert len(flat) <= 10, sorted(flat)
 
 
+def test_no_module_of_the_core_is_over_600_lines():
+    """A module of streaming_backend/ past 600 lines does several jobs: split it by job."""
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in (ROOT / "streaming_backend").rglob("*.py")
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > 600
+    }
+    assert long == {}
+
+
 def test_only_the_dialogue_model_imports_its_package():
     """streaming_backend/dialogue/ is the dialogue model's own code: the engine, its steps and the
     rest of the core never import it (it imports them); its one user is the model's adapter."""

@@ -20,7 +20,8 @@ from streaming_backend.forward.buckets import (
     batch_for,
     window_buckets,
 )
-from streaming_backend.forward.llama import CompactLlama, LayerCache, Rows, decoder_layer
+from streaming_backend.forward.layers import masked_layer
+from streaming_backend.forward.llama import CompactLlama, LayerCache, Rows
 from streaming_backend.forward.slots import SlotCache
 from streaming_backend.paths import cache_dir
 
@@ -65,7 +66,7 @@ def compile_decode(
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     started = time.monotonic()
     try:
-        step = CompiledStep(model, torch.compile(decoder_layer, dynamic=True, backend=backend))
+        step = CompiledStep(model, torch.compile(masked_layer, dynamic=True, backend=backend))
         with torch.inference_mode():
             for batch, window in warm_up_shapes(cache.max_len):
                 step(cache.k, cache.v, scratch_rows(batch), window)

@@ -20,7 +20,7 @@ with `truncate`, copied with `copy_prefix`) only while every ring still holds th
 position N: `reusable` is that rule, and both refuse what it refuses.
 
 `physical[slot]` is the place in k/v holding a slot's K/V; a decode step reads every row's keys
-as a view of its own place, wherever it is (forward/llama.py, `exact_attention`), so slots never
+as a view of its own place, wherever it is (forward/layers.py, `exact_attention`), so slots never
 move and the mapping is the identity.
 """
 
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from streaming_backend.forward.llama import LlamaShape
+from streaming_backend.forward.family import LlamaShape
 
 
 class CacheTooSmall(ValueError):

@@ -3,7 +3,7 @@ then mapped read-only by every load.
 
     model = compact_model(loaded, "int4")   # from the weight file, converted first if missing
 
-A weight file holds everything the compact forward reads (forward/llama.py's CompactWeights: the
+A weight file holds everything the compact forward reads (forward/convert.py's CompactWeights: the
 fused and quantized linear weights, embedding, norms, RoPE tables) and the digest numerics
 reports for the checkpoint. It is named by a digest of what decides its bytes: the checkpoint's
 files (each one's path, size and modification time), the quantization, what runs it (our C
@@ -38,8 +38,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from streaming_backend.forward import llama, native, quant, weight_file
-from streaming_backend.forward.llama import CompactLlama, compact_weights, model_shape
+from streaming_backend.forward import convert, family, native, quant, weight_file
+from streaming_backend.forward.convert import compact_weights
+from streaming_backend.forward.family import model_shape
+from streaming_backend.forward.llama import CompactLlama
 from streaming_backend.model import checkpoint
 from streaming_backend.model.checkpoint import HeldModel, StreamedModel
 from streaming_backend.model.loading import LoadedModel, progress, with_weights
@@ -52,15 +54,15 @@ FOLDER = "weights"  # under the cache folder
 SUFFIX = ".weights"
 # the types a weight file's tree holds: the forward's, and every quantized weight format
 TYPES = (
-    llama.CompactWeights,
-    llama.NativeParams,
-    llama.LlamaShape,
-    llama.Block,
-    llama.Experts,
+    convert.CompactWeights,
+    convert.NativeParams,
+    family.LlamaShape,
+    convert.Block,
+    convert.Experts,
     *(t for t in typing.get_args(quant.Weight) if t is not torch.Tensor),
 )
 # the code that decides a file's bytes: any change to it is a new file
-SOURCES = (llama, quant, native, weight_file, checkpoint)
+SOURCES = (family, convert, quant, native, weight_file, checkpoint)
 
 
 def compact_model(
@@ -181,7 +183,7 @@ def _convert(loaded: LoadedModel, quantize: str, matmul: str, path: Path) -> Non
 
 
 class _Written(NamedTuple):
-    """compact_weights' stream in a conversion (llama.Stream): the source's modules read while
+    """compact_weights' stream in a conversion (convert.Stream): the source's modules read while
     needed, each derived part written to the weight file at once."""
 
     source: StreamedModel | HeldModel

@@ -13,7 +13,7 @@ import torch
 
 from streaming_backend.forward import compiled
 from streaming_backend.forward.buckets import MIN_WINDOW
-from streaming_backend.forward.llama import decoder_layer
+from streaming_backend.forward.layers import masked_layer
 from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
 from streaming_backend.forward.slots import CacheBudget
 
@@ -83,7 +83,7 @@ def test_the_compiled_step_runs_the_given_layer_in_every_layers_place(forward):
 
     def counted(*args, **kwargs):
         calls.append(1)
-        return decoder_layer(*args, **kwargs)
+        return masked_layer(*args, **kwargs)
 
     step = compiled.CompiledStep(forward.model, counted)
     masked = step(forward.cache.k, forward.cache.v, forward.decode_rows(index), MIN_WINDOW)

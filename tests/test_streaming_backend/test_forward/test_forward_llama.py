@@ -9,7 +9,7 @@ import pytest
 import torch
 from families import COMPACT_FAMILIES, LONGROPE, PARTIAL_ROPE, SLIDING, tiny_config_model
 
-from streaming_backend.forward.llama import FAMILIES, UnsupportedModel
+from streaming_backend.forward.family import FAMILIES
 from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
 from streaming_backend.forward.slots import CacheBudget
 from streaming_backend.model.loading import LoadedModel, _context_length, load_model
@@ -252,26 +252,6 @@ def test_longrope_bounds_the_context_to_its_original_one():
     assert forward.model.shape.max_positions == forward.cache.max_len == 64
     assert _context_length(loaded.model, None) == 64
     assert _context_length(tiny_config_model("phi3").model, None) == 256
-
-
-def test_unsupported_family_is_refused_with_its_name():
-    """A family the compact forward does not run (StableLM: LayerNorm, partial RoPE) is
-    refused, naming it and what is supported."""
-    with pytest.raises(UnsupportedModel, match=r"qwen3, granite, .*not 'stablelm'"):
-        SlotForward.create(tiny_config_model("stablelm"), CONFIG)
-
-
-def test_rope_on_part_of_a_head_of_odd_sizes_is_refused_with_the_reason():
-    """RoPE on part of each head whose turned or untouched part is odd in size: refused."""
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.6}
-    with pytest.raises(UnsupportedModel, match="RoPE on 9 of each head's 16 values"):
-        SlotForward.create(tiny_config_model("phi3", rope_parameters=rope), CONFIG)
-
-
-def test_clipped_queries_keys_and_values_are_refused_with_the_reason():
-    """OLMoE's clip_qkv (clamping q, k and v) is not on this forward: refused, named."""
-    with pytest.raises(UnsupportedModel, match=r"clipped at 8\.0 \(clip_qkv\)"):
-        SlotForward.create(tiny_config_model("olmoe", clip_qkv=8.0), CONFIG)
 
 
 def test_bad_calls_are_refused(tiny):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from families import COMPACT_FAMILIES, tiny_config_model
 
 from streaming_backend.forward import native, quant
-from streaming_backend.forward.llama import exact_attention
+from streaming_backend.forward.layers import exact_attention
 from streaming_backend.forward.native import Placed
 from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
 from streaming_backend.forward.slots import CacheBudget
@@ -327,7 +327,7 @@ def test_the_tiny_model_gives_the_same_logits_with_and_without_the_kernel(tiny_m
     COMPACT_FAMILIES,
 )
 def test_the_native_layers_compute_what_the_torch_layers_do(tiny_model_dir, family, kind, dtype):
-    """With quantized weights every layer runs as a few C calls (llama.native_layer: the norms,
+    """With quantized weights every layer runs as a few C calls (layers.native_layer: the norms,
     RoPE, K/V writes, attention, silu and residuals in C; Qwen3's head norms in torch between
     them; Granite's multipliers folded into the weights); prefill (padded rows too) and decode
     give the logits of the same weights through torch's norms, RoPE and MLP, within the rounding

@@ -14,7 +14,7 @@ import pytest
 import torch
 from families import COMPACT_FAMILIES, RECITED, one_thread, recited_rows, trained_config_model
 
-from streaming_backend.forward.llama import FAMILIES
+from streaming_backend.forward.family import FAMILIES
 from streaming_backend.forward.quality import (
     MIN_AGREEMENT,
     Quality,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from streaming_backend.forward.buckets import batch_buckets, batch_for, window_buckets, window_for
-from streaming_backend.forward.llama import NO_WINDOW, LlamaShape
+from streaming_backend.forward.family import NO_WINDOW, LlamaShape
 from streaming_backend.forward.slots import (
     WINDOW_CHUNK,
     CacheBudget,
@@ -210,7 +210,7 @@ assert libc.mallopt(-3, 32 * 2**20) == 1  # M_MMAP_THRESHOLD
 assert libc.mallopt(-1, 2**30) == 1  # M_TRIM_THRESHOLD
 from streaming_backend.forward.slots import SlotCache
 from streaming_backend.model.memory import Footprint
-from streaming_backend.forward.llama import LlamaShape
+from streaming_backend.forward.family import LlamaShape
 SHAPE = eval(sys.argv[1])  # the test's LlamaShape, as its repr
 MIB = 2**20
 nans = [torch.full((MIB // 4,), float("nan")) for _ in range(100)]

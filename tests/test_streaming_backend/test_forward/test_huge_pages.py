@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from streaming_backend.forward import huge_pages, llama
+from streaming_backend.forward import convert, huge_pages, llama
 from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
 from streaming_backend.forward.slots import CacheBudget
 from streaming_backend.model.loading import load_model
@@ -108,7 +108,7 @@ def test_the_forward_gives_the_same_bits_from_weights_in_huge_pages(
             steps.append(forward.decode(slots, [20 + step, 30 + step]))
         logits[huge] = torch.stack(steps).float()
     weights = [model.head, *(w for block in model.blocks for w in block.weights())]
-    addresses = [t.data_ptr() for t in llama._tensors(weights)]
+    addresses = [t.data_ptr() for t in convert.all_tensors(weights)]
     assert max(addresses) - min(addresses) < model.huge_page_bytes
     if kind == "none":
         assert loaded.model.lm_head.weight.data_ptr() in addresses

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from streaming_backend.forward import quant
-from streaming_backend.forward.llama import CompactLlama, compact_weights
+from streaming_backend.forward.convert import compact_weights
+from streaming_backend.forward.llama import CompactLlama
 from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
 from streaming_backend.forward.slots import CacheBudget
 from streaming_backend.model import weight_cache

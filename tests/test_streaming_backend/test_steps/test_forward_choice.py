@@ -10,7 +10,7 @@ from families import tiny_config_model
 
 from streaming_backend.configuration.models import EngineConfig
 from streaming_backend.dialogue.generation import Generator
-from streaming_backend.forward.llama import FAMILIES, UnsupportedModel
+from streaming_backend.forward.family import FAMILIES, UnsupportedModel
 from streaming_backend.model.loading import LoadedModel
 from streaming_backend.steps.build import build_steps
 from streaming_backend.steps.forward_choice import ForwardChoice
@@ -26,7 +26,7 @@ def no_failures(streams, error):
 
 @pytest.fixture(scope="module")
 def outside_loaded() -> LoadedModel:
-    """A tiny random model of a family outside forward/llama.py's FAMILIES, on the CPU."""
+    """A tiny random model of a family outside forward/family.py's FAMILIES, on the CPU."""
     assert OUTSIDE not in FAMILIES  # else pick another family for these tests
     return tiny_config_model(OUTSIDE)
 
