@@ -109,16 +109,11 @@ class GrpcTransport:
             self.client = None
 
 
-class SseTransport:
-    """Triton's HTTP POST /v2/models/<model>/generate_stream through clients.library.sse_client."""
+class EventStreamTransport:
+    """A transport over one aiohttp session whose server answers each POST with an event stream
+    (SseTransport, OpenAITransport): a subclass checks the server once and opens a stream."""
 
-    name = "sse"
-
-    def __init__(self, url: str, model: str = CHAT_MODEL):
-        from clients.library.sse_client import generate_stream_url
-
-        self.endpoint = generate_stream_url(url, model)
-        self.session = None
+    session = None
 
     async def open(self, slots: int) -> None:
         """One aiohttp session; no connection cap, so the runner alone sets concurrency."""
@@ -128,26 +123,21 @@ class SseTransport:
             connector = aiohttp.TCPConnector(limit=0)
             timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
             self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
-            await self._check_ready()
+            await self.check()
 
-    async def _check_ready(self) -> None:
-        """GET the model's ready endpoint, so a wrong URL fails once and clearly."""
-        ready = self.endpoint.rsplit("/", 1)[0] + "/ready"
-        try:
-            async with self.session.get(ready) as resp:
-                ok = resp.status == 200
-        except Exception as exc:  # aiohttp raises several kinds; all mean "cannot reach"
-            raise ConnectionError(f"Triton HTTP at {ready}: {exc}") from exc
-        if not ok:
-            raise ConnectionError(f"Triton HTTP at {ready}: model not ready (HTTP {resp.status})")
+    async def check(self) -> None:
+        """Ask the server once, so a wrong URL, token or model fails once and clearly."""
+        raise NotImplementedError
+
+    def stream(self, request: GenerateRequest, rec: RequestRecord) -> AsyncIterator[Chunk]:
+        """The Chunks of one request, through this transport's client."""
+        raise NotImplementedError
 
     async def generate(self, rec: RequestRecord, prompt: Prompt, params: dict) -> None:
-        """POST one request and record each event's Chunk."""
-        from clients.library.sse_client import generate
-
+        """POST one streamed request and record each event's Chunk."""
         request = generate_request(prompt, params)
         rec.sent_ns = time.monotonic_ns()
-        await record_chunks(rec, generate(self.session, self.endpoint, request, str(rec.index)))
+        await record_chunks(rec, self.stream(request, rec))
         if not rec.chunks and rec.error is None:
             rec.error = "event stream ended without a response"
 
@@ -158,27 +148,44 @@ class SseTransport:
             self.session = None
 
 
-class OpenAITransport:
+class SseTransport(EventStreamTransport):
+    """Triton's HTTP POST /v2/models/<model>/generate_stream through clients.library.sse_client."""
+
+    name = "sse"
+
+    def __init__(self, url: str, model: str = CHAT_MODEL):
+        from clients.library.sse_client import generate_stream_url
+
+        self.endpoint = generate_stream_url(url, model)
+
+    async def check(self) -> None:
+        """GET the model's ready endpoint."""
+        ready = self.endpoint.rsplit("/", 1)[0] + "/ready"
+        try:
+            async with self.session.get(ready) as resp:
+                ok = resp.status == 200
+        except Exception as exc:  # aiohttp raises several kinds; all mean "cannot reach"
+            raise ConnectionError(f"Triton HTTP at {ready}: {exc}") from exc
+        if not ok:
+            raise ConnectionError(f"Triton HTTP at {ready}: model not ready (HTTP {resp.status})")
+
+    def stream(self, request: GenerateRequest, rec: RequestRecord) -> AsyncIterator[Chunk]:
+        """generate_stream's events as Chunks, the record's index as the request id."""
+        from clients.library.sse_client import generate
+
+        return generate(self.session, self.endpoint, request, str(rec.index))
+
+
+class OpenAITransport(EventStreamTransport):
     """The bridge's OpenAI-compatible API (/v1, streamed) through clients.library.openai_client."""
 
     name = "openai"
 
     def __init__(self, base_url: str, model: str = CHAT_MODEL, api_key: str | None = None):
         self.base_url, self.model, self.api_key = base_url.rstrip("/"), model, api_key
-        self.session = None
 
-    async def open(self, slots: int) -> None:
-        """One aiohttp session; no connection cap, so the runner alone sets concurrency."""
-        import aiohttp
-
-        if self.session is None:
-            connector = aiohttp.TCPConnector(limit=0)
-            timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
-            self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
-            await self._check_model()
-
-    async def _check_model(self) -> None:
-        """GET /v1/models, so a wrong URL, token or model fails once and clearly."""
+    async def check(self) -> None:
+        """GET /v1/models: the model must be listed."""
         url = f"{self.base_url}/v1/models"
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         try:
@@ -189,22 +196,11 @@ class OpenAITransport:
         if status != 200 or f'"{self.model}"' not in body:
             raise ConnectionError(f"OpenAI API at {url}: HTTP {status}, no model {self.model!r}")
 
-    async def generate(self, rec: RequestRecord, prompt: Prompt, params: dict) -> None:
-        """POST one streamed request and record each event's Chunk."""
+    def stream(self, request: GenerateRequest, rec: RequestRecord) -> AsyncIterator[Chunk]:
+        """The API's streamed events as Chunks."""
         from clients.library.openai_client import generate
 
-        request = generate_request(prompt, params)
-        rec.sent_ns = time.monotonic_ns()
-        chunks = generate(self.session, self.base_url, request, self.model, self.api_key)
-        await record_chunks(rec, chunks)
-        if not rec.chunks and rec.error is None:
-            rec.error = "event stream ended without a response"
-
-    async def close(self) -> None:
-        """Close the session."""
-        if self.session is not None:
-            await self.session.close()
-            self.session = None
+        return generate(self.session, self.base_url, request, self.model, self.api_key)
 
 
 class WsTransport:

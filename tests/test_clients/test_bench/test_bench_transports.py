@@ -1,17 +1,26 @@
-"""Bench transports' parsing and the runner's scheduling, with fake transports (no server)."""
+"""Bench transports' parsing and the runner's scheduling, with fake transports (no server); the
+event-stream transports against a real aiohttp server on loopback."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
 import pytest
+from aiohttp import web
 
 from clients.bench.prompts import Sampling, load_prompts, synthetic_prompts
 from clients.bench.runner import Level, Workload, run_level, warm_up
 from clients.bench.summary import RequestRecord
-from clients.bench.transports import Prompt, bridge_generate, generate_request
+from clients.bench.transports import (
+    OpenAITransport,
+    Prompt,
+    SseTransport,
+    bridge_generate,
+    generate_request,
+)
 from clients.bridge.ws_client import BridgeConnection, bridge_request, done_timing, frame_chunk
 from clients.library.chunk import Chunk, GenerationError
 
@@ -263,3 +272,72 @@ def test_prompt_files_and_synthetic_prompts(tmp_path):
     assert prompts[0].messages[0]["content"] == "hi" and prompts[1].text == "hello"
     a, b = synthetic_prompts(16, 3, seed=1), synthetic_prompts(16, 3, seed=1)
     assert a == b and len(a[0].text.split()) == 16
+
+
+@contextlib.asynccontextmanager
+async def http_server(routes: dict[str, web.Response]):
+    """A real aiohttp server on a free loopback port answering each path with its response
+    (GET and POST alike); yields its base URL."""
+    from streaming_backend.launcher import free_port
+
+    async def answer(request: web.Request) -> web.Response:
+        return routes[request.path]
+
+    app = web.Application()
+    for path in routes:
+        app.router.add_route("*", path, answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def sse(*events: dict) -> web.Response:
+    body = "".join(f"data: {json.dumps(event)}\n\n" for event in events)
+    return web.Response(text=body, content_type="text/event-stream")
+
+
+GENERATE = "/v2/models/chat/generate_stream"
+READY = "/v2/models/chat/ready"
+
+
+async def test_an_event_stream_transport_records_each_event_and_a_stream_without_one():
+    """Over one session: the SSE transport checks readiness once, records each event's Chunk
+    after stamping sent_ns, and a stream that ends with no event is an error of its own."""
+    event = {"text_output": "hi", "num_output_tokens": 1, "finish_reason": "stop"}
+    async with http_server({READY: web.Response(), GENERATE: sse(event)}) as url:
+        transport = SseTransport(url)
+        await transport.open(slots=4)
+        rec = RequestRecord(index=3)
+        before = time.monotonic_ns()
+        await transport.generate(rec, Prompt(text="x"), {})
+        assert rec.error is None and [c.text for c in rec.chunks] == ["hi"]
+        assert before <= rec.sent_ns <= rec.chunks[0].received_ns
+        assert rec.chunks[0].request_id == "3" and rec.chunks[0].final
+        await transport.close()
+        assert transport.session is None
+    async with http_server({READY: web.Response(), GENERATE: sse()}) as url:
+        transport = SseTransport(url)
+        await transport.open(slots=1)
+        rec = RequestRecord(index=0)
+        await transport.generate(rec, Prompt(text="x"), {})
+        assert rec.error == "event stream ended without a response" and not rec.chunks
+        await transport.close()
+
+
+async def test_each_event_stream_transport_fails_its_check_once_and_clearly():
+    """SSE: a model that is not ready; OpenAI: a model the API does not list; each at open."""
+    async with http_server({READY: web.Response(status=503)}) as url:
+        transport = SseTransport(url)
+        with pytest.raises(ConnectionError, match=r"model not ready \(HTTP 503\)"):
+            await transport.open(slots=1)
+        await transport.close()
+    async with http_server({"/v1/models": web.json_response({"data": []})}) as url:
+        transport = OpenAITransport(url, model="chat")
+        with pytest.raises(ConnectionError, match="HTTP 200, no model 'chat'"):
+            await transport.open(slots=1)
+        await transport.close()
