@@ -58,22 +58,20 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from served import Served  # this folder's
 
 from streaming_backend.launcher import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 OURS = "tokenstream serve"  # our server's row name
 READY_TIMEOUT_S = 300
-STOP_TIMEOUT_S = 30  # for the server's own process, then its whole group
 # Where Debian (and the like) put the tcmalloc vLLM's CPU backend asks to be preloaded
 TCMALLOC = (
     "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
@@ -195,23 +193,6 @@ def package_version(venv: Path, package: str) -> str:
     return f" {found[0].name.removesuffix('.dist-info').split('-')[-1]}" if found else ""
 
 
-def wait_ready(server: Server, process: subprocess.Popen) -> None:
-    """Until GET /v1/models lists the model; fails if the process exits or time runs out."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{server.name} exited with status {process.returncode}")
-        try:
-            with opener.open(f"{server.base_url}/v1/models", timeout=5) as response:
-                if f'"{server.model}"' in response.read().decode():
-                    return
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"{server.name} not ready after {READY_TIMEOUT_S} s")
-
-
 def bench(server: Server, streams: int, requests: int, out: Path) -> dict:
     """One `tokenstream bench` level; its summary."""
     command = [sys.executable, "-m", "clients.cli", "bench", "--transport", "openai"]
@@ -223,74 +204,31 @@ def bench(server: Server, streams: int, requests: int, out: Path) -> dict:
 
 
 def measure(server: Server, args: argparse.Namespace, round_: int = 0) -> dict[str, dict]:
-    """Start the server; bench one stream then many beside each --busy count of busy cores
-    (row name -> its two levels, its server, busy count and round); stop it."""
-    log = (args.out / f"{slug(label(server.name, 0, round_))}.log").open("w")
+    """Start the server (scripts/served.py: ready once GET /v1/models lists the model); bench one
+    stream then many beside each --busy count of busy cores (row name -> its two levels, its
+    server, busy count and round); stop it."""
+    log = args.out / f"{slug(label(server.name, 0, round_))}.log"
     if server.scratch:
         server.scratch.mkdir(parents=True, exist_ok=True)
-    process = subprocess.Popen(
-        server.command, env=server.env, stdout=log, stderr=subprocess.STDOUT,
-        cwd=REPO, start_new_session=True,
+    served = Served(
+        server.command, [f"{server.base_url}/v1/models"], server.name, expect=f'"{server.model}"',
+        log=log, env=server.env, ready_timeout_s=READY_TIMEOUT_S,
     )  # fmt: skip
     try:
-        wait_ready(server, process)
-        print(f"== {server.name}: ready", flush=True)
-        results = {}
-        for busy in args.busy:
-            name = label(server.name, busy, round_)
-            with busy_cores(busy):
-                single = bench(server, 1, args.single, args.out / slug(name) / "1")
-                many = bench(server, args.streams, args.many, args.out / slug(name) / "many")
-            results[name] = {"server": server.name, "busy": busy, "round": round_}
-            results[name].update(single=single, many=many)
-        return results
+        with served:
+            print(f"== {server.name}: ready", flush=True)
+            results = {}
+            for busy in args.busy:
+                name = label(server.name, busy, round_)
+                with busy_cores(busy):
+                    single = bench(server, 1, args.single, args.out / slug(name) / "1")
+                    many = bench(server, args.streams, args.many, args.out / slug(name) / "many")
+                results[name] = {"server": server.name, "busy": busy, "round": round_}
+                results[name].update(single=single, many=many)
+            return results
     finally:
-        stop(process)
-        log.close()
         if server.scratch:
             shutil.rmtree(server.scratch, ignore_errors=True)
-
-
-def stop(process: subprocess.Popen) -> None:
-    """SIGTERM to the server, which stops its own children (vLLM's engine and worker, ours'
-    Triton); then SIGTERM and at last SIGKILL to whatever of its process group is left. The
-    /dev/shm files the group's OpenMP runtimes registered go too."""
-    pids = {process.pid, *group(process.pid)}
-    process.send_signal(signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(STOP_TIMEOUT_S)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        left = group(process.pid)
-        if not left and process.poll() is not None:
-            break
-        pids.update(left)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, sig)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        while (group(process.pid) or process.poll() is None) and time.monotonic() < deadline:
-            time.sleep(0.2)
-    process.wait()
-    for pid in pids:
-        remove_openmp_registration(pid)
-
-
-def group(pgid: int) -> list[int]:
-    """The live processes of process group `pgid` (Linux /proc; zombies left out)."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            state, _, group_id = stat.read_text().rsplit(")", 1)[1].split()[:3]
-            if int(group_id) == pgid and state != "Z":
-                pids.append(int(stat.parent.name))
-    return pids
-
-
-def remove_openmp_registration(pid: int) -> None:
-    """Remove the /dev/shm file an LLVM or Intel OpenMP runtime (llama.cpp built with clang,
-    vLLM's preloaded libiomp5) registers for process `pid`: it goes at a normal exit, not when
-    the process is stopped by a signal."""
-    for path in Path("/dev/shm").glob(f"__KMP_REGISTERED_LIB_{pid}_*"):
-        path.unlink(missing_ok=True)
 
 
 BUSY_LIMIT_S = 1800  # a busy process ends by itself after this long, whatever happens here

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # A GPU check in one command, on a machine with an NVIDIA GPU and the project's .venv
 # (scripts/setup.sh). It installs nothing. It runs:
-#   1. the compact forward's tests (tests/test_streaming_backend/test_forward/: llama and slots);
+#   1. the compact forward's tests (tests/test_streaming_backend/test_forward/: llama, layers, slots);
 #   2. the decode step alone (scripts/forward_bench.py): Hugging Face, the compact forward eager,
 #      torch.compile'd and CUDA-graphed, at 1 and 16 streams;
 #   3. the engine in-process (`tokenstream engine-bench`): compact vs hf at 1 and 16 streams;
 #   4. a short served run: `tokenstream serve` with --compile off, then on, and `tokenstream
-#      bench` at concurrency 1 and 16 over gRPC;
+#      bench` at concurrency 1 and 16 over gRPC (the server started by scripts/served.py);
 # then prints one table. Everything lands under $OUT (default bench-results/gpu-check).
 # Exit status: 0 all ran, 1 a step failed (the table says which), 2 no GPU or no .venv (nothing
 # run). Ports 1850x; set DTYPE (default auto) or OUT to change those.
@@ -39,6 +39,7 @@ step() {  # step NAME COMMAND...: run, log to $OUT/NAME.txt, remember a failure
 }
 
 step tests "$PY" -m pytest -q tests/test_streaming_backend/test_forward/test_forward_llama.py \
+    tests/test_streaming_backend/test_forward/test_forward_layers.py \
     tests/test_streaming_backend/test_forward/test_forward_slots.py
 step forward env PYTHONPATH="$PWD" "$PY" scripts/forward_bench.py --dtype "$DTYPE" \
     --systems hf,eager,compiled,graphs --batch 1,16 --steps 64 --rounds 3 \
@@ -50,29 +51,13 @@ step engine "$TS" engine-bench --dtype "$DTYPE" --forward compact,hf --concurren
 PORTS="--http-port 18500 --grpc-port 18501 --metrics-port 18502 --supervisor-port 18503"
 TARGET="--triton 127.0.0.1:18501 --url http://127.0.0.1:18500 --no-progress --no-plot"
 served() {  # served COMPILE: serve with --compile COMPILE, bench at 1 and 16, stop
-    local compile=$1 serve_pid ready=""
-    $TS serve $PORTS --no-bridge --models chat --dtype "$DTYPE" --compile "$compile" \
-        > "$OUT/serve-compile-$compile.log" 2>&1 &
-    serve_pid=$!
-    for _ in $(seq 1 900); do
-        if [ "$(curl -s -o /dev/null -w "%{http_code}" http://127.0.0.1:18503/ready)" = 200 ]; then
-            ready=1; break
-        fi
-        kill -0 $serve_pid 2>/dev/null || break
-        sleep 1
-    done
-    if [ -z "$ready" ]; then
-        echo "serve --compile $compile did not become ready (see $OUT/serve-compile-$compile.log)"
-        kill -INT $serve_pid 2>/dev/null; wait $serve_pid
-        return 1
-    fi
-    local status=0
+    local compile=$1 c runs=()
     for c in 1 16; do
-        $TS bench $TARGET --output-tokens 64 --temperature 0 --warmup 2 --concurrency $c \
-            --requests $((c * 3)) --out "$OUT/served-compile-$compile-c$c" || status=1
+        runs+=(--run "$TS bench $TARGET --output-tokens 64 --temperature 0 --warmup 2 --concurrency $c --requests $((c * 3)) --out $OUT/served-compile-$compile-c$c")
     done
-    kill -INT $serve_pid; wait $serve_pid
-    return $status
+    "$PY" scripts/served.py --ready http://127.0.0.1:18503/ready --timeout 900 --stop-signal INT \
+        --server "$TS serve $PORTS --no-bridge --models chat --dtype $DTYPE --compile $compile" \
+        --log "$OUT/serve-compile-$compile.log" "${runs[@]}"
 }
 step served-compile-off served off
 step served-compile-on served on

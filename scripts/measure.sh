@@ -6,20 +6,18 @@ set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=bench-results
 mkdir -p $OUT
-.venv/bin/tokenstream serve --http-port 18000 --grpc-port 18001 --metrics-port 18002 --bridge-port 18080 > $OUT/serve.log 2>&1 &
-SERVE=$!
-ready() { [ "$(curl -s -o /dev/null -w "%{http_code}" "$1")" = 200 ]; }
-for _ in $(seq 1 300); do
-    ready http://127.0.0.1:18000/v2/health/ready && ready http://127.0.0.1:18080/healthz && break
-    kill -0 $SERVE 2>/dev/null || { echo "tokenstream serve died: see $OUT/serve.log" >&2; exit 1; }
-    sleep 1
-done
+TS=.venv/bin/tokenstream
 COMMON="--triton 127.0.0.1:18001 --url http://127.0.0.1:18000 --bridge ws://127.0.0.1:18080/ws --output-tokens 64 --warmup 2 --no-progress"
-.venv/bin/tokenstream bench --transport grpc,sse,ws --concurrency 1 --requests 8 $COMMON --out $OUT/serve-c1 > $OUT/serve-c1.txt 2>&1
-.venv/bin/tokenstream bench --transport grpc,sse,ws --concurrency 4,16 --requests 32 $COMMON --out $OUT/serve-c4-16 > $OUT/serve-c4-16.txt 2>&1
-t0=$(date +%s%N); kill -INT $SERVE; wait $SERVE; t1=$(date +%s%N)
+# the server started, waited for and stopped by scripts/served.py (SIGINT, as Ctrl-C would)
+.venv/bin/python scripts/served.py --log $OUT/serve.log --timeout 300 --stop-signal INT \
+    --server "$TS serve --http-port 18000 --grpc-port 18001 --metrics-port 18002 --bridge-port 18080" \
+    --ready http://127.0.0.1:18000/v2/health/ready --ready http://127.0.0.1:18080/healthz \
+    --run "$TS bench --transport grpc,sse,ws --concurrency 1 --requests 8 $COMMON --out $OUT/serve-c1 > $OUT/serve-c1.txt 2>&1" \
+    --run "$TS bench --transport grpc,sse,ws --concurrency 4,16 --requests 32 $COMMON --out $OUT/serve-c4-16 > $OUT/serve-c4-16.txt 2>&1" \
+    > $OUT/served.txt
+[ $? -eq 2 ] && { echo "tokenstream serve was not ready: see $OUT/serve.log" >&2; exit 1; }
 {
-    echo "serve stopped in $(( (t1 - t0) / 1000000 )) ms"
+    grep "stopped in" $OUT/served.txt | sed 's/^served:/serve/'
     echo "shm files left: $(ls /dev/shm | grep -c -E 'tokenstream|triton_python')"
     echo "stub processes left: $(pgrep -fc 'triton_python_backend_stub.*tokenstream-repo')"
 } > $OUT/stop.txt

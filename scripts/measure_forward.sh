@@ -19,18 +19,16 @@ PORTS="--http-port 18000 --grpc-port 18001 --metrics-port 18002 --supervisor-por
 TARGET="--triton 127.0.0.1:18001 --url http://127.0.0.1:18000 --no-progress --no-plot"
 WORKLOAD="--output-tokens 64 --temperature 0 --warmup 2"
 
-serve() {  # serve NAME OPTIONS...: start tokenstream serve, wait until ready
-    local name=$1; shift
-    $TS serve $PORTS "$@" > $OUT/serve-$name.log 2>&1 &
-    SERVE=$!
-    for _ in $(seq 1 600); do
-        [ "$(curl -s -o /dev/null -w "%{http_code}" http://127.0.0.1:18003/ready)" = 200 ] && return 0
-        kill -0 $SERVE 2>/dev/null || { echo "serve $name died: see $OUT/serve-$name.log" >&2; exit 1; }
-        sleep 1
-    done
-    echo "serve $name not ready in 600 s" >&2; exit 1
+served() {  # served NAME "SERVE OPTIONS" COMMAND...: the commands against a fresh serve
+    local name=$1 options=$2 runs=() line
+    shift 2
+    for line in "$@"; do runs+=(--run "$line"); done
+    .venv/bin/python scripts/served.py --server "$TS serve $PORTS $options" \
+        --ready http://127.0.0.1:18003/ready --timeout 600 --stop-signal INT \
+        --log $OUT/serve-$name.log "${runs[@]}"
+    [ $? -eq 2 ] && { echo "serve $name was not ready: see $OUT/serve-$name.log" >&2; exit 1; }
+    return 0
 }
-stop() { kill -INT $SERVE; wait $SERVE; }
 
 for part in $PARTS; do
     case $part in
@@ -41,27 +39,19 @@ for part in $PARTS; do
         ;;
     single)
         for forward in compact hf; do
-            serve $forward --forward $forward --models chat
-            $TS bench $TARGET $WORKLOAD --concurrency 1 --requests 8 --out $OUT/$forward-c1 \
-                > $OUT/$forward-c1.txt 2>&1
-            $TS bench $TARGET $WORKLOAD --concurrency 16 --requests 48 --out $OUT/$forward-c16 \
-                > $OUT/$forward-c16.txt 2>&1
-            stop
+            served $forward "--forward $forward --models chat" \
+                "$TS bench $TARGET $WORKLOAD --concurrency 1 --requests 8 --out $OUT/$forward-c1 > $OUT/$forward-c1.txt 2>&1" \
+                "$TS bench $TARGET $WORKLOAD --concurrency 16 --requests 48 --out $OUT/$forward-c16 > $OUT/$forward-c16.txt 2>&1"
         done
         for chunk in $CHUNKS; do
-            serve chunk$chunk --forward compact --models chat --prefill-chunk-tokens $chunk
-            $TS bench $TARGET $WORKLOAD --concurrency 16 --requests 48 --out $OUT/chunk$chunk-c16 \
-                > $OUT/chunk$chunk-c16.txt 2>&1
-            stop
+            served chunk$chunk "--forward compact --models chat --prefill-chunk-tokens $chunk" \
+                "$TS bench $TARGET $WORKLOAD --concurrency 16 --requests 48 --out $OUT/chunk$chunk-c16 > $OUT/chunk$chunk-c16.txt 2>&1"
         done
         ;;
     multi)
         for cache in off on; do
-            serve cache-$cache --models chat --prefix-cache $cache
-            $TS bench $TARGET --multi-turn 10 --conversations 4 --concurrency 4 \
-                --max-tokens 64 --temperature 0 --warmup 0 --out $OUT/multi-$cache \
-                > $OUT/multi-$cache.txt 2>&1
-            stop
+            served cache-$cache "--models chat --prefix-cache $cache" \
+                "$TS bench $TARGET --multi-turn 10 --conversations 4 --concurrency 4 --max-tokens 64 --temperature 0 --warmup 0 --out $OUT/multi-$cache > $OUT/multi-$cache.txt 2>&1"
         done
         $TS bench --compare $OUT/multi-off/bench.json $OUT/multi-on/bench.json \
             > $OUT/multi-compare.txt 2>&1

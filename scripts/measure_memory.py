@@ -24,22 +24,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 import psutil
-from compare_peers import group, remove_openmp_registration  # this folder's
+from served import Served  # this folder's
 
 from streaming_backend.launcher import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-READY_TIMEOUT_S = 900
 FIELDS = ("Rss", "Pss", "Pss_Anon", "Pss_File", "Pss_Shmem")  # of smaps_rollup, in kB
 OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
 QUESTION = "What is the capital of France?"  # the one short request's
@@ -56,22 +52,6 @@ def memory(pid: int) -> dict[str, float]:
         if line.startswith("VmHWM:"):
             figures["VmHWM"] = int(line.split()[1]) / 1000
     return figures
-
-
-def wait_ok(url: str, process: subprocess.Popen, name: str) -> float:
-    """Seconds until GET url answers 200 (`name`, the server, exiting fails it)."""
-    started = time.monotonic()
-    while time.monotonic() - started < READY_TIMEOUT_S:
-        if process.poll() is not None:
-            raise RuntimeError(f"{name} exited with status {process.returncode}")
-        try:
-            with OPENER.open(url, timeout=5) as response:
-                if response.status == 200:
-                    return time.monotonic() - started
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"not ready after {READY_TIMEOUT_S} s")
 
 
 def one_request(http_port: int, max_tokens: int) -> str:
@@ -111,24 +91,23 @@ def llama_request(port: int, max_tokens: int) -> str:
 
 
 class Server(NamedTuple):
-    """A server to measure: how to start it, wait for it and send it its one request."""
+    """A server to measure: how to start it and wait for it (scripts/served.py), and send it its
+    one request."""
 
-    command: list[str]
-    wait_ready: Callable[[subprocess.Popen], float]
+    served: Served
     request: Callable[[], str]
 
 
 def ours(args: argparse.Namespace) -> Server:
-    """`tokenstream serve` without its bridge, on free ports."""
+    """`tokenstream serve` without its bridge, on free ports; ready at the supervisor's /ready."""
     ports = {name: free_port() for name in ("http", "grpc", "metrics", "supervisor")}
     command = [sys.executable, "-m", "clients.cli", "serve", "--no-bridge"]
     command += [arg for name, port in ports.items() for arg in (f"--{name}-port", str(port))]
     command += ["--model", args.model] if args.model else []
     command += args.serve_args.split()
+    ready = [f"http://127.0.0.1:{ports['supervisor']}/ready"]
     return Server(
-        command,
-        lambda process: wait_ok(f"http://127.0.0.1:{ports['supervisor']}/ready", process, "serve"),
-        lambda: one_request(ports["http"], args.max_tokens),
+        Served(command, ready, "serve"), lambda: one_request(ports["http"], args.max_tokens)
     )
 
 
@@ -138,12 +117,9 @@ def llama_cpp(args: argparse.Namespace) -> Server:
     command = [str(Path(args.llama_env) / "bin" / "python"), "-m", "llama_cpp.server"]
     command += ["--model", args.llama_gguf, "--n_ctx", str(args.n_ctx)]
     command += ["--n_threads", str(os.cpu_count()), "--host", "127.0.0.1", "--port", str(port)]
+    ready = [f"http://127.0.0.1:{port}/v1/models"]
     return Server(
-        command,
-        lambda process: wait_ok(
-            f"http://127.0.0.1:{port}/v1/models", process, "llama.cpp's server"
-        ),
-        lambda: llama_request(port, args.max_tokens),
+        Served(command, ready, "llama.cpp's server"), lambda: llama_request(port, args.max_tokens)
     )
 
 
@@ -159,33 +135,14 @@ def main() -> None:
     if args.llama_env and not args.llama_gguf:
         parser.error("--llama-env needs --llama-gguf")
     server = llama_cpp(args) if args.llama_env else ours(args)
-    process = subprocess.Popen(server.command, cwd=REPO, start_new_session=True)
-    try:
-        ready_s = server.wait_ready(process)
+    with server.served as served:
         text = server.request()
-        processes = [psutil.Process(process.pid), *psutil.Process(process.pid).children(True)]
+        pid = served.process.pid
+        processes = [psutil.Process(pid), *psutil.Process(pid).children(True)]
         each = {f"{p.pid} {' '.join(p.cmdline()[:2])[-60:]}": memory(p.pid) for p in processes}
         total = {key: round(sum(m.get(key, 0) for m in each.values()), 1) for key in FIELDS}
-        result = {"command": server.command[2:], "ready_s": round(ready_s, 1), "text": text}
+        result = {"command": served.command[2:], "ready_s": round(served.ready_s, 1), "text": text}
         print(json.dumps(result | {"total_mb": total, "processes_mb": each}, indent=1))
-    finally:
-        stop(process)
-
-
-def stop(process: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group, SIGKILL after 60 s (a group gone already: done);
-    then the OpenMP registrations its processes leave when stopped by a signal (llama.cpp's)."""
-    pids = group(process.pid)
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(60)
-    except ProcessLookupError:
-        pass
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    for pid in pids:
-        remove_openmp_registration(pid)
 
 
 if __name__ == "__main__":

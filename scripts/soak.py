@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import os
 import random
-import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
+
+from served import Served  # this folder's
 
 from clients.library.grpc_client import AsyncChatClient, GenerateRequest, GenerationError
 from streaming_backend.launcher import free_port
@@ -89,22 +90,18 @@ class Load:
             await chunks.aclose()
 
 
-def start_serve(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    """`tokenstream serve --no-bridge` on free ports; returns it and its gRPC address."""
+def start_serve(args: argparse.Namespace) -> tuple[Served, str]:
+    """`tokenstream serve --no-bridge` on free ports, ready (scripts/served.py; its output
+    discarded); returns it and its gRPC address."""
     ports = {name: free_port() for name in ("http", "grpc", "metrics", "supervisor")}
     command = [sys.executable, "-m", "clients.cli", "serve", "--no-bridge"]
     command += [f"--{name}-port={port}" for name, port in ports.items()]
     command += [f"--model={args.model}"] if args.model else []
     command += [f"--max-streams={args.concurrency}"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in process.stdout:
-        if "Triton is ready" in line:
-            break
-    else:
-        raise SystemExit("serve exited before it was ready")
-    # drain its output in the background so it never blocks on a full pipe
-    threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()
-    return process, f"127.0.0.1:{ports['grpc']}"
+    ready = [f"http://127.0.0.1:{ports['supervisor']}/ready"]
+    served = Served(command, ready, "serve", log=Path(os.devnull))
+    served.start()
+    return served, f"127.0.0.1:{ports['grpc']}"
 
 
 def server_pid(serve: subprocess.Popen) -> int:
@@ -177,14 +174,14 @@ def main() -> int:
             raise SystemExit("--grpc-url needs --pid (tritonserver's) for the RSS figures")
     else:
         serve, url = start_serve(args)
-        pid = server_pid(serve)
     try:
+        if serve is not None:
+            pid = server_pid(serve.process)
         rows = asyncio.run(soak(args, url, pid))
         report_growth(rows, args.warmup_s)
     finally:
         if serve is not None:
-            serve.send_signal(signal.SIGTERM)
-            serve.wait(timeout=120)
+            serve.stop()
     return 0
 
 
