@@ -554,3 +554,24 @@ def generate(loaded, forward, requests, max_beam_width: int):
     if key not in _GENERATORS:  # the model kept alive with its generator
         _GENERATORS[key] = (loaded, Generator(loaded, config, max_beam_width))
     return _GENERATORS[key][1].generate(requests)
+
+
+@pytest.fixture
+def load_script(monkeypatch):
+    """name -> scripts/<name>.py (scripts/ is no package) as a module, registered in sys.modules
+    under its name (its dataclasses look their module up there), scripts/ importable as when it
+    runs (served.py)."""
+    import importlib.util
+    import sys
+
+    scripts = Path(__file__).resolve().parent.parent / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, scripts / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, name, module)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

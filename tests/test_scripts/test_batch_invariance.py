@@ -3,14 +3,8 @@ answers alone and in a crowd, over the OpenAI API, through tritonserver and the 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 from conftest import bridge_thread, served
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "batch_invariance.py"
 
 pytestmark = [pytest.mark.server, pytest.mark.cpu_kinds]
 
@@ -24,13 +18,10 @@ def auto_server(tiny_model_dir):
     )
 
 
-def test_answers_alone_and_in_a_crowd_are_identical(auto_server, capsys):
+def test_answers_alone_and_in_a_crowd_are_identical(load_script, auto_server, capsys):
     """4 chats greedy and seeded, alone and then beside each other and 4 long prompts: every
     answer identical, and one system_fingerprint throughout."""
-    spec = importlib.util.spec_from_file_location("batch_invariance", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = script  # its dataclass looks its module up there
-    spec.loader.exec_module(script)
+    script = load_script("batch_invariance")
     with bridge_thread(auto_server.grpc_url) as port:
         argv = ["--url", f"http://127.0.0.1:{port}/v1", "--chats", "4", "--max-tokens", "16"]
         result = script.main([*argv, "--long", "4", "--long-words-x", "4"])

@@ -3,30 +3,11 @@ environment among them, no peer installed), alternated rounds and their ratios."
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 import time
 from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "compare_peers.py"
-
-
-@pytest.fixture(autouse=True)
-def scripts_importable(monkeypatch):
-    """The scripts' folder importable, as when the script runs (it imports served.py)."""
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))
-
-
-def load_script():
-    """The script as a module (it is not a package)."""
-    spec = importlib.util.spec_from_file_location("compare_peers", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["compare_peers"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def cpu_seconds(pid: int) -> float:
@@ -50,9 +31,9 @@ def result(server: str, busy: int, round_: int, single: float, many: float) -> d
     }
 
 
-def test_busy_cores_keep_a_core_busy_and_end_with_the_block():
+def test_busy_cores_keep_a_core_busy_and_end_with_the_block(load_script):
     """Each busy process burns CPU while the block runs, and none is left after it."""
-    script = load_script()
+    script = load_script("compare_peers")
     with script.busy_cores(1) as processes:
         (process,) = processes
         time.sleep(0.5)
@@ -60,9 +41,9 @@ def test_busy_cores_keep_a_core_busy_and_end_with_the_block():
     assert process.poll() is not None
 
 
-def test_the_slowdown_table_divides_each_servers_idle_figures_by_its_busy_ones():
+def test_the_slowdown_table_divides_each_servers_idle_figures_by_its_busy_ones(load_script):
     """One row per server and busy count: its idle tokens/s over its busy tokens/s."""
-    script = load_script()
+    script = load_script("compare_peers")
     results = {
         "tokenstream serve": result("tokenstream serve", 0, 0, 50.0, 170.0),
         "tokenstream serve, 1 core busy": result("tokenstream serve", 1, 0, 25.0, 85.0),
@@ -73,13 +54,13 @@ def test_the_slowdown_table_divides_each_servers_idle_figures_by_its_busy_ones()
     assert script.label("llama.cpp", 2) == "llama.cpp, 2 cores busy"
 
 
-def test_another_model_is_served_by_all_from_its_folder_and_gguf(tmp_path):
+def test_another_model_is_served_by_all_from_its_folder_and_gguf(load_script, tmp_path):
     """--model DIR: ours serves DIR, transformers serve loads DIR and llama.cpp --llama-gguf, its
     row named by the file; EOS (banned for the peers) from DIR's config."""
     import argparse
     import json
 
-    script = load_script()
+    script = load_script("compare_peers")
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [7, 8]}))
     gguf = tmp_path / "model-q4_0.gguf"
     args = argparse.Namespace(
@@ -114,12 +95,12 @@ def vllm_args(tmp_path, **changes):
     return argparse.Namespace(**{**options, **changes})
 
 
-def test_vllm_runs_its_openai_server_as_its_docs_advise(tmp_path, monkeypatch):
+def test_vllm_runs_its_openai_server_as_its_docs_advise(load_script, tmp_path, monkeypatch):
     """--vllm-env: the venv's python runs vLLM's OpenAI server on the model folder, bfloat16, on
     loopback; tcmalloc then the venv's libiomp5 preloaded (before any LD_PRELOAD already set), 4
     GiB of KV cache, OpenMP threads bound to every CPU this process may use, its IPC sockets in a
     TMPDIR of its own, EOS banned with logit_bias like the other peers."""
-    script = load_script()
+    script = load_script("compare_peers")
     tcmalloc = tmp_path / "libtcmalloc_minimal.so.4"
     tcmalloc.write_bytes(b"")
     monkeypatch.setattr(
@@ -150,10 +131,10 @@ def test_vllm_runs_its_openai_server_as_its_docs_advise(tmp_path, monkeypatch):
     assert "--max-tokens" in vllm.fixed_length and "16" in vllm.fixed_length
 
 
-def test_vllm_binding_its_default_or_a_list_and_only_any_case(tmp_path, monkeypatch):
+def test_vllm_binding_its_default_or_a_list_and_only_any_case(load_script, tmp_path, monkeypatch):
     """--vllm-bind default leaves VLLM_CPU_OMP_THREADS_BIND unset (even if set here); a list goes
     as given; --only matches names in any case; without tcmalloc the run stops with the fix."""
-    script = load_script()
+    script = load_script("compare_peers")
     tcmalloc = tmp_path / "libtcmalloc_minimal.so.4"
     tcmalloc.write_bytes(b"")
     monkeypatch.setattr(script, "TCMALLOC", (str(tcmalloc),))
@@ -168,11 +149,11 @@ def test_vllm_binding_its_default_or_a_list_and_only_any_case(tmp_path, monkeypa
         script.servers(vllm_args(tmp_path))
 
 
-def test_alternated_rounds_give_each_rounds_ratio_and_their_median():
+def test_alternated_rounds_give_each_rounds_ratio_and_their_median(load_script):
     """--rounds 2: rows named by round, each peer over ours of its own round, then the median;
     a busy level is paired with ours beside as many busy cores, and slowed down against its own
     round's idle figures."""
-    script = load_script()
+    script = load_script("compare_peers")
     peer = "vLLM 0.32.0 CPU, bfloat16, threads on CPUs 0-1"
     assert script.label(peer, 0, 2) == f"{peer}, round 2"
     assert script.label(peer, 1, 2) == f"{peer}, 1 core busy, round 2"

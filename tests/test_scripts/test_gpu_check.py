@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -41,21 +40,11 @@ def test_without_the_environment_it_says_so(tmp_path):
     assert "run scripts/setup.sh first" in done.stderr
 
 
-def table_module():
-    """scripts/gpu_check_table.py as a module."""
-    spec = importlib.util.spec_from_file_location(
-        "gpu_check_table", SCRIPT.with_name("gpu_check_table.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def stats(p50: float, avg: float, p99: float) -> dict:
     return {"count": 3, "avg": avg, "min": 0.0, "max": p99, "p50": p50, "p90": p99, "p99": p99}
 
 
-def test_the_table_has_a_row_per_figure_and_names_failed_steps(tmp_path):
+def test_the_table_has_a_row_per_figure_and_names_failed_steps(load_script, tmp_path):
     """Decode-step, engine and served figures each become a row; missing files leave theirs out."""
     forward = {"batches": {"1": {"tokens_per_s": {"hf": 100.0, "graphs": 250.5}}}}
     (tmp_path / "forward.json").write_text(json.dumps(forward))
@@ -68,7 +57,7 @@ def test_the_table_has_a_row_per_figure_and_names_failed_steps(tmp_path):
     summary = {"output_token_throughput": 1234.5, "ttft_ms": stats(50, 55, 80),
                "itl_ms": stats(11, 12, 20)}  # fmt: skip
     (served / "bench.json").write_text(json.dumps({"runs": [{"summary": summary}]}))
-    module = table_module()
+    module = load_script("gpu_check_table")
     text = module.render(module.rows(tmp_path), ["served-compile-off"])
     lines = text.splitlines()
     assert lines[0].split()[:2] == ["what", "streams"]
@@ -80,7 +69,7 @@ def test_the_table_has_a_row_per_figure_and_names_failed_steps(tmp_path):
     assert lines[-1] == "failed steps: served-compile-off"
 
 
-def test_the_table_of_nothing_is_a_header_and_no_failures(tmp_path):
+def test_the_table_of_nothing_is_a_header_and_no_failures(load_script, tmp_path):
     """No results at all (every step failed before writing): the header, and the failure line."""
-    module = table_module()
+    module = load_script("gpu_check_table")
     assert module.render(module.rows(tmp_path), []).splitlines()[1] == "failed steps: none"

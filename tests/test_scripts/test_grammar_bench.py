@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 from streaming_backend.sampling import logits
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "grammar_bench.py"
 
-
-def test_the_bench_measures_every_run_and_restores_the_pipeline(tiny_model_dir, capsys):
+def test_the_bench_measures_every_run_and_restores_the_pipeline(
+    load_script, tiny_model_dir, capsys
+):
     """Free, masks after and masks ahead each generate every token; constrained runs report
     their mask time; the logits pipeline's apply_grammar_masks is the real one afterwards."""
-    spec = importlib.util.spec_from_file_location("grammar_bench", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("grammar_bench")
     original = logits.apply_grammar_masks
     argv = ["--model", str(tiny_model_dir), "--streams", "2", "--tokens", "6", "--rounds", "1"]
     result = bench.main([*argv, "--dtype", "float32"])

@@ -3,22 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "measure_memory.py"
-
-
-def load_script(monkeypatch):
-    """The script as a module (it is not a package), its folder importable as when it runs."""
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("measure_memory", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["measure_memory"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def arguments(**values) -> argparse.Namespace:
@@ -26,10 +11,12 @@ def arguments(**values) -> argparse.Namespace:
     return argparse.Namespace(**(defaults | {"n_ctx": 8192} | values))
 
 
-def test_llama_cpp_serves_the_gguf_file_with_its_context_and_a_thread_per_core(monkeypatch):
+def test_llama_cpp_serves_the_gguf_file_with_its_context_and_a_thread_per_core(
+    load_script, monkeypatch
+):
     """llama.cpp: the venv's llama_cpp.server on the GGUF file, n_ctx 8192 (the issue's way),
     one thread per core, on loopback."""
-    script = load_script(monkeypatch)
+    script = load_script("measure_memory")
     served = script.llama_cpp(arguments(llama_env="/peers/llama", llama_gguf="/m/q4_0.gguf")).served
     command = served.command
     assert command[:3] == ["/peers/llama/bin/python", "-m", "llama_cpp.server"]
@@ -39,9 +26,9 @@ def test_llama_cpp_serves_the_gguf_file_with_its_context_and_a_thread_per_core(m
     assert served.ready == [f"http://127.0.0.1:{pairs['--port']}/v1/models"]
 
 
-def test_ours_is_serve_without_the_bridge_with_the_options_given(monkeypatch):
+def test_ours_is_serve_without_the_bridge_with_the_options_given(load_script, monkeypatch):
     """Ours: `tokenstream serve --no-bridge` on free ports, the model and the options given."""
-    script = load_script(monkeypatch)
+    script = load_script("measure_memory")
     served = script.ours(arguments(model="/m/llama-1b", serve_args="--models chat")).served
     command = served.command
     assert command[1:5] == ["-m", "clients.cli", "serve", "--no-bridge"]

@@ -3,7 +3,6 @@ stopped whole however the block ends; and its command line, which runs commands 
 
 from __future__ import annotations
 
-import importlib.util
 import signal
 import sys
 import time
@@ -13,17 +12,11 @@ import pytest
 
 from streaming_backend.launcher import free_port
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "served.py"
-
 
 @pytest.fixture
-def served():
-    """The script as a module (it is not a package)."""
-    spec = importlib.util.spec_from_file_location("served", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["served"] = module
-    spec.loader.exec_module(module)
-    return module
+def served(load_script):
+    """The script as a module."""
+    return load_script("served")
 
 
 def http_server(port: int, folder: Path) -> list[str]:
