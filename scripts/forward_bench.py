@@ -16,14 +16,29 @@ and int4-aten (the same on torch's weight-only kernels), int4-compiled, int4-sma
 weights mapped from their file in the cache folder, as served: model/weight_cache.py), each in
 --dtype or in its own (`eager@float32`); ratios and greedy agreement are against the first
 system named.
+
+Where the systems run: --thread main (this process's main thread), fresh (a new thread, as the
+engine steps on its own), after-main (a new thread after the main thread ran a multi-threaded
+matmul: torch's OpenMP workers form a team per calling thread, so this one meets a second team).
+--thread-teams runs the bench in a fresh process per case, fresh then after-main, --rounds times
+alternated, and prints each system's median tokens/s per case and how much longer a second team
+makes its step:
+
+    PYTHONPATH=$PWD .venv/bin/python scripts/forward_bench.py --systems int4 --batch 1 \
+        --thread-teams --rounds 2
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import statistics
+import subprocess
+import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +67,7 @@ COMPACT = {
 # the weights mapped from their weight file, as the served models run them: name -> quantize
 MAPPED = {"int4-mapped": "int4", "int8-mapped": "int8"}
 SYSTEMS = ("hf", *COMPACT, *MAPPED)
+THREADS = ("main", "fresh", "after-main")  # where the systems are built and run (--thread)
 
 
 @dataclass(frozen=True)
@@ -68,6 +84,8 @@ class BenchConfig:
     rounds: int
     threads: int | None
     out: Path | None
+    thread: str = "main"  # one of THREADS
+    thread_teams: bool = False  # each of fresh and after-main in a process of its own
 
 
 def prompt_ids(loaded: LoadedModel, batch: int, length: int) -> list[list[int]]:
@@ -148,9 +166,59 @@ def split_system(spec: str, default_dtype: str) -> tuple[str, str]:
 
 
 def main(cfg: BenchConfig) -> dict:
-    """Run every system at every batch size; print and return the figures."""
+    """Run every system at every batch size on cfg.thread (or, with cfg.thread_teams, in a
+    process per case); print and return the figures."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.thread_teams:
+        return thread_teams(cfg)
+    if cfg.thread == "main":
+        return measure(cfg)
+    if cfg.thread == "after-main":
+        torch.randn(2048, 2048) @ torch.randn(2048, 2048)  # the main thread's team
+    result = []
+    thread = threading.Thread(target=lambda: result.append(measure(cfg)))
+    thread.start()
+    thread.join()
+    if not result:
+        raise SystemExit(f"the bench failed on its {cfg.thread} thread")
+    return result[0]
+
+
+def thread_teams(cfg: BenchConfig) -> dict:
+    """Each round, the bench in a fresh process on a fresh thread, then on one that meets a
+    second thread team (after-main); per batch and system: each case's median tokens/s and the
+    ratio of their step times."""
+    cases = {"fresh": [], "after-main": []}
+    with tempfile.TemporaryDirectory() as folder:
+        for _ in range(cfg.rounds):
+            for case, results in cases.items():
+                out = Path(folder) / f"{case}.json"
+                one = dataclasses.replace(cfg, thread=case, thread_teams=False, rounds=1, out=out)
+                subprocess.run([sys.executable, __file__, *arguments(one)], check=True)
+                results.append(json.loads(out.read_text()))
+    figures = {}
+    for batch in cfg.batches:
+        for name in cfg.systems:
+            rates = {
+                case: statistics.median(r["batches"][str(batch)]["tokens_per_s"][name] for r in rs)
+                for case, rs in cases.items()
+            }
+            longer = rates["fresh"] / rates["after-main"]
+            figures[f"{batch} {name}"] = rates | {"step_after_main_vs_fresh": longer}
+            print(
+                f"batch {batch:>3} {name:>14}: fresh {rates['fresh']:.1f} tok/s, after-main "
+                f"{rates['after-main']:.1f}; a second thread team makes the step {longer:.2f}x "
+                "as long",
+                flush=True,
+            )
+    if cfg.out:
+        cfg.out.write_text(json.dumps(figures, indent=2))
+    return figures
+
+
+def measure(cfg: BenchConfig) -> dict:
+    """Run every system at every batch size on this thread; print and return the figures."""
     logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
     specs = {spec: split_system(spec, cfg.dtype) for spec in cfg.systems}
     models = {dtype: load_model(cfg.model, dtype=dtype) for _, dtype in specs.values()}
@@ -250,6 +318,10 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         "--threads", type=int, default=None, help="torch threads (default: torch's)"
     )
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    parser.add_argument("--thread", choices=THREADS, default="main", help="where systems run")
+    parser.add_argument(
+        "--thread-teams", action="store_true", help="fresh against after-main, a process each"
+    )
     args = parser.parse_args(argv)
     systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
     unknown = sorted({split_system(s, "")[0] for s in systems} - set(SYSTEMS))
@@ -266,7 +338,30 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         rounds=args.rounds,
         threads=args.threads,
         out=args.out,
+        thread=args.thread,
+        thread_teams=args.thread_teams,
     )
+
+
+def arguments(cfg: BenchConfig) -> list[str]:
+    """The command line of a BenchConfig (parse_args' inverse)."""
+    options = {
+        "--dtype": cfg.dtype,
+        "--systems": ",".join(cfg.systems),
+        "--batch": ",".join(map(str, cfg.batches)),
+        "--prompt-tokens": cfg.prompt_tokens,
+        "--steps": cfg.steps,
+        "--warmup-steps": cfg.warmup_steps,
+        "--rounds": cfg.rounds,
+        "--thread": cfg.thread,
+        "--model": cfg.model,
+        "--threads": cfg.threads,
+        "--out": cfg.out,
+    }
+    argv = [
+        str(part) for key, value in options.items() if value is not None for part in (key, value)
+    ]
+    return argv + (["--thread-teams"] if cfg.thread_teams else [])
 
 
 if __name__ == "__main__":
