@@ -172,6 +172,15 @@ CHAT_PARAMETERS = ParameterTable(
         PREFILL_CHUNK_TOKENS,
         KV_CACHE_MEMORY,
         Parameter(
+            "speculative",
+            "auto",
+            "speculative decoding: ngram (drafts from the prompt and the answer so far, "
+            "verified as rows of the running batch: the same tokens, greedy or seeded), off, "
+            "or auto (what measured faster here: docs/configuration.md)",
+            choice("auto", "off", "ngram"),
+            option=True,
+        ),
+        Parameter(
             "compile",
             "off",
             "on: torch.compile the compact decode step (warmed up at load); off",
@@ -264,6 +273,8 @@ class EngineConfig:
     # model sets it to fit its batches (dialogue/generation.py).
     max_len: int | None = None
     compile: bool = _CHAT["compile"]  # torch.compile the compact decode step
+    # speculative decoding on the compact forward: auto, off, ngram (steps/drafts.py)
+    speculative: str = _CHAT["speculative"]
     quantize: str = _CHAT["quantize"]  # the compact forward's weights: auto, none, int8, int4
     # On a CPU: decode steps on fewer torch threads while fewer measure faster, as when another
     # process holds a core (streaming_backend/engine/step_threads.py); off: torch's count always.

@@ -38,8 +38,9 @@ from streaming_backend.sampling.logits import NextTokenChooser
 from streaming_backend.sampling.request_keys import MAX_TOKENS
 from streaming_backend.sampling.settings import SamplingSettings
 from streaming_backend.sampling.stopping import StopStringMatcher
-from streaming_backend.steps import Steps
+from streaming_backend.steps import Decoded, Steps
 from streaming_backend.steps.build import build_steps
+from streaming_backend.steps.drafts import DraftCounts, resolve_mode
 from streaming_backend.steps.forward_choice import ForwardChoice
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,8 @@ class _Stream:
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     ended: bool = False  # its final event went out: it must never get a second one
     grammar: GrammarMatcher | None = None  # constrained decoding (guided_*): its token mask
+    # its own row's logits pipeline, for a drafted position past a step's first (speculation)
+    chooser: NextTokenChooser | None = None
 
 
 class Engine:
@@ -167,6 +170,14 @@ class Engine:
         self.numerics: Numerics = describe(self.loaded, self._steps)
         # which forward that is and why (the health answer's, so /status shows it)
         self.forward_choice = ForwardChoice.of(self._steps)
+        # speculative decoding: drafts from the context, verified in the steps (steps/drafts.py)
+        self.draft_counts = DraftCounts()
+        self.speculative = resolve_mode(self.config.speculative, self.loaded.device.type)
+        if self.speculative != "off":
+            why = self._steps.enable_drafts(self.draft_counts)
+            if why is not None:
+                log.info("no speculative decoding: %s", why)
+                self.speculative = "off"
         # the decode steps' torch threads on a CPU: fewer while fewer measure faster
         adaptive = self.config.adaptive_threads and self.loaded.device.type == "cpu"
         self._threads = StepThreads(self._torch_threads) if adaptive else None
@@ -377,7 +388,10 @@ class Engine:
         step = self._steps.decode() if self._threads is None else self._timed_decode()
         if self.config.test_token_delay_s:
             _pace_until(self._last_emit_ns, self.config.test_token_delay_s)
-        self._emit(step.streams, step.logits, step.chooser)
+        if step.drafts:
+            self._emit_verified(step)
+        else:
+            self._emit(step.streams, step.logits, step.chooser)
 
     def _timed_decode(self):
         """The decode step on the thread count StepThreads picks, timed for it; every other
@@ -389,7 +403,7 @@ class Engine:
             step = self._steps.decode()
             seconds = time.perf_counter() - start
             context = max((len(s.prompt_ids) + len(s.output_ids) for s in step.streams), default=0)
-            threads.after(len(step.streams), seconds, context)
+            threads.after(len(step.logits), seconds, context)  # a row per token verified
             return step
         finally:
             _set_threads(threads.current)
@@ -415,6 +429,45 @@ class Engine:
         self._steps.remove(done)
         if self.mask_ahead:  # the next masks are filled while the next forward runs
             compute_masks_ahead([s.grammar for s in streams if not s.ended], logits.shape[-1])
+
+    def _emit_verified(self, step: Decoded) -> None:
+        """A step with drafts: each row's first token chosen as `_emit` chooses it; then, while
+        the token chosen equals the row's next drafted token, the token after it, chosen from
+        the logits after that draft by the row's own pipeline: its settings, its generator's
+        next draw (one a token, as in plain decoding), its grammar as advanced, its output so
+        far. So the tokens are plain decoding's; a step that accepts 5 sends 5 events, in
+        order. The rejected drafts' KV is dropped after (`Steps.settle`)."""
+        streams, starts = step.streams, step.first_rows()
+        wants_logprobs = any(s.logprobs for s in streams)
+        top = max((s.settings.top_logprobs for s in streams if s.logprobs), default=0)
+        first = step.logits[starts]  # [B, V]: each row's logits after its latest token
+        choice = step.chooser.choose(first, streams, logprobs=wants_logprobs, top_logprobs=top)
+        emitted_ns = self._last_emit_ns = time.monotonic_ns()
+        done = []
+        for row, stream in enumerate(streams):
+            try:
+                ended = self._events.advance(stream, choice, row, emitted_ns)
+                drafted, at = step.drafts[row], 0
+                while not ended and at < len(drafted) and stream.output_ids[-1] == drafted[at]:
+                    at += 1
+                    logits = step.logits[starts[row] + at][None]  # [1, V]
+                    ended = self._emit_one(stream, logits, emitted_ns)
+                if ended:
+                    done.append(stream)
+            except Exception as exc:  # one stream's failure must not end the others
+                log.exception("stream %s failed", stream.handle.request_id)
+                self._fail([stream], exc)
+        self._steps.settle(step)
+        self._steps.remove(done)
+
+    def _emit_one(self, stream: _Stream, logits: torch.Tensor, emitted_ns: int) -> bool:
+        """One token of one stream from its logits [1, V] through its own pipeline; True when
+        the stream is done."""
+        if stream.chooser is None:
+            stream.chooser = NextTokenChooser.for_rows([stream], self.loaded.eos_ids, logits.device)
+        top = stream.settings.top_logprobs if stream.logprobs else 0
+        choice = stream.chooser.choose(logits, [stream], logprobs=stream.logprobs, top_logprobs=top)
+        return self._events.advance(stream, choice, 0, emitted_ns)
 
     def _fail(self, streams: list[_Stream], exc: Exception) -> None:
         """End streams with an error event carrying a StreamingError."""

@@ -221,6 +221,36 @@ class SlotForward:
             self.cache.lengths[slot] += 1
         return logits
 
+    @torch.inference_mode()
+    def verify(self, slots: Sequence[int], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Append each slot's tokens (its latest token, then any drafted after it) at its next
+        positions in one call; return the logits [sum of the counts, V] fp32 after every token,
+        slot by slot: what decode steps of those tokens one at a time would give (each token
+        attends over exactly its own positions, and a row's arithmetic does not depend on what
+        shares its call). A rejected draft's keys and values are dropped by truncating the
+        slot (`cache.truncate`)."""
+        if len(slots) != len(tokens):
+            raise ValueError(f"{len(slots)} slots but {len(tokens)} token lists")
+        chunks = [PromptChunk(slot, list(t)) for slot, t in zip(slots, tokens)]
+        _check_distinct(slots)
+        limit = self.cache.chunk_limit
+        for chunk in chunks:
+            if not chunk.tokens:
+                raise ValueError(f"no token to verify for slot {chunk.slot}")
+            if limit is not None and len(chunk.tokens) > limit:
+                raise ValueError(f"{len(chunk.tokens)} tokens exceed the rings' spare of {limit}")
+            self.cache.check_room(chunk.slot, len(chunk.tokens))
+        starts = [self.cache.lengths[c.slot] for c in chunks]
+        rows = self._prefill_rows(chunks, starts)
+        spans = self._spans(chunks, starts)
+        x = self.model.hidden(self.cache.k, self.cache.v, rows, 0, spans=spans)  # [N, T, hidden]
+        row_of = [r for r, c in enumerate(chunks) for _ in c.tokens]
+        column = [i for c in chunks for i in range(len(c.tokens))]
+        x = x[torch.tensor(row_of), torch.tensor(column)].contiguous()  # [M, hidden]
+        for start, chunk in zip(starts, chunks):
+            self.cache.lengths[chunk.slot] = start + len(chunk.tokens)
+        return self.model.normed_logits(x)
+
     def decode_index(
         self, tokens: Sequence[int], slots: Sequence[int], lengths: Sequence[int]
     ) -> torch.Tensor:

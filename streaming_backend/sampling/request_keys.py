@@ -29,6 +29,7 @@ SEED = "seed"
 STOP = "stop"
 IGNORE_EOS = "ignore_eos"
 TOP_LOGPROBS = "top_logprobs"
+SPECULATE = "speculate"
 # constrained decoding as vLLM names it; at most one per request (sampling/grammar.py)
 GUIDED_JSON = "guided_json"
 GUIDED_JSON_OBJECT = "guided_json_object"
@@ -187,6 +188,13 @@ REQUEST_KEYS = (
         "alternatives per token in the logprobs output (with return_logprobs)",
         Range(0, MAX_TOP_LOGPROBS),
         openai="logprobs",
+    ),
+    RequestKey(
+        SPECULATE,
+        BOOLEAN,
+        True,
+        "false: no speculative decoding for this request (where the server speculates); "
+        "the answer is the same either way",
     ),
     RequestKey(GUIDED_JSON, SCHEMA, None, "the answer is JSON that this schema admits"),
     RequestKey(GUIDED_JSON_OBJECT, BOOLEAN, False, "true: the answer is a JSON object"),

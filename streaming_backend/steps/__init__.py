@@ -23,6 +23,7 @@ import torch
 from streaming_backend.model.memory import MemoryReport
 from streaming_backend.sampling.settings import SamplingSettings
 from streaming_backend.steps.batch import Decoded
+from streaming_backend.steps.drafts import DraftCounts
 
 __all__ = ["Decoded", "OnFailure", "Prefilled", "Steps", "Stream"]
 
@@ -81,6 +82,14 @@ class Steps(Protocol[S]):
     def decoding(self) -> bool: ...  # True when a decode step has rows
 
     def decode(self) -> Decoded: ...
+
+    # speculative decoding (steps/drafts.py): turn drafts on, counting into `counts` (None when
+    # on, else why not); after a step with drafts was emitted, drop its rejected drafts' KV
+    draft_counts: DraftCounts | None
+
+    def enable_drafts(self, counts: DraftCounts) -> str | None: ...
+
+    def settle(self, step: Decoded) -> None: ...
 
     # each child (new to the steps) decodes on from a copy of its decoding parent's model state
     def fork(self, pairs: Sequence[tuple[S, S]]) -> None: ...

@@ -22,11 +22,28 @@ R = TypeVar("R", bound=Row)
 
 
 class Decoded(NamedTuple):
-    """One decode step: the rows in order, their logits [B, V] fp32 and their chooser."""
+    """One decode step: the rows in order, their logits fp32 and their chooser.
+
+    Without drafts the logits are [B, V], a row each. With drafts (speculative decoding, on the
+    compact forward) row r's tokens drafted after its latest one are `drafts[r]`, and its logits
+    are 1 + len(drafts[r]) consecutive rows: after its latest token, then after each drafted
+    token in order (`first_rows` says where each row's begin).
+    """
 
     streams: list
     logits: torch.Tensor
     chooser: NextTokenChooser
+    drafts: tuple[list[int], ...] = ()
+
+    def first_rows(self) -> list[int]:
+        """Where each row's logits begin in `logits`."""
+        if not self.drafts:
+            return list(range(len(self.streams)))
+        starts, at = [], 0
+        for drafted in self.drafts:
+            starts.append(at)
+            at += 1 + len(drafted)
+        return starts
 
 
 class RowState(Protocol):
@@ -92,11 +109,15 @@ class RunningBatch(Generic[R]):
             self._chooser = NextTokenChooser.for_rows(self.rows, self.eos_ids, self.device)
         return self._chooser
 
-    def step(self) -> Decoded:
-        """One forward pass: each row's latest token in, next-token logits out."""
+    def step(self, drafts: Sequence[list[int]] = ()) -> Decoded:
+        """One forward pass: each row's latest token in, next-token logits out; with `drafts`
+        (one list a row, on a state that can `verify`), each row's drafted tokens after it too."""
         rows = list(self.rows)
-        logits = self.state.decode([row.output_ids[-1] for row in rows])
-        return Decoded(rows, logits, self.chooser())
+        latest = [row.output_ids[-1] for row in rows]
+        if not any(drafts):
+            return Decoded(rows, self.state.decode(latest), self.chooser())
+        logits = self.state.verify([[token, *d] for token, d in zip(latest, drafts)])
+        return Decoded(rows, logits, self.chooser(), tuple(drafts))
 
 
 # ---- the compact forward: one cache slot per row --------------------------------------------
@@ -106,6 +127,8 @@ class SlotForwardLike(Protocol):
     cache: Any  # forward.slots.SlotCache
 
     def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor: ...
+
+    def verify(self, slots: Sequence[int], tokens: Sequence[Sequence[int]]) -> torch.Tensor: ...
 
 
 class SlotRows:
@@ -132,6 +155,10 @@ class SlotRows:
 
     def decode(self, tokens: list[int]) -> torch.Tensor:
         return self.forward.decode(self.slots, tokens)
+
+    def verify(self, tokens: list[list[int]]) -> torch.Tensor:
+        """Each row's tokens at its next positions -> logits after every one [sum, V]."""
+        return self.forward.verify(self.slots, tokens)
 
 
 # ---- the Hugging Face forward: rows of a left-padded DynamicCache ---------------------------

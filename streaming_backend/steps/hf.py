@@ -37,6 +37,7 @@ class HfSteps:
     attention = "hf"  # the Hugging Face modelling code's own
     matmul = "hf"
     kv_cache = None  # a DynamicCache per batch, grown as it goes: nothing preallocated to report
+    draft_counts = None  # no speculative decoding (enable_drafts)
 
     def __init__(
         self, loaded: LoadedModel, config: EngineConfig, on_failure: OnFailure, why: str = ASKED_FOR
@@ -106,6 +107,13 @@ class HfSteps:
     def decode(self) -> Decoded:
         """One forward pass for every row of the batch, one new token each."""
         return self._batch.step()
+
+    def enable_drafts(self, counts) -> str | None:
+        """Why this forward does not speculate: its cache cannot drop a rejected draft's rows."""
+        return "the Hugging Face forward verifies no drafts"
+
+    def settle(self, step: Decoded) -> None:
+        """Nothing to settle: its steps carry no drafts."""
 
     def fork(self, pairs: Sequence[tuple]) -> None:
         """Each child joins the batch with a copy of its parent's cache row and position."""

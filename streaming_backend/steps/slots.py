@@ -29,6 +29,7 @@ from streaming_backend.model.memory import MemoryReport
 from streaming_backend.model.prefix_cache import PrefixCache
 from streaming_backend.steps import Decoded, OnFailure, Prefilled
 from streaming_backend.steps.batch import RunningBatch, SlotRows
+from streaming_backend.steps.drafts import MAX_DRAFTING_ROWS, DraftCounts, Drafter
 from streaming_backend.steps.pacing import PrefillPacer, timed
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ class SlotSteps:
         self.pacer = PrefillPacer(
             fixed=config.prefill_chunk_tokens, ceiling=config.max_prefill_tokens
         )
+        # speculative decoding (steps/drafts.py): off until the engine turns it on
+        self.draft_counts: DraftCounts | None = None
+        self._drafters: dict[int, Drafter] = {}  # id(stream) -> its drafts
 
     @property
     def quantize(self) -> str:
@@ -229,10 +233,59 @@ class SlotSteps:
         return bool(self._batch.rows)
 
     def decode(self) -> Decoded:
-        """One token for every decoding stream, at its slot's next position."""
-        step, seconds = timed(self._batch.step, self._sync)
-        self.pacer.observe_decode(seconds)
+        """One token for every decoding stream, at its slot's next position; with drafts on,
+        the drafted tokens of a few rows too (their logits after each; `settle` after)."""
+        drafts = self._propose() if self.draft_counts is not None else ()
+        step, seconds = timed(lambda: self._batch.step(drafts), self._sync)
+        if not any(drafts):
+            self.pacer.observe_decode(seconds)
         return step
+
+    # ---- speculative decoding -------------------------------------------------------------------
+
+    def enable_drafts(self, counts: DraftCounts) -> str | None:
+        """Draft from the context from now on, counting into `counts`; None when on, else why
+        not (a compiled or graphed decode step verifies nothing: it runs one token a row)."""
+        if self.forward.compile_seconds is not None:
+            return f"the decode step is {self.decode_path}"
+        self.draft_counts = counts
+        return None
+
+    def _propose(self) -> list[list[int]]:
+        """Each decoding row's draft ([] for most): none past MAX_DRAFTING_ROWS rows, none for
+        a request that turned speculation off, and none past its max_tokens or its slot."""
+        rows = self._batch.rows
+        if len(rows) > MAX_DRAFTING_ROWS:
+            return []
+        spare = self.cache.chunk_limit  # a ring keeps the window behind any rollback
+        drafts = []
+        for stream in rows:
+            if not stream.settings.speculate:
+                drafts.append([])
+                continue
+            drafter = self._drafters.get(id(stream))
+            if drafter is None:
+                drafter = self._drafters[id(stream)] = Drafter(self.draft_counts)
+            length = self.cache.lengths[self._slot[id(stream)]]
+            room = min(
+                stream.settings.max_tokens - len(stream.output_ids) - 1,
+                self.cache.max_len - length - 1,
+                spare - 1 if spare is not None else self.cache.max_len,
+            )
+            drafts.append(drafter.propose(stream.prompt_ids, stream.output_ids, room))
+        return drafts
+
+    def settle(self, step: Decoded) -> None:
+        """After a step's tokens were emitted: each row that verified drafts keeps the keys and
+        values of its context but the newest token (as a decode step leaves it); those of its
+        rejected drafts are dropped. Its drafter learns what was accepted."""
+        for stream, drafted in zip(step.streams, step.drafts):
+            slot = self._slot.get(id(stream))
+            if not drafted or slot is None:
+                continue
+            kept = len(stream.prompt_ids) + len(stream.output_ids) - 1
+            self.cache.truncate(slot, min(kept, self.cache.lengths[slot]))
+            self._drafters[id(stream)].observe(stream.prompt_ids, stream.output_ids)
 
     def _sync(self) -> None:
         """Wait for the device's queued work, so a step's time is its real cost."""
@@ -299,6 +352,7 @@ class SlotSteps:
             else:
                 self.cache.free(slot)
             del self._slot[id(stream)]
+            self._drafters.pop(id(stream), None)
             if stream in self._prefilling:
                 self._prefilling.remove(stream)
         self._batch.remove(streams)

@@ -126,3 +126,41 @@ def test_bad_calls_are_refused_and_change_nothing(forward):
     with pytest.raises(ValueError, match="empty"):
         forward.score(PromptChunk(slot, []))
     assert forward.cache.lengths[slot] == len(PROMPT)
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8", "int4"])
+def test_verify_gives_each_tokens_decode_logits_bit_for_bit(tiny_loaded, quantize):
+    """One verify call of a slot's latest token and 4 drafted after it, beside another slot's
+    lone token: every token's logits are exactly those of decode steps one token at a time,
+    and each slot's length grows by its tokens (speculative decoding's verification)."""
+    forward = SlotForward.create(
+        tiny_loaded, ForwardConfig(**{**CONFIG.__dict__, "quantize": quantize})
+    )
+    one, two = forward.cache.allocate(), forward.cache.allocate()
+    forward.prefill([PromptChunk(one, PROMPT), PromptChunk(two, PROMPT[:4])])
+    tokens = [11, 2000, 3, 45, 678]
+    stepped = [forward.decode([one, two], [token, 99]) for token in tokens]
+    forward.cache.truncate(one, len(PROMPT))
+    forward.cache.truncate(two, 4)
+    logits = forward.verify([one, two], [tokens, [99]])
+    assert logits.shape == (6, forward.model.shape.vocab)
+    for at, step in enumerate(stepped):
+        assert torch.equal(logits[at], step[0]), at
+    assert torch.equal(logits[5], stepped[0][1])
+    assert forward.cache.lengths[one] == len(PROMPT) + 5 and forward.cache.lengths[two] == 5
+
+
+def test_bad_verify_calls_are_refused(forward):
+    """A slot without tokens, lists that do not match the slots, a slot named twice, tokens
+    past the slot's room: refused with a message."""
+    slot = forward.cache.allocate()
+    forward.prefill([PromptChunk(slot, PROMPT)])
+    with pytest.raises(ValueError, match="no token"):
+        forward.verify([slot], [[]])
+    with pytest.raises(ValueError, match="token lists"):
+        forward.verify([slot], [[1], [2]])
+    with pytest.raises(ValueError, match="twice"):
+        forward.verify([slot, slot], [[1], [2]])
+    with pytest.raises(ValueError, match="exceed"):
+        forward.verify([slot], [[1] * 64])
+    assert forward.cache.lengths[slot] == len(PROMPT)

@@ -1,0 +1,165 @@
+"""Speculative decoding's speed, one stream and 16, with and without it in the same run.
+
+    PYTHONPATH=$PWD nice -n -19 .venv/bin/python scripts/speculation_bench.py --rounds 3
+    PYTHONPATH=$PWD .venv/bin/python scripts/speculation_bench.py --sets copy --max-tokens 64
+
+One engine serves the model as `tokenstream serve` loads it (dtype and quantize auto) with
+`speculative=ngram`; each request runs twice, once with `speculate` false (plain decoding) and
+once with it true, alternated (which goes first alternates too), so both see the same machine.
+Sets: `copy` (prompts whose answer copies its context: code edits, corrections, lists, quoting,
+in English and Chinese, below), `chat` (the shipped chats, streaming_backend/data), and `crowd`
+(16 chats at once). A set's figure is its tokens over its seconds, each way, from the request's
+submission to its last token; the ratio is with over without. Every answer is compared: the
+count of identical ones is printed (speculation must change none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass, replace
+
+from streaming_backend.engine import Engine, EngineConfig
+from streaming_backend.model.loading import load_model
+from streaming_backend.prompts import encode_prompt, load_chat_prompts
+from streaming_backend.sampling.settings import SamplingSettings
+
+CODE = """def total_price(items, tax):
+    s = 0
+    for it in items:
+        s = s + it["price"] * it["qty"]
+    s = s * (1 + tax)
+    return round(s, 2)"""
+
+# (label, user message): each answer mostly copies text of its prompt
+COPY_PROMPTS = (
+    (
+        "code-rename",
+        "Rename the variable s to subtotal in this function. Give back the whole "
+        f"function and nothing else.\n\n{CODE}",
+    ),
+    (
+        "correction",
+        "Correct the spelling mistakes in this paragraph and give back the whole "
+        "paragraph: The weather was realy nice yesterday, so we walked to the beech and ate "
+        "sandwitches. Afterwards we went home and watched a movie togehter.",
+    ),
+    (
+        "list",
+        "Turn this into a numbered list, one item per line: apples, oranges, bananas, "
+        "pears, grapes, plums, cherries, lemons, limes, mangoes",
+    ),
+    (
+        "quote",
+        "Quote the second sentence of this text exactly.\n\nThe library opens at nine. "
+        "Visitors must leave their bags at the front desk before entering the reading room. "
+        "Books may be borrowed for three weeks.",
+    ),
+    (
+        "zh-correction",
+        "改正这段话中的错别字，并完整地给出改正后的段落：今天天气很好，我们去公圆散步，"
+        "看到了很多美丽的花朵和在湖里游泳的小鸭子。",
+    ),
+    ("zh-list", "把下面的内容写成编号列表，每行一项：苹果、香蕉、橙子、葡萄、西瓜、草莓、桃子、梨"),
+    (
+        "zh-quote",
+        "请原文引用下面这段话的第一句：人工智能正在改变我们的生活方式。它被用于医疗、教育和交通"
+        "等许多领域。",
+    ),
+    ("zh-code", f"把这个函数里的变量 s 改名为 subtotal，完整地给出整个函数。\n\n{CODE}"),
+)
+
+
+@dataclass
+class Tally:
+    """Tokens and seconds of one way (with or without speculation)."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def _run(engine: Engine, prompts: list[list[int]], settings: SamplingSettings):
+    """Submit every prompt at once; ([output ids per prompt], seconds until the last ended)."""
+    start = time.perf_counter()
+    handles = [engine.submit(p, settings) for p in prompts]
+    outputs = [[t for event in handle for t in event.token_ids] for handle in handles]
+    return outputs, time.perf_counter() - start
+
+
+def measure(engine, sets, settings, rounds):
+    """Per set: (plain Tally, speculative Tally, identical answers, answers)."""
+    results = {}
+    for name, groups in sets.items():
+        plain, spec, same, total = Tally(), Tally(), 0, 0
+        for round_ in range(rounds):
+            for index, prompts in enumerate(groups):
+                ways = [False, True] if (round_ + index) % 2 == 0 else [True, False]
+                got = {}
+                for way in ways:
+                    outputs, seconds = _run(engine, prompts, replace(settings, speculate=way))
+                    tally = spec if way else plain
+                    tally.tokens += sum(len(o) for o in outputs)
+                    tally.seconds += seconds
+                    got[way] = outputs
+                same += sum(a == b for a, b in zip(got[False], got[True]))
+                total += len(prompts)
+        results[name] = (plain, spec, same, total)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="default: the bundled SmolLM2")
+    parser.add_argument("--sets", default="copy,chat,crowd")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--chats", type=int, default=8, help="shipped chats in the chat set")
+    parser.add_argument("--json", default="", help="also write the figures to this file")
+    args = parser.parse_args()
+
+    loaded = load_model(args.model, dtype="auto", device="cpu")
+    tokenizer = loaded.tokenizer
+    copy = [
+        [encode_prompt(tokenizer, messages=[{"role": "user", "content": text}])]
+        for _, text in COPY_PROMPTS
+    ]
+    chats = [encode_prompt(tokenizer, messages=m) for m in load_chat_prompts()]
+    available = {
+        "copy": copy,
+        "chat": [[c] for c in chats[: args.chats]],
+        "crowd": [[chats[i % len(chats)] for i in range(16)]],
+    }
+    sets = {name: available[name] for name in args.sets.split(",")}
+    settings = SamplingSettings(
+        temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens
+    )
+    config = EngineConfig(speculative="ngram", forward="compact", max_streams=16)
+    with Engine(loaded, config) as engine:
+        _run(engine, copy[0], replace(settings, max_tokens=8))  # warm up
+        results = measure(engine, sets, settings, args.rounds)
+        counts = engine.draft_counts
+    report = {}
+    for name, (plain, spec, same, total) in results.items():
+        ratio = spec.rate / plain.rate if plain.rate else 0.0
+        print(
+            f"{name:6s} off {plain.rate:7.1f} tok/s  ngram {spec.rate:7.1f} tok/s  "
+            f"ratio {ratio:.2f}x  identical {same}/{total}  "
+            f"({plain.tokens} / {spec.tokens} tokens)"
+        )
+        report[name] = {"off": plain.rate, "ngram": spec.rate, "ratio": ratio,
+                        "identical": same, "answers": total}  # fmt: skip
+    print(f"drafted {counts.drafted}, accepted {counts.accepted} ({counts.rate:.0%})")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(report, out, indent=1)
+
+
+if __name__ == "__main__":
+    main()
