@@ -94,9 +94,12 @@ FORWARD = "forward"
 # (model/memory.py MemoryReport.as_dict: weights shared and private, KV cache reserved and
 # touched), else null
 MEMORY = "memory"
+# speculation: speculative decoding's mode (off, ngram) and its tokens drafted and accepted since
+# load, with their ratio (steps/drafts.py DraftCounts)
+SPECULATION = "speculation"
 HEALTH_KEYS = (
     "healthy", "reason", "draining", "active", "waiting", SYSTEM_FINGERPRINT, NUMERICS, STEPS,
-    FORWARD, MEMORY,
+    FORWARD, MEMORY, SPECULATION,
 )  # fmt: skip
 ADMIN_KEY_VARIABLE = "TOKENSTREAM_ADMIN_KEY"  # the admin key, as the model process sees it
 ADMIN_HEADER = "tokenstream-admin-key"  # the header Triton's restricted repository API checks

@@ -72,5 +72,6 @@ class Control:
             healthy, reason, self.draining, active, self.engine.waiting_streams,
             numerics.fingerprint, numerics.as_dict(), steps.as_dict() if steps else None,
             self.engine.forward_choice.as_dict(), memory.as_dict() if memory else None,
+            self.engine.speculation_report(),
         )  # fmt: skip
         return dict(zip(HEALTH_KEYS, values, strict=True))

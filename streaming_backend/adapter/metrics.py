@@ -108,6 +108,21 @@ class Metrics:
             "Recent decode step time over the fastest of the same rows since load (1: full speed)",
             family.GAUGE,
         )
+        self.drafted = make(
+            "tokenstream_spec_decode_draft_tokens_total",
+            "Tokens drafted by speculative decoding and verified in the running batch",
+            family.COUNTER,
+        )
+        self.accepted = make(
+            "tokenstream_spec_decode_accepted_tokens_total",
+            "Drafted tokens accepted: equal to the token decoding chose at their position",
+            family.COUNTER,
+        )
+        self.acceptance = make(
+            "tokenstream_spec_decode_acceptance_rate",
+            "Accepted over drafted tokens since load (0 before any draft)",
+            family.GAUGE,
+        )
         self.rejected = make(
             "tokenstream_rejected_requests_total",
             "Requests refused (invalid or overloaded)",
@@ -122,7 +137,10 @@ class Metrics:
         self._families.append(requests)
         self.outcomes = {o: requests.Metric(labels=labels | {"outcome": o}) for o in OUTCOMES}
         # the gauges' values as last set
-        self._reported = {"active": 0, "waiting": 0, "step_threads": 0, "step_slowdown": 0.0}
+        self._reported = {
+            "active": 0, "waiting": 0, "step_threads": 0, "step_slowdown": 0.0, "acceptance": 0.0
+        }  # fmt: skip
+        self._drafts = (0, 0)  # drafted and accepted tokens as last added to their counters
         # time.monotonic() of set_steps' last look at a report (the limit had passed, or a switch)
         self._steps_set_at = -math.inf
         # output tokens not yet added to tokenstream_generation_tokens_total: every metrics call
@@ -161,6 +179,17 @@ class Metrics:
         self._set_gauge("step_threads", report.threads)
         if report.slowdown is not None:
             self._set_gauge("step_slowdown", round(report.slowdown, 2))
+
+    def set_drafts(self, drafted: int, accepted: int) -> None:
+        """Speculative decoding's tokens drafted and accepted since load: the counters grow by
+        what is new since the last call, the rate gauge is set when it changed."""
+        before_drafted, before_accepted = self._drafts
+        if drafted == before_drafted:
+            return
+        quietly(self.drafted.increment, drafted - before_drafted)
+        quietly(self.accepted.increment, accepted - before_accepted)
+        self._drafts = (drafted, accepted)
+        self._set_gauge("acceptance", round(accepted / drafted, 3))
 
     def _set_gauge(self, name: str, value: float) -> None:
         if value != self._reported[name]:

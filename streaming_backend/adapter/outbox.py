@@ -140,6 +140,8 @@ class Outbox:
                     next_check = time.monotonic() + interval
                     self._poll_cancelled()
                     self.metrics.set_steps(self.engine.step_report())
+                    counts = self.engine.draft_counts
+                    self.metrics.set_drafts(counts.drafted, counts.accepted)
                     self.metrics.flush_tokens()
             except Exception:  # noqa: BLE001 - logged; the loop goes on
                 log.exception("the outbox thread caught an error and goes on")

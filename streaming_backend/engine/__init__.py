@@ -220,6 +220,14 @@ class Engine:
         forward or a GPU). Read from other threads: addresses and pages, never values."""
         return self._steps.memory()
 
+    def speculation_report(self) -> dict:
+        """Speculative decoding's mode and its tokens drafted and accepted since load (/status).
+        Read from other threads: two counters, never a lock on the engine."""
+        counts = self.draft_counts
+        drafted, accepted = counts.drafted, counts.accepted
+        rate = round(accepted / drafted, 4) if drafted else None
+        return {"mode": self.speculative, "drafted": drafted, "accepted": accepted, "rate": rate}
+
     def health(self) -> tuple[bool, str]:
         """(healthy, reason): unhealthy once the device is poisoned or the thread has died."""
         if self._fault is not None:

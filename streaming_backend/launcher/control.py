@@ -20,6 +20,7 @@ from streaming_backend.wire import (
     FORWARD,
     MEMORY,
     NUMERICS,
+    SPECULATION,
     STEPS,
     SYSTEM_FINGERPRINT,
     TEXT_OUTPUT,
@@ -52,6 +53,7 @@ class ModelHealth:
     steps: dict[str, Any] | None = None  # decode threads and pace (step_threads.StepReport)
     forward: dict[str, Any] | None = None  # which forward runs and why (steps/forward_choice.py)
     memory: dict[str, Any] | None = None  # its weights' and KV cache's bytes (wire.MEMORY)
+    speculation: dict[str, Any] | None = None  # drafted and accepted tokens (wire.SPECULATION)
 
 
 def control(http_url: str, model: str, key: str, action: str, timeout: float) -> ModelHealth:
@@ -73,6 +75,7 @@ def control(http_url: str, model: str, key: str, action: str, timeout: float) ->
             steps=state.get(STEPS),
             forward=state.get(FORWARD),
             memory=state.get(MEMORY),
+            speculation=state.get(SPECULATION),
         )
     raise ControlError(f"{model} answered a control request with no response")
 

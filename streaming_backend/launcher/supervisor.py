@@ -43,6 +43,7 @@ from streaming_backend.wire import (
     FORWARD,
     MEMORY,
     NUMERICS,
+    SPECULATION,
     STEPS,
     SYSTEM_FINGERPRINT,
 )
@@ -160,8 +161,8 @@ class Supervisor:
 
     def status(self) -> dict:
         """State, reason, counters and endpoints, as /status shows them; the chat model's
-        numerics, system fingerprint, steps, forward and memory as its latest canary told them
-        (None before one did)."""
+        numerics, system fingerprint, steps, forward, memory and speculation as its latest
+        canary told them (None before one did)."""
         server = self.server
         watch = self._watch
         health = watch.answers.get(CHAT_MODEL) if watch is not None else None
@@ -181,6 +182,7 @@ class Supervisor:
             STEPS: health.steps if health else None,
             FORWARD: health.forward if health else None,
             MEMORY: health.memory if health else None,
+            SPECULATION: health.speculation if health else None,
         }
 
     # ---- run --------------------------------------------------------------------------------

@@ -47,6 +47,9 @@ class FakeEngine:
     def memory_report(self) -> Facts | None:
         return self.memory
 
+    def speculation_report(self) -> dict:
+        return {"mode": "ngram", "drafted": 10, "accepted": 7, "rate": 0.7}
+
     def shutdown(self) -> None:
         self.shutdowns += 1
 
@@ -126,6 +129,7 @@ def test_the_health_answer_names_each_fact_under_its_key():
         wire.STEPS: {"name": "steps"},
         wire.FORWARD: {"name": "forward"},
         wire.MEMORY: {"name": "memory"},
+        wire.SPECULATION: {"mode": "ngram", "drafted": 10, "accepted": 7, "rate": 0.7},
     }
 
 

@@ -328,3 +328,16 @@ def test_the_slowdown_gauge_is_set_at_most_once_a_second_and_a_switch_at_once():
     poll(13.08, 1, 1.70)  # held back: the last look was at 13.04
     poll(14.04, 1, 1.70)  # a second on
     assert metrics.step_slowdown.observed == [1.1, 1.4, 1.5, 1.6, 1.7]
+
+
+def test_the_draft_counters_grow_by_what_is_new_and_the_rate_follows():
+    """Speculative decoding's totals since load, read at each poll: the drafted and accepted
+    counters grow by the difference, the acceptance rate gauge is set when it changed, and a
+    poll with nothing new drafted calls nothing."""
+    metrics = Metrics(pb.MetricFamily, "chat", "1")
+    for drafted, accepted in ((0, 0), (10, 8), (10, 8), (30, 12), (40, 22)):
+        metrics.set_drafts(drafted, accepted)
+    assert metrics.drafted.increments == [10, 20, 10]
+    assert metrics.accepted.increments == [8, 4, 10]
+    assert metrics.acceptance.observed == [0.8, 0.4, 0.55]
+    assert metrics.drafted.labels == {"model": "chat", "version": "1"}

@@ -35,6 +35,7 @@ from streaming_backend.wire import (
     MEMORY,
     NUMERICS,
     SAMPLING_PARAMETERS,
+    SPECULATION,
     STEPS,
     STREAM,
     SYSTEM_FINGERPRINT,
@@ -370,6 +371,8 @@ def test_status_tells_the_weights_and_kv_cache_memory(supervised, tiny_model_dir
         supervisor.server.http_url, CHAT_MODEL, supervisor.admin_key, CONTROL_HEALTH, 10
     )
     assert health.memory == memory
+    # speculative decoding's counts come the same way (auto: off on a CPU until measured)
+    assert status[SPECULATION]["mode"] in ("off", "ngram") and health.speculation["drafted"] >= 0
 
 
 @pytest.mark.server
