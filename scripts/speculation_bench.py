@@ -9,7 +9,9 @@ once with it true, alternated (which goes first alternates too), so both see the
 Sets: `copy` (prompts whose answer copies its context: code edits, corrections, lists, quoting,
 in English and Chinese, below), `chat` (the shipped chats, streaming_backend/data), and `crowd`
 (16 chats at once). A set's figure is its tokens over its seconds, each way, from the request's
-submission to its last token; the ratio is with over without. Every answer is compared: the
+submission to its last token; the ratio is with over without, and the median pair is the median
+of each prompt's seconds without over with, the two runs back to back (robust to a burst of
+other work on a shared machine). Every answer is compared: the
 count of identical ones is printed (speculation must change none).
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from dataclasses import dataclass, replace
 
@@ -92,23 +95,25 @@ def _run(engine: Engine, prompts: list[list[int]], settings: SamplingSettings):
 
 
 def measure(engine, sets, settings, rounds):
-    """Per set: (plain Tally, speculative Tally, identical answers, answers)."""
+    """Per set: (plain Tally, speculative Tally, identical answers, answers, each pair's speedup:
+    plain seconds over speculative seconds of the same prompts, one after the other)."""
     results = {}
     for name, groups in sets.items():
-        plain, spec, same, total = Tally(), Tally(), 0, 0
+        plain, spec, same, total, pairs = Tally(), Tally(), 0, 0, []
         for round_ in range(rounds):
             for index, prompts in enumerate(groups):
                 ways = [False, True] if (round_ + index) % 2 == 0 else [True, False]
-                got = {}
+                got, seconds_of = {}, {}
                 for way in ways:
                     outputs, seconds = _run(engine, prompts, replace(settings, speculate=way))
                     tally = spec if way else plain
                     tally.tokens += sum(len(o) for o in outputs)
                     tally.seconds += seconds
-                    got[way] = outputs
+                    got[way], seconds_of[way] = outputs, seconds
+                pairs.append(seconds_of[False] / seconds_of[True])
                 same += sum(a == b for a, b in zip(got[False], got[True]))
                 total += len(prompts)
-        results[name] = (plain, spec, same, total)
+        results[name] = (plain, spec, same, total, pairs)
     return results
 
 
@@ -146,14 +151,16 @@ def main() -> None:
         results = measure(engine, sets, settings, args.rounds)
         counts = engine.draft_counts
     report = {}
-    for name, (plain, spec, same, total) in results.items():
+    for name, (plain, spec, same, total, pairs) in results.items():
         ratio = spec.rate / plain.rate if plain.rate else 0.0
+        median = statistics.median(pairs)
         print(
             f"{name:6s} off {plain.rate:7.1f} tok/s  ngram {spec.rate:7.1f} tok/s  "
-            f"ratio {ratio:.2f}x  identical {same}/{total}  "
+            f"ratio {ratio:.2f}x  median pair {median:.2f}x  identical {same}/{total}  "
             f"({plain.tokens} / {spec.tokens} tokens)"
         )
         report[name] = {"off": plain.rate, "ngram": spec.rate, "ratio": ratio,
+                        "median_pair": median, "pairs": pairs,
                         "identical": same, "answers": total}  # fmt: skip
     print(f"drafted {counts.drafted}, accepted {counts.accepted} ({counts.rate:.0%})")
     if args.json:
