@@ -8,10 +8,12 @@ One engine serves the model as `tokenstream serve` loads it (dtype and quantize 
 once with it true, alternated (which goes first alternates too), so both see the same machine.
 Sets: `copy` (prompts whose answer copies its context: code edits, corrections, lists, quoting,
 in English and Chinese, below), `chat` (the shipped chats, streaming_backend/data), and `crowd`
-(16 chats at once). A set's figure is its tokens over its seconds, each way, from the request's
-submission to its last token; the ratio is with over without, and the median pair is the median
-of each prompt's seconds without over with, the two runs back to back (robust to a burst of
-other work on a shared machine). Every answer is compared: the
+(16 chats at once). A set's figures are its tokens over its seconds, each way: of the decode
+steps (the first token to the last, the tokens after each stream's first: what speculation
+speeds up) and end to end (submission to the last token, prefill included: the same either way).
+Ratios are with over without; the median pair is the median of each prompt's decode seconds
+without over with, the two runs back to back (robust to a burst of other work on a shared
+machine). Every answer is compared: the
 count of identical ones is printed (speculation must change none).
 """
 
@@ -76,22 +78,42 @@ COPY_PROMPTS = (
 
 @dataclass
 class Tally:
-    """Tokens and seconds of one way (with or without speculation)."""
+    """Tokens and seconds of one way (with or without speculation): from submission to the
+    last token, and of the decode steps alone (first token to last, the tokens after each
+    stream's first: what speculation can speed up; prefill is the same either way)."""
 
     tokens: int = 0
     seconds: float = 0.0
+    decoded: int = 0
+    decode_seconds: float = 0.0
 
     @property
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 
+    @property
+    def decode_rate(self) -> float:
+        return self.decoded / self.decode_seconds if self.decode_seconds else 0.0
 
-def _run(engine: Engine, prompts: list[list[int]], settings: SamplingSettings):
-    """Submit every prompt at once; ([output ids per prompt], seconds until the last ended)."""
+
+@dataclass
+class Run:
+    """One group of prompts submitted at once."""
+
+    outputs: list[list[int]]
+    seconds: float  # submission to the last token
+    decode_seconds: float  # the first token (of any stream) to the last
+
+
+def _run(engine: Engine, prompts: list[list[int]], settings: SamplingSettings) -> Run:
+    """Submit every prompt at once and wait for every answer."""
     start = time.perf_counter()
     handles = [engine.submit(p, settings) for p in prompts]
-    outputs = [[t for event in handle for t in event.token_ids] for handle in handles]
-    return outputs, time.perf_counter() - start
+    events = [list(handle) for handle in handles]
+    seconds = time.perf_counter() - start
+    emitted = [e.emitted_ns for stream in events for e in stream if e.token_ids]
+    outputs = [[t for event in stream for t in event.token_ids] for stream in events]
+    return Run(outputs, seconds, (max(emitted) - min(emitted)) / 1e9 if emitted else 0.0)
 
 
 def measure(engine, sets, settings, rounds):
@@ -105,12 +127,15 @@ def measure(engine, sets, settings, rounds):
                 ways = [False, True] if (round_ + index) % 2 == 0 else [True, False]
                 got, seconds_of = {}, {}
                 for way in ways:
-                    outputs, seconds = _run(engine, prompts, replace(settings, speculate=way))
+                    run = _run(engine, prompts, replace(settings, speculate=way))
                     tally = spec if way else plain
-                    tally.tokens += sum(len(o) for o in outputs)
-                    tally.seconds += seconds
-                    got[way], seconds_of[way] = outputs, seconds
-                pairs.append(seconds_of[False] / seconds_of[True])
+                    tally.tokens += sum(len(o) for o in run.outputs)
+                    tally.seconds += run.seconds
+                    tally.decoded += sum(max(len(o) - 1, 0) for o in run.outputs)
+                    tally.decode_seconds += run.decode_seconds
+                    got[way], seconds_of[way] = run.outputs, run.decode_seconds
+                if seconds_of[True] > 0:
+                    pairs.append(seconds_of[False] / seconds_of[True])
                 same += sum(a == b for a, b in zip(got[False], got[True]))
                 total += len(prompts)
         results[name] = (plain, spec, same, total, pairs)
@@ -153,14 +178,17 @@ def main() -> None:
     report = {}
     for name, (plain, spec, same, total, pairs) in results.items():
         ratio = spec.rate / plain.rate if plain.rate else 0.0
-        median = statistics.median(pairs)
+        decode = spec.decode_rate / plain.decode_rate if plain.decode_rate else 0.0
+        median = statistics.median(pairs) if pairs else 0.0
         print(
-            f"{name:6s} off {plain.rate:7.1f} tok/s  ngram {spec.rate:7.1f} tok/s  "
-            f"ratio {ratio:.2f}x  median pair {median:.2f}x  identical {same}/{total}  "
+            f"{name:6s} decode: off {plain.decode_rate:6.1f} ngram {spec.decode_rate:6.1f} tok/s "
+            f"{decode:.2f}x (median pair {median:.2f}x); end to end: off {plain.rate:6.1f} "
+            f"ngram {spec.rate:6.1f} tok/s {ratio:.2f}x; identical {same}/{total} "
             f"({plain.tokens} / {spec.tokens} tokens)"
         )
         report[name] = {"off": plain.rate, "ngram": spec.rate, "ratio": ratio,
-                        "median_pair": median, "pairs": pairs,
+                        "decode_off": plain.decode_rate, "decode_ngram": spec.decode_rate,
+                        "decode_ratio": decode, "median_pair": median, "pairs": pairs,
                         "identical": same, "answers": total}  # fmt: skip
     print(f"drafted {counts.drafted}, accepted {counts.accepted} ({counts.rate:.0%})")
     if args.json:
