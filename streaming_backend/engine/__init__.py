@@ -174,7 +174,10 @@ class Engine:
         self.draft_counts = DraftCounts()
         self.speculative = resolve_mode(self.config.speculative, self.loaded.device.type)
         if self.speculative != "off":
-            why = self._steps.enable_drafts(self.draft_counts)
+            if self.config.test_first_token_delay_s or self.config.test_token_delay_s:
+                why = "test delays pace one token a step"
+            else:
+                why = self._steps.enable_drafts(self.draft_counts)
             if why is not None:
                 log.info("no speculative decoding: %s", why)
                 self.speculative = "off"

@@ -145,5 +145,6 @@ def resolve_mode(mode: str, device: str) -> str:
     return mode
 
 
-# auto's choice per device kind: what measured faster (docs/configuration.md); off elsewhere
-AUTO: dict[str, str] = {"cpu": "off"}
+# auto's choice per device kind: what measured faster (docs/configuration.md, 2026-12-05: the
+# default model on a 2-core Intel Xeon, scripts/speculation_bench.py); off where nothing measured
+AUTO: dict[str, str] = {"cpu": "ngram"}

@@ -239,3 +239,14 @@ def test_the_fingerprint_does_not_change_with_speculation(tiny_loaded):
     with _engine(tiny_loaded, "off") as plain, _engine(tiny_loaded, "ngram") as speculating:
         assert speculating.speculative == "ngram"
         assert plain.numerics.fingerprint == speculating.numerics.fingerprint
+
+
+def test_auto_speculates_on_a_cpu_but_not_under_test_delays(tiny_loaded):
+    """auto is ngram on a CPU (measured: docs/configuration.md); test pacing delays, which
+    promise one token a step, turn it off."""
+    with _engine(tiny_loaded, "auto") as engine:
+        assert engine.speculative == "ngram"
+    with _engine(tiny_loaded, "auto", test_token_delay_s=0.001) as engine:
+        assert engine.speculative == "off"
+        _events(engine, PROMPT[:20] * 4, GREEDY)
+        assert engine.draft_counts.drafted == 0
