@@ -37,13 +37,13 @@ from streaming_backend.paths import cache_dir
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "exact_attention.c", CSRC / "quant_matmul.c")  # one library
-HEADERS = (CSRC / "common.h",)
+SOURCES = (CSRC / "exact_attention.c", CSRC / "quant_matmul.c", CSRC / "team.c")  # one library
+HEADERS = (CSRC / "common.h", CSRC / "team.h")
 AMX_VARIABLE = "TOKENSTREAM_AMX"  # 0: the quantized matmuls leave AMX alone
 COMPILER_VARIABLE = "CC"  # the C compiler, as make reads it; else gcc, else cc
 # -ffp-contract=off: no multiply and add fused unless the source says so, so every copy of an
 # inlined function rounds alike (a row's numbers must not depend on the tile it falls in)
-BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
+BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-ffp-contract=off")
 X86_AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")  # every CPU kind here has them
 # AVX-512 with VNNI: the quantized matmuls' integer dot products, two blocks an instruction, and
 # the attention's sums 16 lanes a register (the same sums as the AVX2 build, so the same bits)
@@ -83,7 +83,7 @@ class AttentionKernel:
         self.variant = variant  # "avx512", "avx2" or "generic": part of the numerics (numerics.py)
         fn = library.ts_exact_attention
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 6]
+        fn.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 7]
         fn.argtypes += [ctypes.c_float, ctypes.c_float, ctypes.c_int]
         self._fn = fn
         rope = library.ts_rope_attention
@@ -119,6 +119,7 @@ class AttentionKernel:
             placed.places.data_ptr(),
             placed.positions.data_ptr(),
             n,
+            k_layer.shape[0],
             kv_heads,
             groups,
             head_dim,

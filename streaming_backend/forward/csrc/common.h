@@ -20,11 +20,13 @@
 enum { TS_F32 = 0, TS_BF16 = 1 };
 enum { TS_OK = 0, TS_BAD_ARGS = 1, TS_NO_MEMORY = 2 };
 
-/* exact_attention.c's, which quant_matmul.c's decoder stack calls (arguments there) */
-int ts_rope_attention(int dtype, int cache_dtype, const void *qkv, const void *cos, const void *sin,
-                      int64_t positions_in_table, void *k, void *v, void *out, const int64_t *places,
-                      const int64_t *positions, int64_t n, int64_t place_count, int64_t kv_heads, int64_t groups,
-                      int64_t head_dim, int64_t rows, int64_t window, float scale, float cap, int threads);
+/* exact_attention.c's ts_rope_attention on a held team (team.h), which quant_matmul.c's decoder
+ * stack calls (arguments there) */
+struct TeamCall;
+int rope_attention(struct TeamCall *call, int dtype, int cache_dtype, const void *qkv, const void *cos,
+                   const void *sin, int64_t positions_in_table, void *k, void *v, void *out, const int64_t *places,
+                   const int64_t *positions, int64_t n, int64_t place_count, int64_t kv_heads, int64_t groups,
+                   int64_t head_dim, int64_t rows, int64_t window, float scale, float cap);
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;

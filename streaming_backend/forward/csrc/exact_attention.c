@@ -1,6 +1,6 @@
 /* Exact attention over a slot KV cache: every token attends over exactly its own positions.
  *
- * Built by streaming_backend/forward/native.py (gcc -O3 -fopenmp, -mavx2 -mfma -mf16c on x86-64) and
+ * Built by streaming_backend/forward/native.py (gcc -O3, -mavx2 -mfma -mf16c on x86-64) and
  * called through ctypes with the tensors' data pointers; the GIL is released for the call.
  *
  * A token's result is computed by one thread, in an order fixed by its own position alone
@@ -26,12 +26,12 @@
  * (Gemma 2), before the softmax.
  */
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
+#include "team.h"
 
 /* q . k over d values, in an order fixed by d alone. */
 static float dot(const float *q, const void *k, int64_t k_at, int64_t d, int dtype) {
@@ -307,6 +307,7 @@ typedef struct {
     const int64_t *places, *positions;
     int64_t kv_heads, groups, head_dim, rows, window;
     float scale, cap;
+    int64_t place_count, limit;  /* the cache's places; positions below limit */
 } Call;
 
 /* The count scores soft-capped in place, cap * tanh(score / cap); returns their new maximum. */
@@ -364,15 +365,21 @@ static void values_group(const Call *c, float *acc, const float *scores, int64_t
 }
 
 /* One (token, key/value head): its query heads g_first .. g_last - 1 (of `groups`) over positions
- * [first, position], up to HEADS_AT_ONCE of them reading each key and value row together. work:
- * groups * (rows + 2 * head_dim) floats of this thread's own. The positions lie in rows
- * [first mod rows, ...): up to the ring's end, then (if they wrap) on from row 0. A query
- * head's result is computed alone, the same whichever heads share the call. */
-static void attend_one(const Call *c, int64_t token, int64_t head, int64_t g_first, int64_t g_last, float *work) {
-    const int64_t d = c->head_dim, groups = c->groups, position = c->positions[token];
+ * [first, position], up to HEADS_AT_ONCE of them reading each key and value row together, into
+ * result (float32, as out is laid out, from out's element `result_at`). work: groups * (rows + 2
+ * * head_dim) floats of this thread's own. The positions lie in rows [first mod rows, ...): up to
+ * the ring's end, then (if they wrap) on from row 0. A query head's result is computed alone, the
+ * same whichever heads share the call. A place or position the call could not have (a parked
+ * worker reading the team's buffer after its call: team.h) computes nothing. */
+static void attend_one(const Call *c, int64_t token, int64_t head, int64_t g_first, int64_t g_last, float *work,
+                       float *result, int64_t result_at) {
+    const int64_t d = c->head_dim, groups = c->groups, position = c->positions[token], place = c->places[token];
+    if (place < 0 || place >= c->place_count || position < 0 || position >= c->limit ||
+        (position + 1 < c->window ? position + 1 : c->window) > c->rows)
+        return;
     const int64_t first = position + 1 > c->window ? position + 1 - c->window : 0;
     const int64_t count = position + 1 - first, start = first % c->rows;
-    const int64_t head_at = (c->places[token] * c->kv_heads + head) * c->rows * d;
+    const int64_t head_at = (place * c->kv_heads + head) * c->rows * d;
     const int64_t before_end = count < c->rows - start ? count : c->rows - start, wrapped = count - before_end;
     const int64_t q_at = (token * c->kv_heads + head) * groups * d;
     /* the pieces: rows from the start to the ring's end, then those wrapped to its beginning */
@@ -396,32 +403,54 @@ static void attend_one(const Call *c, int64_t token, int64_t head, int64_t g_fir
         for (int piece = 0; piece < 2 && piece_rows[piece] > 0; piece++)
             values_group(c, acc, scores, g, G, piece_at[piece], piece_rows[piece], piece ? before_end : 0, piece);
     }
-    for (int64_t i = g_first * d; i < g_last * d; i++) store1(c->out, q_at + i, c->out_dtype, acc[i] * inverse[i / d]);
+    for (int64_t i = g_first * d; i < g_last * d; i++) result[q_at + i - result_at] = acc[i] * inverse[i / d];
 }
 
-/* Every (token, key/value head, query head) of c on up to `threads` OpenMP threads (torch's own
- * runtime when torch is loaded first); the arguments are checked. Each thread takes a contiguous
- * run of them, as even as whole query heads allow (a lone stream's 9 query heads over 3 key/value
- * heads go 5 / 4 on 2 threads), and computes the run's query heads of one key/value head
- * together (attend_one). */
-static int attend_all(const Call *c, int64_t n, int threads) {
-    const int64_t items = n * c->kv_heads * c->groups, per_thread = c->groups * (c->rows + 2 * c->head_dim);
-    if (threads > items) threads = items > 0 ? (int)items : 1;
-    float *work = malloc((size_t)threads * (size_t)per_thread * sizeof(float));
-    if (work == NULL) return TS_NO_MEMORY;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
-        const int64_t last = items * (t + 1) / count;
-        for (int64_t item = items * t / count; item < last;) {
-            const int64_t pair = item / c->groups, g = item % c->groups;  /* (token, kv head), query head */
-            const int64_t g_last = c->groups < g + (last - item) ? c->groups : g + (last - item);
-            attend_one(c, pair / c->kv_heads, pair % c->kv_heads, g, g_last, work + t * per_thread);
-            item += g_last - g;
-        }
+/* Every (token, key/value head, query head) of c on the call's threads, a contiguous run of
+ * them a chunk, as even as whole query heads allow (a lone stream's 9 query heads over 3
+ * key/value heads go 5 / 4 on 2 chunks); a chunk's query heads of one key/value head are
+ * computed together (attend_one), into the thread's scratch, then stored into out. */
+typedef struct {
+    Call c;
+    int64_t items, chunks;
+} AttendArgs;
+
+_Static_assert(sizeof(AttendArgs) <= TEAM_PAYLOAD, "a job's arguments");
+
+static int64_t per_thread(const Call *c) { return c->groups * (c->rows + 2 * c->head_dim); }
+
+static void attend_compute(const void *args, int64_t chunk, void *scratch, const TeamChunk *taken) {
+    const AttendArgs *a = args;
+    const Call *c = &a->c;
+    const int64_t first = a->items * chunk / a->chunks, last = a->items * (chunk + 1) / a->chunks;
+    float *work = scratch, *result = work + per_thread(c);
+    for (int64_t item = first; item < last && !team_taken(taken);) {
+        const int64_t pair = item / c->groups, g = item % c->groups;  /* (token, kv head), query head */
+        const int64_t g_last = c->groups < g + (last - item) ? c->groups : g + (last - item);
+        attend_one(c, pair / c->kv_heads, pair % c->kv_heads, g, g_last, work, result, first * c->head_dim);
+        item += g_last - g;
     }
-    free(work);
-    return TS_OK;
+}
+
+static void attend_store(const void *args, int64_t chunk, const void *scratch) {
+    const AttendArgs *a = args;
+    const Call *c = &a->c;
+    const int64_t d = c->head_dim, first = a->items * chunk / a->chunks, last = a->items * (chunk + 1) / a->chunks;
+    const float *result = (const float *)scratch + per_thread(c);
+    for (int64_t i = first * d; i < last * d; i++) store1(c->out, i, c->out_dtype, result[i - first * d]);
+}
+
+#define ATTEND_CHUNKS_PER_THREAD 4
+
+static int attend_all(TeamCall *call, const Call *c, int64_t n) {
+    AttendArgs a = {.c = *c, .items = n * c->kv_heads * c->groups};
+    if (a.items == 0) return TS_OK;
+    const int64_t most = ATTEND_CHUNKS_PER_THREAD * (int64_t)team_threads(call);
+    a.chunks = team_threads(call) < 2 ? 1 : a.items < most ? a.items : most;
+    TeamJob job = {.chunks = a.chunks, .compute = attend_compute, .store = attend_store};
+    job.scratch_bytes = (size_t)(per_thread(c) + (a.items + a.chunks - 1) / a.chunks * c->head_dim) * sizeof(float);
+    memcpy(job.args, &a, sizeof a);
+    return team_run(call, &job);
 }
 
 /* A position past `limit`, a place below 0, or more positions attended than the rows hold. */
@@ -437,16 +466,30 @@ static int bad_positions(const int64_t *places, const int64_t *positions, int64_
 /* Attention of n tokens (see the top of this file). Returns TS_OK, or TS_BAD_ARGS /
  * TS_NO_MEMORY with nothing written. */
 int ts_exact_attention(int dtype, const void *q, const void *k, const void *v, void *out,
-                       const int64_t *places, const int64_t *positions, int64_t n,
+                       const int64_t *places, const int64_t *positions, int64_t n, int64_t place_count,
                        int64_t kv_heads, int64_t groups, int64_t head_dim, int64_t rows,
                        int64_t window, float scale, float cap, int threads) {
     if ((dtype != TS_F32 && dtype != TS_BF16) || n < 0 || kv_heads < 1 || groups < 1 ||
         head_dim < 1 || rows < 1 || window < 1 || threads < 1 ||
         bad_positions(places, positions, n, INT64_MAX, rows, window))
         return TS_BAD_ARGS;
-    const Call c = {dtype, dtype, dtype, q, k, v, out, places, positions, kv_heads, groups, head_dim,
-                    rows, window, scale, cap};
-    return attend_all(&c, n, threads);
+    for (int64_t t = 0; t < n; t++)
+        if (places[t] >= place_count) return TS_BAD_ARGS;
+    TeamCall *call = team_enter(threads);
+    const size_t q_bytes = (size_t)(n * kv_heads * groups * head_dim) * (dtype == TS_F32 ? 4 : 2);
+    void *q_copy = team_buffer(call, BUF_Q, q_bytes);
+    int64_t *placed = team_buffer(call, BUF_PLACES, (size_t)(2 * n) * sizeof(int64_t));
+    int status = TS_NO_MEMORY;
+    if (q_copy != NULL && placed != NULL) {
+        memcpy(q_copy, q, q_bytes);
+        memcpy(placed, places, (size_t)n * sizeof(int64_t));
+        memcpy(placed + n, positions, (size_t)n * sizeof(int64_t));
+        const Call c = {dtype, dtype, dtype, q_copy, k, v, out, placed, placed + n, kv_heads, groups, head_dim,
+                        rows, window, scale, cap, place_count, INT64_MAX};
+        status = attend_all(call, &c, n);
+    }
+    team_leave(call);
+    return status;
 }
 
 /* x rotated by RoPE (Hugging Face's rotate_half: the first half pairs with the second) into `to`
@@ -474,19 +517,23 @@ static void rotate(void *to, int64_t to_at, int to_dtype, const void *x, int64_t
  *   out   [n, heads * head_dim]
  * dtype: of qkv, cos, sin and out; cache_dtype: of k and v (the queries stay float32). Returns
  * TS_OK, or TS_BAD_ARGS / TS_NO_MEMORY with nothing written. */
-int ts_rope_attention(int dtype, int cache_dtype, const void *qkv, const void *cos, const void *sin,
-                      int64_t positions_in_table, void *k, void *v, void *out, const int64_t *places,
-                      const int64_t *positions, int64_t n, int64_t place_count, int64_t kv_heads, int64_t groups,
-                      int64_t head_dim, int64_t rows, int64_t window, float scale, float cap, int threads) {
+int rope_attention(TeamCall *call, int dtype, int cache_dtype, const void *qkv, const void *cos, const void *sin,
+                   int64_t positions_in_table, void *k, void *v, void *out, const int64_t *places,
+                   const int64_t *positions, int64_t n, int64_t place_count, int64_t kv_heads, int64_t groups,
+                   int64_t head_dim, int64_t rows, int64_t window, float scale, float cap) {
     if ((dtype != TS_F32 && dtype != TS_BF16) || (cache_dtype != TS_F32 && cache_dtype != TS_BF16) || n < 0 ||
-        kv_heads < 1 || groups < 1 || head_dim < 2 || head_dim % 2 || rows < 1 || window < 1 || threads < 1 ||
+        kv_heads < 1 || groups < 1 || head_dim < 2 || head_dim % 2 || rows < 1 || window < 1 ||
         bad_positions(places, positions, n, positions_in_table, rows, window))
         return TS_BAD_ARGS;
     for (int64_t t = 0; t < n; t++)  /* it writes there: a place past the cache is refused */
         if (places[t] >= place_count) return TS_BAD_ARGS;
     const int64_t d = head_dim, heads = kv_heads * groups, width = (heads + 2 * kv_heads) * d;
-    float *q = malloc((size_t)(n * heads * d) * sizeof(float));  /* the rotated queries, [n, heads, d] */
-    if (q == NULL) return TS_NO_MEMORY;
+    /* the rotated queries [n, heads, d], and the places and positions, in the team's buffers */
+    float *q = team_buffer(call, BUF_Q, (size_t)(n * heads * d) * sizeof(float));
+    int64_t *placed = team_buffer(call, BUF_PLACES, (size_t)(2 * n) * sizeof(int64_t));
+    if (q == NULL || placed == NULL) return TS_NO_MEMORY;
+    memcpy(placed, places, (size_t)n * sizeof(int64_t));
+    memcpy(placed + n, positions, (size_t)n * sizeof(int64_t));
     for (int64_t t = 0; t < n; t++) {
         const int64_t at = t * width, cs_at = positions[t] * d;
         for (int64_t h = 0; h < heads; h++)
@@ -498,9 +545,19 @@ int ts_rope_attention(int dtype, int cache_dtype, const void *qkv, const void *c
             for (int64_t i = 0; i < d; i++) store1(v, cache_at + i, cache_dtype, load1(qkv, v_at + i, dtype));
         }
     }
-    const Call c = {cache_dtype, TS_F32, dtype, q, k, v, out, places, positions, kv_heads, groups, head_dim,
-                    rows, window, scale, cap};
-    const int status = attend_all(&c, n, threads);
-    free(q);
+    const Call c = {cache_dtype, TS_F32, dtype, q, k, v, out, placed, placed + n, kv_heads, groups, head_dim,
+                    rows, window, scale, cap, place_count, positions_in_table};
+    return attend_all(call, &c, n);
+}
+
+int ts_rope_attention(int dtype, int cache_dtype, const void *qkv, const void *cos, const void *sin,
+                      int64_t positions_in_table, void *k, void *v, void *out, const int64_t *places,
+                      const int64_t *positions, int64_t n, int64_t place_count, int64_t kv_heads, int64_t groups,
+                      int64_t head_dim, int64_t rows, int64_t window, float scale, float cap, int threads) {
+    if (threads < 1) return TS_BAD_ARGS;
+    TeamCall *call = team_enter(threads);
+    const int status = rope_attention(call, dtype, cache_dtype, qkv, cos, sin, positions_in_table, k, v, out, places,
+                                      positions, n, place_count, kv_heads, groups, head_dim, rows, window, scale, cap);
+    team_leave(call);
     return status;
 }

@@ -50,12 +50,12 @@
  *   after it, y = product + bias + residual, rounded once to the dtype (residual may be y).
  */
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
+#include "team.h"
 
 #define QK 32            /* inputs per block, of the activations and of the int4 weights */
 #define V_MAX 16256.0f   /* 127 * 128: the largest |v| of an activation block */
@@ -257,10 +257,19 @@ typedef struct {
     const void *bias;      /* [n] or NULL */
     const void *residual;  /* [m, n] or NULL */
     int amx;               /* quantized: the block dots on AMX (ts_amx) */
+    /* a chunk's computing thread: its sums go to out[row, col - out_col0] (out_cols a row) */
+    float *out;
+    int64_t out_col0, out_cols;
+    const TeamChunk *taken;  /* whether another thread committed the chunk (stop early) */
 } Call;
 
-/* y[row, col] = value + bias + residual, rounded once. */
+/* A sum of the chunk being computed, into the thread's scratch (store_columns finishes it). */
 static inline void emit(const Call *c, int64_t row, int64_t col, float value) {
+    c->out[row * c->out_cols + (col - c->out_col0)] = value;
+}
+
+/* y[row, col] = value + bias + residual, rounded once. */
+static inline void finish(const Call *c, int64_t row, int64_t col, float value) {
     const int64_t at = row * c->n + col;
     if (c->bias != NULL) value += load1(c->bias, col, c->dtype);
     if (c->residual != NULL) value = load1(c->residual, at, c->dtype) + value;
@@ -729,7 +738,7 @@ static void quantized_rows(const Call *c, int kind, int64_t row, int R, int64_t 
  * the last fewer than AMX_MIN_ROWS on the AVX-512 tiles, which are faster there (the same sums);
  * the tiles given back after (a thread holding tile state costs every switch of it). */
 static void amx_columns(const Call *c, int kind, int64_t first, int64_t last) {
-    for (int64_t col = first; col < last; col += TILE) {
+    for (int64_t col = first; col < last && !team_taken(c->taken); col += TILE) {
         int64_t row = 0;
         for (; c->m - row >= AMX_MIN_ROWS; row += AMX_ROWS)
             amx_rows(c, kind, row, c->m - row < AMX_ROWS ? (int)(c->m - row) : AMX_ROWS, col);
@@ -828,12 +837,12 @@ static __attribute__((noinline)) void columns(const Call *c, int kind, int64_t f
             return;
         }
 #endif
-        for (int64_t col = first; col < last; col += TILE)
+        for (int64_t col = first; col < last && !team_taken(c->taken); col += TILE)
             for (int64_t row = 0; row < c->m; row += ROWS)
                 quantized_rows(c, kind, row, c->m - row < ROWS ? (int)(c->m - row) : ROWS, col);
         return;
     }
-    for (int64_t chunk = first; chunk < last; chunk += COL_CHUNK) {
+    for (int64_t chunk = first; chunk < last && !team_taken(c->taken); chunk += COL_CHUNK) {
         const int64_t end = chunk + COL_CHUNK < last ? chunk + COL_CHUNK : last;
         for (int64_t row = 0; row < c->m; row += ROW_TILE) {
             const int R = c->m - row < ROW_TILE ? (int)(c->m - row) : ROW_TILE;
@@ -854,13 +863,114 @@ static __attribute__((noinline)) void columns(const Call *c, int kind, int64_t f
     }
 }
 
+/* ---- a call on the thread team (team.h) ------------------------------------------------------
+ *
+ * Two jobs: x's rows through the prologue and quantized (dense: kept as float32) into the team's
+ * buffer, a run of rows a chunk; then the weight rows, a run of tiles a chunk, each chunk's sums
+ * into the thread's scratch and stored (bias, residual, rounding) by the thread that commits it.
+ * The rows job reads x, which a parked worker could read after the caller freed it, so only the
+ * decoder stack (whose x is the team's) runs it on the team; a call from outside quantizes its
+ * rows on the calling thread alone. */
+
+#define CHUNKS_PER_THREAD 4  /* a job's chunks per thread: what a parked worker leaves is small */
+
+typedef struct {
+    Call c;
+    int kind;
+    const void *x;
+    Prologue pre;
+    int64_t rows_per_chunk;
+} RowsArgs;
+
+typedef struct {
+    Call c;
+    int kind;
+    int64_t units, chunks;  /* weight rows in steps of SPLIT_ROWS; the job's chunks */
+} ColumnsArgs;
+
+_Static_assert(sizeof(RowsArgs) <= TEAM_PAYLOAD && sizeof(ColumnsArgs) <= TEAM_PAYLOAD, "a job's arguments");
+
+static int64_t chunk_rows(const RowsArgs *a, int64_t chunk, int64_t *first) {
+    *first = chunk * a->rows_per_chunk;
+    const int64_t last = *first + a->rows_per_chunk;
+    return (last < a->c.m ? last : a->c.m) - *first;
+}
+
+/* A quantized chunk's scratch: the prologue row, then its R rows' d, s, sv, q and r. */
+static void rows_compute(const void *args, int64_t chunk, void *scratch, const TeamChunk *taken) {
+    (void)taken;
+    const RowsArgs *a = args;
+    const Call *c = &a->c;
+    int64_t first;
+    const int64_t R = chunk_rows(a, chunk, &first), k = c->k, blocks = k / QK;
+    float *row = scratch;
+    if (a->kind == KIND_DENSE) {
+        for (int64_t i = 0; i < R; i++) prologue_row(row + i * k, a->x, first + i, k, c->dtype, &a->pre);
+        return;
+    }
+    float *d = row + k, *s = d + R * blocks;
+    int32_t *sv = (int32_t *)(s + R * blocks);
+    int8_t *q = (int8_t *)(sv + R * blocks), *r = q + R * k;
+    for (int64_t i = 0; i < R; i++) {
+        prologue_row(row, a->x, first + i, k, c->dtype, &a->pre);
+        quantize_row(q + i * k, r + i * k, d + i * blocks, s + i * blocks, sv + i * blocks, row, k);
+    }
+}
+
+static void rows_store(const void *args, int64_t chunk, const void *scratch) {
+    const RowsArgs *a = args;
+    const Call *c = &a->c;
+    int64_t first;
+    const int64_t R = chunk_rows(a, chunk, &first), k = c->k, blocks = k / QK;
+    const float *row = scratch;
+    if (a->kind == KIND_DENSE) {
+        memcpy(c->xf + first * k, row, (size_t)(R * k) * sizeof(float));
+        return;
+    }
+    const float *d = row + k, *s = d + R * blocks;
+    const int32_t *sv = (const int32_t *)(s + R * blocks);
+    const int8_t *q = (const int8_t *)(sv + R * blocks), *r = q + R * k;
+    memcpy(c->xq.d + first * blocks, d, (size_t)(R * blocks) * sizeof(float));
+    memcpy(c->xq.s + first * blocks, s, (size_t)(R * blocks) * sizeof(float));
+    memcpy(c->xq.sv + first * blocks, sv, (size_t)(R * blocks) * sizeof(int32_t));
+    memcpy(c->xq.q + first * k, q, (size_t)(R * k));
+    memcpy(c->xq.r + first * k, r, (size_t)(R * k));
+}
+
+/* A chunk's weight rows [first, last). */
+static void chunk_columns(const ColumnsArgs *a, int64_t chunk, int64_t *first, int64_t *last) {
+    *first = a->units * chunk / a->chunks * SPLIT_ROWS;
+    const int64_t end = a->units * (chunk + 1) / a->chunks * SPLIT_ROWS;
+    *last = end < a->c.n ? end : a->c.n;  /* a quantized tile may pass n */
+}
+
+static void columns_compute(const void *args, int64_t chunk, void *scratch, const TeamChunk *taken) {
+    const ColumnsArgs *a = args;
+    Call c = a->c;
+    int64_t first, last;
+    chunk_columns(a, chunk, &first, &last);
+    c.out = scratch;
+    c.out_col0 = first;
+    c.out_cols = last - first;
+    c.taken = taken;
+    columns(&c, a->kind, first, last);
+}
+
+static void columns_store(const void *args, int64_t chunk, const void *scratch) {
+    const ColumnsArgs *a = args;
+    const float *sums = scratch;
+    int64_t first, last;
+    chunk_columns(a, chunk, &first, &last);
+    for (int64_t r = 0; r < a->c.m; r++)
+        for (int64_t col = first; col < last; col++) finish(&a->c, r, col, sums[r * (last - first) + col - first]);
+}
+
 /* x's rows through the prologue and quantized (dense: kept as float32), then every y[r, c], on
- * up to `threads` OpenMP threads (torch's own runtime when torch is loaded first); fewer where
- * the weight is small. */
-static int matmul(Call *c, int kind, const void *x, const Prologue *pre, int threads) {
+ * the call's threads; fewer where the weight is small. x_owned: x is the team's (see above). */
+static int matmul(TeamCall *call, Call *c, int kind, const void *x, int x_owned, const Prologue *pre) {
     const int64_t blocks = c->k / QK;
     const int dense = kind == KIND_DENSE;
-    if (c->m < 0 || c->n < 1 || c->k < (dense ? 1 : QK) || (!dense && c->k % QK) || threads < 1 ||
+    if (c->m < 0 || c->n < 1 || c->k < (dense ? 1 : QK) || (!dense && c->k % QK) ||
         (c->dtype != TS_F32 && c->dtype != TS_BF16) || pre->kind < PRE_NONE || pre->kind > PRE_GELU_TANH_MUL ||
         (pre->kind == PRE_RMS_NORM && pre->norm == NULL) ||
         (dense && c->w_dtype != TS_F32 && c->w_dtype != TS_BF16))
@@ -869,10 +979,10 @@ static int matmul(Call *c, int kind, const void *x, const Prologue *pre, int thr
 #ifdef TS_AMX
     c->amx = !dense && c->m >= AMX_MIN_ROWS && ts_amx(-1);
 #endif
-    /* one allocation: the steps, sums and integer sums, then both halves; dense: the float rows */
+    /* one buffer: the steps, sums and integer sums, then both halves; dense: the float rows */
     const size_t bytes = dense ? (size_t)(c->m * c->k) * sizeof(float)
                                : 2 * (size_t)(c->m * c->k) + 3 * (size_t)(c->m * blocks) * sizeof(float);
-    char *memory = aligned_alloc(64, (bytes + 63) / 64 * 64);  /* whole cache lines: no load splits */
+    char *memory = team_buffer(call, BUF_X, bytes);
     if (memory == NULL) return TS_NO_MEMORY;
     if (dense) {
         c->xf = (float *)memory;
@@ -886,38 +996,39 @@ static int matmul(Call *c, int kind, const void *x, const Prologue *pre, int thr
     const int64_t work = c->n * c->k * (c->m < ROW_TILE ? 1 : c->m / ROW_TILE);
     int64_t most = work / MIN_THREAD_WORK, units = (c->n + SPLIT_ROWS - 1) / SPLIT_ROWS;
     if (most > units) most = units;
-    if (threads > most) threads = most > 1 ? (int)most : 1;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        float *row = dense ? NULL : malloc((size_t)c->k * sizeof(float));  /* this thread's prologue row */
-        if (!dense && row == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < c->m; r++) {
-            if (dense) {
-                prologue_row(c->xf + r * c->k, x, r, c->k, c->dtype, pre);
-                continue;
-            }
-            if (row == NULL) continue;
-            prologue_row(row, x, r, c->k, c->dtype, pre);
-            quantize_row(c->xq.q + r * c->k, c->xq.r + r * c->k, c->xq.d + r * blocks, c->xq.s + r * blocks,
-                         c->xq.sv + r * blocks, row, c->k);
-        }
-        free(row);
-        int stop;
-#pragma omp atomic read
-        stop = failed;
-        if (!stop) {  /* contiguous runs of weight rows per thread, in steps of SPLIT_ROWS */
-            const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
-            const int64_t first = units * t / count * SPLIT_ROWS, last = units * (t + 1) / count * SPLIT_ROWS;
-            columns(c, kind, first, last < c->n ? last : c->n);  /* a quantized tile may pass n */
-        }
-    }
-    free(memory);
-    return failed ? TS_NO_MEMORY : TS_OK;
+    const int64_t threads = most < team_threads(call) ? (most > 1 ? most : 1) : team_threads(call);
+
+    TeamJob job = {.compute = rows_compute, .store = rows_store};
+    RowsArgs rows = {.c = *c, .kind = kind, .x = x, .pre = *pre};
+    const int64_t row_chunks = c->m < 2 * threads ? c->m : 2 * threads;
+    rows.rows_per_chunk = (c->m + row_chunks - 1) / row_chunks;
+    job.chunks = (c->m + rows.rows_per_chunk - 1) / rows.rows_per_chunk;
+    job.alone = !x_owned || threads < 2;
+    job.scratch_bytes = (size_t)c->k * sizeof(float) +
+                        (size_t)rows.rows_per_chunk * (dense ? (size_t)c->k * sizeof(float)
+                                                             : 2 * (size_t)c->k + 3 * (size_t)blocks * sizeof(float));
+    memcpy(job.args, &rows, sizeof rows);
+    int status = team_run(call, &job);
+    if (status != TS_OK) return status;
+
+    ColumnsArgs cols = {.c = *c, .kind = kind, .units = units};
+    cols.chunks = units < CHUNKS_PER_THREAD * threads ? units : CHUNKS_PER_THREAD * threads;
+    job.compute = columns_compute;
+    job.store = columns_store;
+    job.chunks = cols.chunks;
+    job.alone = threads < 2;
+    job.scratch_bytes = (size_t)c->m * (size_t)((units + cols.chunks - 1) / cols.chunks * SPLIT_ROWS) * sizeof(float);
+    memcpy(job.args, &cols, sizeof cols);
+    return team_run(call, &job);
+}
+
+/* A call from outside: the team held for it. */
+static int matmul_call(Call *c, int kind, const void *x, const Prologue *pre, int threads) {
+    if (threads < 1) return TS_BAD_ARGS;
+    TeamCall *call = team_enter(threads);
+    const int status = matmul(call, c, kind, x, 0, pre);
+    team_leave(call);
+    return status;
 }
 
 /* y = x . W^T for an int4 W (layout at the top), with the prologue and bias, residual around it.
@@ -928,7 +1039,7 @@ int ts_q4_matmul(const void *x, void *y, int dtype, int64_t m, int64_t k, int64_
     Call c = {.m = m, .k = k, .n = n, .w = packed, .steps = steps, .lows = lows, .y = y, .dtype = dtype,
               .bias = bias, .residual = residual};
     const Prologue pre = {prologue, norm, eps};
-    return matmul(&c, KIND_Q4, x, &pre, threads);
+    return matmul_call(&c, KIND_Q4, x, &pre, threads);
 }
 
 /* y = x . W^T for an int8 W with one scale per row, likewise. */
@@ -938,7 +1049,7 @@ int ts_q8_matmul(const void *x, void *y, int dtype, int64_t m, int64_t k, int64_
     Call c = {.m = m, .k = k, .n = n, .w = (const uint8_t *)weight, .scales = scales, .y = y, .dtype = dtype,
               .bias = bias, .residual = residual};
     const Prologue pre = {prologue, norm, eps};
-    return matmul(&c, KIND_Q8, x, &pre, threads);
+    return matmul_call(&c, KIND_Q8, x, &pre, threads);
 }
 
 /* y = x . W^T for a float32 or bfloat16 W [n, k] (w_dtype), likewise; any k. */
@@ -948,7 +1059,7 @@ int ts_dense_matmul(const void *x, void *y, int dtype, int64_t m, int64_t k, int
     Call c = {.m = m, .k = k, .n = n, .wf = weight, .w_dtype = w_dtype, .y = y, .dtype = dtype,
               .bias = bias, .residual = residual};
     const Prologue pre = {prologue, norm, eps};
-    return matmul(&c, KIND_DENSE, x, &pre, threads);
+    return matmul_call(&c, KIND_DENSE, x, &pre, threads);
 }
 
 /* ---- a stack of decoder layers in one call ---------------------------------------------------
@@ -973,26 +1084,27 @@ typedef struct {
     StackLinear qkv, o, gate_up, down;
 } StackLayer;
 
-static int stack_linear(const StackLinear *l, const float *x, float *y, int64_t m, int prologue, const void *norm,
-                        float eps, const float *residual, int threads) {
+static int stack_linear(TeamCall *call, const StackLinear *l, const float *x, float *y, int64_t m, int prologue,
+                        const void *norm, float eps, const float *residual) {
     if (l->kind != KIND_Q4 && l->kind != KIND_Q8) return TS_BAD_ARGS;
     Call c = {.m = m, .k = l->k, .n = l->n, .w = l->w, .steps = l->steps, .lows = l->lows, .scales = l->scales,
               .y = y, .dtype = TS_F32, .bias = l->bias, .residual = residual};
     const Prologue pre = {prologue, norm, eps};
-    return matmul(&c, (int)l->kind, x, &pre, threads);
+    return matmul(call, &c, (int)l->kind, x, 1, &pre);
 }
 
 /* x [n, hidden] float32 through `count` layers, in place. activation: PRE_SILU_MUL or
  * PRE_GELU_TANH_MUL (the MLP's); places, positions: each token's (as ts_rope_attention takes
  * them); k_caches, v_caches [count]: each layer's cache [place_count, kv_heads, cache_rows[i],
  * head_dim] in cache_dtype. Returns TS_OK, or the first failing call's status (x then holds
- * part of the way). */
+ * part of the way). The layers run on the team's copy of x and its buffers (team.h: what a
+ * parked worker may read), x written back at the end. */
 int ts_decoder_stack(const StackLayer *layers, int64_t count, float *x, int64_t n, int64_t hidden,
                      int64_t heads, int64_t kv_heads, int64_t head_dim, int activation, float eps, float scale,
                      float cap, int cache_dtype, void *const *k_caches, void *const *v_caches,
                      const int64_t *cache_rows, int64_t place_count, const int64_t *places,
                      const int64_t *positions, int threads) {
-    if (count < 0 || n < 0 || hidden < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads ||
+    if (count < 0 || n < 0 || hidden < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads || threads < 1 ||
         (activation != PRE_SILU_MUL && activation != PRE_GELU_TANH_MUL))
         return TS_BAD_ARGS;
     if (n == 0 || count == 0) return TS_OK;
@@ -1006,22 +1118,29 @@ int ts_decoder_stack(const StackLayer *layers, int64_t count, float *x, int64_t 
         const int64_t wide = l->qkv.n > l->gate_up.n ? l->qkv.n : l->gate_up.n;
         widest = wide > widest ? wide : widest;
     }
-    float *work = malloc((size_t)(n * (widest + heads * head_dim)) * sizeof(float));
-    if (work == NULL) return TS_NO_MEMORY;
+    TeamCall *call = team_enter(threads);
+    float *h = team_buffer(call, BUF_HIDDEN, (size_t)(n * hidden) * sizeof(float));
+    float *work = team_buffer(call, BUF_WORK, (size_t)(n * (widest + heads * head_dim)) * sizeof(float));
+    if (h == NULL || work == NULL) {
+        team_leave(call);
+        return TS_NO_MEMORY;
+    }
+    memcpy(h, x, (size_t)(n * hidden) * sizeof(float));
     float *wide = work, *attended = work + n * widest;  /* [n, qkv or gate/up], [n, heads * d] */
     int status = TS_OK;
     for (int64_t i = 0; i < count && status == TS_OK; i++) {
         const StackLayer *l = &layers[i];
-        status = stack_linear(&l->qkv, x, wide, n, PRE_RMS_NORM, l->norm1, eps, NULL, threads);
+        status = stack_linear(call, &l->qkv, h, wide, n, PRE_RMS_NORM, l->norm1, eps, NULL);
         if (status == TS_OK)
-            status = ts_rope_attention(TS_F32, cache_dtype, wide, l->cos, l->sin, l->table_positions, k_caches[i],
-                                       v_caches[i], attended, places, positions, n, place_count, kv_heads,
-                                       heads / kv_heads, head_dim, cache_rows[i], l->window, scale, cap, threads);
-        if (status == TS_OK) status = stack_linear(&l->o, attended, x, n, PRE_NONE, NULL, 0.0f, x, threads);
-        if (status == TS_OK) status = stack_linear(&l->gate_up, x, wide, n, PRE_RMS_NORM, l->norm2, eps, NULL, threads);
-        if (status == TS_OK) status = stack_linear(&l->down, wide, x, n, activation, NULL, 0.0f, x, threads);
+            status = rope_attention(call, TS_F32, cache_dtype, wide, l->cos, l->sin, l->table_positions, k_caches[i],
+                                    v_caches[i], attended, places, positions, n, place_count, kv_heads,
+                                    heads / kv_heads, head_dim, cache_rows[i], l->window, scale, cap);
+        if (status == TS_OK) status = stack_linear(call, &l->o, attended, h, n, PRE_NONE, NULL, 0.0f, h);
+        if (status == TS_OK) status = stack_linear(call, &l->gate_up, h, wide, n, PRE_RMS_NORM, l->norm2, eps, NULL);
+        if (status == TS_OK) status = stack_linear(call, &l->down, wide, h, n, activation, NULL, 0.0f, h);
     }
-    free(work);
+    memcpy(x, h, (size_t)(n * hidden) * sizeof(float));
+    team_leave(call);
     return status;
 }
 
