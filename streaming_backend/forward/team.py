@@ -19,6 +19,7 @@ class TeamStats(NamedTuple):
     takeovers: int  # chunks the calling thread computed in place of a parked worker
     contended: int  # calls run on the calling thread alone: another thread held the team
     workers: int  # worker threads started
+    busy: int  # workers inside a job now (none between calls)
 
 
 def stats() -> TeamStats | None:
@@ -26,7 +27,7 @@ def stats() -> TeamStats | None:
     loaded = library()
     if loaded is None:
         return None
-    out = (ctypes.c_int64 * 5)()
+    out = (ctypes.c_int64 * 6)()
     loaded[0].ts_team_stats(out)
     return TeamStats(*out)
 

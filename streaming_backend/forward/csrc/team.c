@@ -17,6 +17,7 @@
 #include <limits.h>
 #include <linux/futex.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -235,6 +236,15 @@ void team_leave(TeamCall *call) {
         memset(call, 0, sizeof *call);
         return;
     }
+    /* No worker outlives the call: a parked one may still be inside a chunk, reading the weights
+     * or the cache, which the caller may free once the call returns. It stops at its next tile
+     * (its chunk is taken), so this waits only while the scheduler keeps it off a core: once a
+     * call, not once a job as a barrier would. */
+    for (int i = 0; i < team.worker_count; i++)
+        for (unsigned spins = 1; atomic_load(&team.workers[i].busy); spins++) {
+            relax();
+            if (spins % 1024 == 0) sched_yield();
+        }
     atomic_store(&team.owner, 0);
     pthread_mutex_unlock(&team.lock);
 }
@@ -348,7 +358,7 @@ int team_run(TeamCall *call, const TeamJob *job) {
 
 /* What the team did since load: out[0] jobs run with workers, [1] chunks workers stored, [2]
  * chunks the master took over, [3] calls run alone because another thread held the team, [4]
- * workers started. */
+ * workers started, [5] workers inside a job now. */
 int ts_team_stats(int64_t *out) {
     out[0] = atomic_load(&team.jobs);
     out[1] = atomic_load(&team.worker_chunks);
@@ -356,6 +366,8 @@ int ts_team_stats(int64_t *out) {
     out[3] = atomic_load(&team.contended);
     pthread_mutex_lock(&team.lock);
     out[4] = team.worker_count;
+    out[5] = 0;
+    for (int i = 0; i < team.worker_count; i++) out[5] += atomic_load(&team.workers[i].busy);
     pthread_mutex_unlock(&team.lock);
     return TS_OK;
 }

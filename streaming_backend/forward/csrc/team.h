@@ -9,12 +9,15 @@
  * scheduled (a busy machine parks a thread for milliseconds, and when every call of a step waited
  * for it, two threads ran slower than one), and every chunk is stored exactly once.
  *
- * A thread that was parked may wake after its call returned. It then touches only what stays
- * valid: its own scratch, its copy of the job, the team's buffers (team_buffer; a replaced one is
- * freed only once no worker is inside a job) and the model's memory (weights, caches, tables,
- * which live as long as the model). It never stores: its commit fails, since every chunk's state
- * names its job. A job's compute must therefore read only those; what the caller owns (the
- * output, a residual, a bias) is for store, which runs while the master waits for it.
+ * A worker parked in a chunk the master took over may run on after that job, while the master
+ * runs the call's next ones. It then touches only what stays valid: its own scratch, its copy of
+ * the job, the team's buffers (team_buffer; a replaced one is freed only once no worker is
+ * inside a job) and the model's memory (weights, caches, tables). It never stores: its commit
+ * fails, since every chunk's state names its job. A job's compute must therefore read only
+ * those; what the caller owns (the output, a residual, a bias) is for store, which runs while the
+ * master waits for it. The call itself (team_leave) ends only once no worker is inside a job, so
+ * the model's memory may be freed after it: the one wait for a parked thread is at the end of a
+ * call (a whole decoder stack), not at every job's end.
  *
  * Bits: a chunk's result does not depend on which thread computes it (the kernels' rule), so
  * neither does the output. */

@@ -146,3 +146,18 @@ def test_the_decoder_stack_gives_the_same_logits_with_parked_workers(threads, ti
             forward.cache.free(slot)
     assert torch.equal(logits[(1, 0.0)], logits[(2, 0.0)])
     assert torch.equal(logits[(1, 0.0)], logits[(2, HOLD_S)])
+
+
+def test_no_worker_is_inside_a_call_once_it_returns(threads):
+    """A worker parked in a chunk the caller took over is waited for at the end of the call (it
+    may be reading the weights or the cache, which the caller may free once the call returns):
+    right after each call no worker is busy, although each holds every chunk 20 ms."""
+    cases = linears()
+    threads(1)
+    expected = run_linears(cases)
+    threads(2)
+    team.hold_workers(0.02)
+    for _ in range(3):
+        for (x, w), want in zip(cases, expected):
+            assert torch.equal(quant.linear(x, w), want)
+            assert team.stats().busy == 0
