@@ -185,8 +185,20 @@ static void *work(void *arg) {
     return NULL;
 }
 
+/* A child of fork has none of the workers (nor a holder of the team): it starts afresh. */
+static void forked_child(void) {
+    pthread_mutex_init(&team.lock, NULL);
+    atomic_store(&team.owner, 0);
+    atomic_store(&team.sleepers, 0);
+    for (int i = 0; i < team.worker_count; i++) atomic_store(&team.workers[i].busy, 0);
+    team.worker_count = 0;
+    memset(&solo, 0, sizeof solo);
+}
+
 /* Workers up to `count` (fewer where a thread cannot be started). */
 static void start_workers(int count) {
+    static int registered;
+    if (!registered) registered = pthread_atfork(NULL, NULL, forked_child) == 0;
     if (count > TEAM_MOST_THREADS) count = TEAM_MOST_THREADS;
     while (team.worker_count < count) {
         Worker *w = &team.workers[team.worker_count];
