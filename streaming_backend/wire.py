@@ -94,8 +94,8 @@ FORWARD = "forward"
 # (model/memory.py MemoryReport.as_dict: weights shared and private, KV cache reserved and
 # touched), else null
 MEMORY = "memory"
-# speculation: speculative decoding's mode (off, ngram) and its tokens drafted and accepted since
-# load, with their ratio (steps/drafts.py DraftCounts)
+# speculation: speculative decoding's mode (off, ngram, draft) and its tokens drafted and accepted
+# since load, with their ratio (steps/drafts.py DraftCounts)
 SPECULATION = "speculation"
 HEALTH_KEYS = (
     "healthy", "reason", "draining", "active", "waiting", SYSTEM_FINGERPRINT, NUMERICS, STEPS,

@@ -31,6 +31,8 @@ from streaming_backend.wire import CHAT_MODEL, DIALOGUE_MODEL
 FORWARDS = ("auto", "compact", "hf")
 PREFIX_CACHE_MODES = ("on", "prompts", "off")
 QUANTIZE_KINDS = ("none", "int8", "int4")  # the compact forward's weight formats (forward/quant.py)
+# speculative decoding (steps/drafts.py MODES, which a test keeps equal)
+SPECULATIVE_MODES = ("auto", "off", "ngram", "draft")
 MEMORY_UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
@@ -175,9 +177,18 @@ CHAT_PARAMETERS = ParameterTable(
             "speculative",
             "auto",
             "speculative decoding: ngram (drafts from the prompt and the answer so far, "
-            "verified as rows of the running batch: the same tokens, greedy or seeded), off, "
-            "or auto (what measured faster here: docs/configuration.md)",
-            choice("auto", "off", "ngram"),
+            "verified as rows of the running batch: the same tokens, greedy or seeded), draft "
+            "(drafts from draft_model, verified the same way), off, or auto (what measured "
+            "faster here: docs/configuration.md)",
+            choice(*SPECULATIVE_MODES),
+            option=True,
+        ),
+        Parameter(
+            "draft_model",
+            "",
+            "speculative=draft's draft model: a smaller model with the same tokenizer (Hugging "
+            "Face model directory or GGUF file), run on the compact forward",
+            OPTIONAL_TEXT,
             option=True,
         ),
         Parameter(
@@ -273,8 +284,11 @@ class EngineConfig:
     # model sets it to fit its batches (dialogue/generation.py).
     max_len: int | None = None
     compile: bool = _CHAT["compile"]  # torch.compile the compact decode step
-    # speculative decoding on the compact forward: auto, off, ngram (steps/drafts.py)
+    # speculative decoding on the compact forward: auto, off, ngram, draft (steps/drafts.py)
     speculative: str = _CHAT["speculative"]
+    # speculative=draft's draft model: a folder or GGUF file with the model's tokenizer
+    # (steps/draft_model.py); None with any other mode
+    draft_model: str | None = _CHAT["draft_model"]
     quantize: str = _CHAT["quantize"]  # the compact forward's weights: auto, none, int8, int4
     # On a CPU: decode steps on fewer torch threads while fewer measure faster, as when another
     # process holds a core (streaming_backend/engine/step_threads.py); off: torch's count always.
@@ -295,6 +309,18 @@ class EngineConfig:
         if self.prefix_cache not in PREFIX_CACHE_MODES:
             modes = ", ".join(PREFIX_CACHE_MODES)
             raise ValueError(f"prefix_cache must be one of {modes}, not {self.prefix_cache!r}")
+        check_speculation(self.speculative, self.draft_model)
+
+
+def check_speculation(speculative: str, draft_model: str | None) -> None:
+    """ValueError unless a draft model is given exactly when speculative is draft."""
+    if speculative == "draft" and not draft_model:
+        raise ValueError("speculative=draft needs a draft_model (--draft-model DIR|FILE.gguf)")
+    if draft_model and speculative != "draft":
+        raise ValueError(
+            f"a draft_model drafts only with speculative=draft (--speculative draft), "
+            f"not {speculative}"
+        )
 
 
 _ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
@@ -401,6 +427,9 @@ def check_parameters(params: Mapping[str, str]) -> None:
         for key, text in params.items():
             if key in table:
                 table[key].parse(text)
+    if {"speculative", "draft_model"} & params.keys():  # the other as given, else its default
+        values = CHAT_PARAMETERS.parse(params)
+        check_speculation(values["speculative"], values["draft_model"])
 
 
 def parameter_strings(**values) -> dict[str, str]:

@@ -170,7 +170,8 @@ class Engine:
         self.numerics: Numerics = describe(self.loaded, self._steps)
         # which forward that is and why (the health answer's, so /status shows it)
         self.forward_choice = ForwardChoice.of(self._steps)
-        # speculative decoding: drafts from the context, verified in the steps (steps/drafts.py)
+        # speculative decoding: drafts from the context or a draft model, verified in the steps
+        # (steps/drafts.py, steps/draft_model.py)
         self.draft_counts = DraftCounts()
         self.speculative = resolve_mode(self.config.speculative, self.loaded.device.type)
         if self.speculative != "off":

@@ -70,7 +70,9 @@ def build_steps(
         why = fall_back(exc, config.forward)
         return HfSteps(with_weights(loaded), config, on_failure, why=why)
     cache = forward.cache
-    steps = SlotSteps(forward, config, on_failure, loaded.eos_ids)
+    steps = SlotSteps(
+        forward, config, on_failure, loaded.eos_ids, _draft_model(loaded, config, cache)
+    )
     if carried is None:
         steps.calibrate()
     else:
@@ -90,3 +92,15 @@ def build_steps(
         else "",
     )
     return steps
+
+
+def _draft_model(loaded: LoadedModel, config: EngineConfig, cache: Any) -> Any:
+    """speculative=draft's draft model (steps/draft_model.py), with a KV cache slot for each
+    stream the model's cache holds (at most max_streams) of as many positions; None in any
+    other mode. ValueError when its vocabulary is not the model's."""
+    if config.speculative != "draft":
+        return None
+    from streaming_backend.steps.draft_model import load_draft_model
+
+    slots = min(config.max_streams, cache.slots)
+    return load_draft_model(config.draft_model, loaded, config, slots, cache.max_len)

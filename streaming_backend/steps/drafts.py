@@ -1,4 +1,5 @@
-"""Speculative decoding's drafts, taken from the context (n-gram / prompt lookup).
+"""Speculative decoding's drafts, taken from the context (n-gram / prompt lookup), and how
+long each stream's drafts are (a draft model's too: steps/draft_model.py).
 
 A stream's newest tokens are looked up in its own context (its prompt and its answer so far);
 the tokens that followed their latest earlier occurrence are proposed as its next tokens. The
@@ -16,8 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# --speculative; auto: what measured faster (docs/configuration.md)
-MODES = ("auto", "off", "ngram")
+# --speculative; auto: what measured faster (docs/configuration.md); draft: a draft model's
+# drafts (steps/draft_model.py, --draft-model)
+MODES = ("auto", "off", "ngram", "draft")
 
 NGRAM_SIZES = (3, 2)  # the suffix lengths looked up, longest first: a 1-token match guesses badly
 FIRST_DRAFT = 4  # tokens drafted at first; then as acceptance says, within [1, MAX_DRAFT]
@@ -80,11 +82,12 @@ class DraftCounts:
 
 
 class Drafter:
-    """One stream's drafts: proposes from its context, learns from what was accepted."""
+    """One stream's drafts: how many tokens to draft (learnt from what was accepted) and, from
+    the context, which (`propose`); a draft model's drafter asks `budget` and tells `drafted`."""
 
-    def __init__(self, counts: DraftCounts):
+    def __init__(self, counts: DraftCounts, from_context: bool = True):
         self.counts = counts  # shared by the streams of one engine
-        self.index = NgramIndex()
+        self.index = NgramIndex() if from_context else None  # None: a draft model drafts
         self.length = FIRST_DRAFT
         self.rate = 1.0  # moving average of the accepted fraction of its drafts
         self.pause = 0  # steps left without drafts
@@ -95,21 +98,32 @@ class Drafter:
     def propose(self, prompt: Sequence[int], output: Sequence[int], room: int) -> list[int]:
         """The next draft of a stream whose context is `prompt` then `output`, at most `room`
         tokens; [] while paused or when nothing matches."""
+        count = self.budget(prompt, output, room)
+        draft = self.index.propose(count) if count else []
+        self.drafted(draft, output)
+        return draft
+
+    def budget(self, prompt: Sequence[int], output: Sequence[int], room: int) -> int:
+        """How many tokens to draft now, at most `room` (0 while paused); the outcome of the
+        last draft is scored first."""
         self.observe(prompt, output)
         if self.pause:
             self.pause -= 1
-            return []
-        draft = self.index.propose(min(self.length, room))
-        self._last, self._seen = draft, len(output)
-        return draft
+            return 0
+        return max(0, min(self.length, room))
+
+    def drafted(self, draft: Sequence[int], output: Sequence[int]) -> None:
+        """The draft proposed after `output`, scored when the next tokens are seen."""
+        self._last, self._seen = list(draft), len(output)
 
     def observe(self, prompt: Sequence[int], output: Sequence[int]) -> None:
         """Index the tokens added since the last proposal; score the last draft by them."""
-        known = len(self.index.tokens)
-        if known < len(prompt):
-            self.index.extend(prompt[known:])
-            known = len(prompt)
-        self.index.extend(output[known - len(prompt) :])
+        if self.index is not None:
+            known = len(self.index.tokens)
+            if known < len(prompt):
+                self.index.extend(prompt[known:])
+                known = len(prompt)
+            self.index.extend(output[known - len(prompt) :])
         if not self._last:
             return
         accepted = 0
@@ -137,7 +151,7 @@ class Drafter:
 
 
 def resolve_mode(mode: str, device: str) -> str:
-    """What `--speculative` runs on a device kind: off or ngram (auto: AUTO's choice)."""
+    """What `--speculative` runs on a device kind: off, ngram or draft (auto: AUTO's choice)."""
     if mode not in MODES:
         raise ValueError(f"speculative must be one of {', '.join(MODES)}, not {mode!r}")
     if mode == "auto":

@@ -29,6 +29,7 @@ from streaming_backend.model.memory import MemoryReport
 from streaming_backend.model.prefix_cache import PrefixCache
 from streaming_backend.steps import Decoded, OnFailure, Prefilled
 from streaming_backend.steps.batch import RunningBatch, SlotRows
+from streaming_backend.steps.draft_model import DraftModel, DraftRequest
 from streaming_backend.steps.drafts import MAX_DRAFTING_ROWS, DraftCounts, Drafter
 from streaming_backend.steps.pacing import PrefillPacer, timed
 
@@ -48,6 +49,7 @@ class SlotSteps:
         config: EngineConfig,
         on_failure: OnFailure,
         eos_ids: Collection[int] = (),
+        draft_model: DraftModel | None = None,
     ):
         self.forward = forward
         self.cache = forward.cache
@@ -61,8 +63,10 @@ class SlotSteps:
         self.pacer = PrefillPacer(
             fixed=config.prefill_chunk_tokens, ceiling=config.max_prefill_tokens
         )
-        # speculative decoding (steps/drafts.py): off until the engine turns it on
+        # speculative decoding (steps/drafts.py): off until the engine turns it on; the drafts
+        # come from the context, or from a draft model where one was loaded (steps/build.py)
         self.draft_counts: DraftCounts | None = None
+        self.draft_model = draft_model
         self._drafters: dict[int, Drafter] = {}  # id(stream) -> its drafts
 
     @property
@@ -95,7 +99,11 @@ class SlotSteps:
         """What the weights and the KV cache cost the host now; None on a GPU."""
         if self.forward.device.type != "cpu":
             return None
-        return MemoryReport.of(self.forward.model.tensors(), [*self.cache.k, *self.cache.v])
+        weights, kv = [*self.forward.model.tensors()], [*self.cache.k, *self.cache.v]
+        if self.draft_model is not None:  # the draft model's, where one drafts
+            weights += self.draft_model.forward.model.tensors()
+            kv += [*self.draft_model.cache.k, *self.draft_model.cache.v]
+        return MemoryReport.of(weights, kv)
 
     @property
     def decode_path(self) -> str:
@@ -257,23 +265,39 @@ class SlotSteps:
         rows = self._batch.rows
         if len(rows) > MAX_DRAFTING_ROWS:
             return []
-        spare = self.cache.chunk_limit  # a ring keeps the window behind any rollback
-        drafts = []
-        for stream in rows:
+        drafts: list[list[int]] = [[] for _ in rows]
+        wanted = []  # a draft model's: (row, its drafter, its request)
+        for row, stream in enumerate(rows):
             if not stream.settings.speculate:
-                drafts.append([])
                 continue
             drafter = self._drafters.get(id(stream))
             if drafter is None:
-                drafter = self._drafters[id(stream)] = Drafter(self.draft_counts)
-            length = self.cache.lengths[self._slot[id(stream)]]
-            room = min(
-                stream.settings.max_tokens - len(stream.output_ids) - 1,
-                self.cache.max_len - length - 1,
-                spare - 1 if spare is not None else self.cache.max_len,
-            )
-            drafts.append(drafter.propose(stream.prompt_ids, stream.output_ids, room))
+                from_context = self.draft_model is None
+                drafter = self._drafters[id(stream)] = Drafter(self.draft_counts, from_context)
+            room = self._draft_room(stream)
+            if self.draft_model is None:
+                drafts[row] = drafter.propose(stream.prompt_ids, stream.output_ids, room)
+            elif count := drafter.budget(stream.prompt_ids, stream.output_ids, room):
+                context = stream.prompt_ids + stream.output_ids
+                wanted.append((row, drafter, DraftRequest(id(stream), context, count)))
+        if wanted:
+            proposed = self.draft_model.propose([request for _, _, request in wanted])
+            for (row, drafter, _), draft in zip(wanted, proposed):
+                drafter.drafted(draft, rows[row].output_ids)
+                drafts[row] = draft
         return drafts
+
+    def _draft_room(self, stream) -> int:
+        """The most tokens a stream may draft now: within its max_tokens, its slot's context
+        and, where the cache keeps rings, their spare (which keeps the window behind any
+        rollback)."""
+        spare = self.cache.chunk_limit
+        length = self.cache.lengths[self._slot[id(stream)]]
+        return min(
+            stream.settings.max_tokens - len(stream.output_ids) - 1,
+            self.cache.max_len - length - 1,
+            spare - 1 if spare is not None else self.cache.max_len,
+        )
 
     def settle(self, step: Decoded) -> None:
         """After a step's tokens were emitted: each row that verified drafts keeps the keys and
@@ -353,6 +377,8 @@ class SlotSteps:
                 self.cache.free(slot)
             del self._slot[id(stream)]
             self._drafters.pop(id(stream), None)
+            if self.draft_model is not None:
+                self.draft_model.release(id(stream))
             if stream in self._prefilling:
                 self._prefilling.remove(stream)
         self._batch.remove(streams)
