@@ -2,9 +2,11 @@
 
     PYTHONPATH=$PWD nice -n -19 .venv/bin/python scripts/speculation_bench.py --rounds 3
     PYTHONPATH=$PWD .venv/bin/python scripts/speculation_bench.py --sets copy --max-tokens 64
+    PYTHONPATH=$PWD .venv/bin/python scripts/speculation_bench.py --draft-model ../models/draft-8
 
 One engine serves the model as `tokenstream serve` loads it (dtype and quantize auto) with
-`speculative=ngram`; each request runs twice, once with `speculate` false (plain decoding) and
+`speculative=ngram` (or `draft`, with --draft-model: scripts/make_draft_model.py makes one); each
+request runs twice, once with `speculate` false (plain decoding) and
 once with it true, alternated (which goes first alternates too), so both see the same machine.
 Sets: `copy` (prompts whose answer copies its context: code edits, corrections, lists, quoting,
 in English and Chinese, below), `chat` (the shipped chats, streaming_backend/data), and `crowd`
@@ -152,6 +154,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--chats", type=int, default=8, help="shipped chats in the chat set")
     parser.add_argument("--json", default="", help="also write the figures to this file")
+    parser.add_argument(
+        "--draft-model", default=None, help="speculate with this draft model, not n-grams"
+    )
     args = parser.parse_args()
 
     loaded = load_model(args.model, dtype="auto", device="cpu")
@@ -170,7 +175,10 @@ def main() -> None:
     settings = SamplingSettings(
         temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens
     )
-    config = EngineConfig(speculative="ngram", forward="compact", max_streams=16)
+    mode = "draft" if args.draft_model else "ngram"
+    config = EngineConfig(
+        speculative=mode, draft_model=args.draft_model, forward="compact", max_streams=16
+    )
     with Engine(loaded, config) as engine:
         _run(engine, copy[0], replace(settings, max_tokens=8))  # warm up
         results = measure(engine, sets, settings, args.rounds)
@@ -181,9 +189,9 @@ def main() -> None:
         decode = spec.decode_rate / plain.decode_rate if plain.decode_rate else 0.0
         median = statistics.median(pairs) if pairs else 0.0
         print(
-            f"{name:6s} decode: off {plain.decode_rate:6.1f} ngram {spec.decode_rate:6.1f} tok/s "
+            f"{name:6s} decode: off {plain.decode_rate:6.1f} {mode} {spec.decode_rate:6.1f} tok/s "
             f"{decode:.2f}x (median pair {median:.2f}x); end to end: off {plain.rate:6.1f} "
-            f"ngram {spec.rate:6.1f} tok/s {ratio:.2f}x; identical {same}/{total} "
+            f"{mode} {spec.rate:6.1f} tok/s {ratio:.2f}x; identical {same}/{total} "
             f"({plain.tokens} / {spec.tokens} tokens)"
         )
         report[name] = {"off": plain.rate, "ngram": spec.rate, "ratio": ratio,

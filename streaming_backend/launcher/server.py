@@ -39,7 +39,7 @@ from streaming_backend.launcher.processes import (
     wait_gone,
 )
 from streaming_backend.launcher.repository import make_runtime_repository
-from streaming_backend.launcher.startup import Hang, StartWatch
+from streaming_backend.launcher.startup import Hang, StartWatch, load_failure
 from streaming_backend.paths import default_repository
 from streaming_backend.wire import ADMIN_HEADER, ADMIN_KEY_VARIABLE
 
@@ -414,9 +414,11 @@ class TritonServer:
         if self._reader is not None:
             self._reader.join(timeout=2.0)  # stub children may hold the pipe open: bounded
         code = self.returncode
+        failed = load_failure(self._tail)
+        cause = f": a model failed to load ({failed})" if failed else ""
         return ServerDied(
             f"tritonserver exited {when}, {self.since_start():.1f} s after it started (status "
-            f"{code}). Last log:\n{self._tail_text()}"
+            f"{code}){cause}. Last log:\n{self._tail_text()}"
         )
 
     def _hung(self, hang: Hang) -> StartHung:

@@ -24,6 +24,11 @@ from dataclasses import dataclass
 from streaming_backend.launcher.processes import command_line, waited_for
 
 INITIALIZED = "[tokenstream] initialize returned:"
+# tritonserver's words for a model whose initialize raised: its name, then the error's type and
+# message (the python backend adds "At:" and the stack on the lines after)
+_LOAD_FAILED = re.compile(
+    r"load failed for model '([^']+)': version \S+ is at UNAVAILABLE state: (?:Internal: )?(.+)"
+)
 _LINE = re.compile(re.escape(INITIALIZED) + r" (\S+) of (\S+) \((\d+) instances?\)$")
 STUB = "triton_python_backend_stub"
 STUB_NAME_ARG = 8  # the stub's command line: binary, model path, shm name, sizes, ..., name
@@ -42,6 +47,17 @@ def announce_initialized(args: Mapping[str, str]) -> None:
     """Print initialized_line on stderr, which reaches Triton's log and the launcher: the last
     call of a model's `initialize`."""
     print(initialized_line(args), file=sys.stderr, flush=True)
+
+
+def load_failure(lines: Iterable[str]) -> str:
+    """What the last model that failed to load said, from tritonserver's log lines: "chat:
+    ValueError: ..." (the error's own line, without its stack); "" when no model failed."""
+    found = ""
+    for line in lines:
+        match = _LOAD_FAILED.search(line)
+        if match is not None:
+            found = f"{match.group(1)}: {match.group(2).strip()}"
+    return found
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from streaming_backend.launcher.processes import WAIT4, waited_for
 from streaming_backend.launcher.startup import (
     StartWatch,
     initialized_line,
+    load_failure,
     parse_initialized,
     stub_instance,
 )
@@ -126,3 +127,18 @@ def test_no_such_process_waits_for_nothing() -> None:
     process = subprocess.Popen([sys.executable, "-c", "pass"])
     process.wait()
     assert waited_for(process.pid) == set() and stub_instance(process.pid) is None
+
+
+def test_a_models_load_failure_is_read_from_the_log():
+    """The error a model's initialize raised, from tritonserver's line (its stack left out); the
+    last model's when several failed; "" when none did."""
+    lines = [
+        'I1205 16:28:38.100347 7351 server.cc:305] "Waiting for in-flight requests to complete."',
+        "error: creating server: Invalid argument - load failed for model 'chat': version 1 is "
+        "at UNAVAILABLE state: Internal: ValueError: the draft model o has another vocabulary",
+        "",
+        "At:",
+        "  /x/streaming_backend/steps/draft_model.py(203): check_same_vocabulary",
+    ]
+    assert load_failure(lines) == "chat: ValueError: the draft model o has another vocabulary"
+    assert load_failure(lines[:1]) == ""
