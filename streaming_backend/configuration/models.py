@@ -142,6 +142,27 @@ DIALOGUE_KV_CACHE_MEMORY = Parameter(
     option=True,
 )
 
+# Speculative decoding, on the chat model's streams and the dialogue model's rows alike
+# (`tokenstream serve --speculative/--draft-model` set them on each)
+SPECULATIVE = Parameter(
+    "speculative",
+    "auto",
+    "speculative decoding: ngram (drafts from the prompt and the answer so far, "
+    "verified as rows of the running batch: the same tokens, greedy or seeded), draft "
+    "(drafts from draft_model, verified the same way), off, or auto (what measured "
+    "faster here: docs/configuration.md)",
+    choice(*SPECULATIVE_MODES),
+    option=True,
+)
+DRAFT_MODEL = Parameter(
+    "draft_model",
+    "",
+    "speculative=draft's draft model: a smaller model with the same tokenizer (Hugging "
+    "Face model directory or GGUF file), run on the compact forward",
+    OPTIONAL_TEXT,
+    option=True,
+)
+
 CHAT_PARAMETERS = ParameterTable(
     CHAT_MODEL,
     (
@@ -173,24 +194,8 @@ CHAT_PARAMETERS = ParameterTable(
         PREFIX_CACHE,
         PREFILL_CHUNK_TOKENS,
         KV_CACHE_MEMORY,
-        Parameter(
-            "speculative",
-            "auto",
-            "speculative decoding: ngram (drafts from the prompt and the answer so far, "
-            "verified as rows of the running batch: the same tokens, greedy or seeded), draft "
-            "(drafts from draft_model, verified the same way), off, or auto (what measured "
-            "faster here: docs/configuration.md)",
-            choice(*SPECULATIVE_MODES),
-            option=True,
-        ),
-        Parameter(
-            "draft_model",
-            "",
-            "speculative=draft's draft model: a smaller model with the same tokenizer (Hugging "
-            "Face model directory or GGUF file), run on the compact forward",
-            OPTIONAL_TEXT,
-            option=True,
-        ),
+        SPECULATIVE,
+        DRAFT_MODEL,
         Parameter(
             "compile",
             "off",
@@ -233,6 +238,8 @@ DIALOGUE_PARAMETERS = ParameterTable(
         PREFIX_CACHE,
         PREFILL_CHUNK_TOKENS,
         DIALOGUE_KV_CACHE_MEMORY,
+        SPECULATIVE,
+        DRAFT_MODEL,
         Parameter("max_beam_width", "8", "widest beam search a request may ask for", integer(1)),
         Parameter(
             "default_output_len",

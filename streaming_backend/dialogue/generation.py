@@ -8,6 +8,12 @@ its beams then fork from it (`Steps.fork`: a beam with two children is a copy of
 state) and a row no beam continues leaves. Requests that wait for room join as others end, in
 the same call: Triton's dynamic batcher forms the batch, the steps run it. Tokens are chosen by
 the same logits pipeline as the streaming engine's (streaming_backend.sampling.logits).
+
+Sampled and greedy (width-1) requests speculate as the chat model's streams do (steps/drafts.py,
+steps/draft_model.py): a step verifies a row's drafted tokens, and while the token chosen at a
+position equals the draft there, the row takes the token chosen after it too, by the same rule
+as a step of its own (its draw, its beam step), so the answer is the same. Beam search of width
+2 and more does not speculate: its beams fork and are pruned at every step.
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ from streaming_backend.prompts.prompt_limits import PromptLimits
 from streaming_backend.sampling import sampling
 from streaming_backend.sampling.logits import NextTokenChooser
 from streaming_backend.sampling.settings import SamplingSettings
-from streaming_backend.steps import Steps
+from streaming_backend.steps import Decoded, Steps
 from streaming_backend.steps.build import Carried, build_steps
+from streaming_backend.steps.drafts import DraftCounts, resolve_mode
 from streaming_backend.wire import DIALOGUE_INPUT_IDS, END_ID, REQUEST_OUTPUT_LEN
 
 log = logging.getLogger(__name__)
@@ -84,6 +91,10 @@ class Generator:
         self.max_beam_width = max_beam_width
         self.limits = PromptLimits.of(loaded)
         self.steps: Steps[_Row] = build_steps(loaded, config, self._prefill_failed)
+        # speculative decoding, as the chat model's engine has it (counts kept across rebuilds)
+        self.draft_counts = DraftCounts()
+        self.speculative = resolve_mode(config.speculative, loaded.device.type)
+        self._enable_drafts()
 
     @property
     def name(self) -> str:
@@ -133,6 +144,16 @@ class Generator:
         carried = Carried.of(self.steps)
         self.steps = cache = None  # nothing holds the old cache while the new one is made
         self.steps = build_steps(self.loaded, self.config, self._prefill_failed, carried)
+        self._enable_drafts()
+
+    def _enable_drafts(self) -> None:
+        """Turn the steps' drafts on where speculation is; off (logged) where they cannot."""
+        if self.speculative == "off":
+            return
+        why = self.steps.enable_drafts(self.draft_counts)
+        if why is not None:
+            log.info("no speculative decoding: %s", why)
+            self.speculative = "off"
 
     def _run_isolated(self, jobs: list[_Job]) -> None:
         """Run the jobs together; if a step fails, rerun each unfinished one alone, so that only
@@ -165,7 +186,10 @@ class Generator:
                 self._advance(ready.streams, ready.logits)
             if self.steps.decoding():
                 step = self.steps.decode()
-                self._advance(step.streams, step.logits)
+                if step.drafts:
+                    self._advance(step.streams, step.logits[step.first_rows()], step)
+                else:
+                    self._advance(step.streams, step.logits)
             active = [job for job in active if job.outcome is None]
 
     def _admit(self, waiting: collections.deque[_Job], active: list[_Job]) -> None:
@@ -197,10 +221,13 @@ class Generator:
             job.outcome = StreamingError.of(error)
             self.steps.remove([r for r in job.rows if r not in rows], keep=False)
 
-    def _advance(self, rows: list[_Row], logits: torch.Tensor) -> None:
-        """Choose each job's next tokens from its rows of logits [N, V]; fork, prune, finish."""
+    def _advance(self, rows: list[_Row], logits: torch.Tensor, step: Decoded | None = None) -> None:
+        """Choose each job's next tokens from its rows of logits [N, V]; fork, prune, finish.
+        With `step` (it verified drafts), a drafting row then takes the tokens after its
+        accepted drafts (`_take_drafted`); the jobs finish once the step is settled."""
         position = {id(row): r for r, row in enumerate(rows)}
         jobs = list({id(row.job): row.job for row in rows}.values())
+        finished = []
         sampled = [job for job in jobs if job.search is None]
         if sampled:
             first = [job.rows[0] for job in sampled]
@@ -208,8 +235,6 @@ class Generator:
             ids, log_probs = _sample(first, logits[at], self.loaded.eos_ids)
             for job, token, log_prob in zip(sampled, ids, log_probs):
                 job.take(token, log_prob)
-                if job.done:
-                    self._finish(job)
         beams = [job for job in jobs if job.search is not None]
         if beams:
             # before the first step a job has one row (its prompt's) for its W beams
@@ -219,7 +244,42 @@ class Generator:
                 if sources:
                     self._branch(job, sources)
                 else:
-                    self._finish(job)
+                    finished.append(job)
+        if step is not None:
+            finished += self._take_drafted(step, [job for job in jobs if job not in finished])
+            self.steps.settle(step)  # before a finished row's KV is kept for the prefix cache
+        for job in sampled:
+            if job.done:
+                finished.append(job)
+        for job in finished:
+            self._finish(job)
+
+    def _take_drafted(self, step: Decoded, jobs: list[_Job]) -> list[_Job]:
+        """Each drafting row's tokens past its first: while its newest token equals its next
+        drafted one, the token after it, chosen from the logits after that draft as a step of
+        its own would (a sampled row's next draw, a width-1 beam's step). Returns the beam jobs
+        that ended so."""
+        starts, index = step.first_rows(), {id(row): r for r, row in enumerate(step.streams)}
+        ended = []
+        for job in jobs:
+            row = job.rows[0]
+            r = index.get(id(row))
+            drafted = step.drafts[r] if r is not None else []
+            at = 0
+            while at < len(drafted) and not job.done and row.output_ids[-1] == drafted[at]:
+                at += 1
+                logits = step.logits[starts[r] + at][None]  # [1, V]
+                if job.search is None:
+                    ids, log_probs = _sample([row], logits, self.loaded.eos_ids)
+                    job.take(ids[0], log_probs[0])
+                    continue
+                log_probs = _beam_log_probs([job], logits, self.loaded.eos_ids)
+                [(sources, _)] = step_all([job.search], log_probs)
+                if not sources:
+                    ended.append(job)
+                    break
+                self._branch(job, sources)
+        return ended
 
     def _branch(self, job: _Job, sources: list[int]) -> None:
         """The job's rows after a beam step: beam i continues row sources[i] (a row continued
@@ -314,7 +374,15 @@ class _Job:
         return self.search.width if self.search is not None else 1
 
     def new_row(self) -> _Row:
-        return _Row(self, list(self.request.prompt_ids), self.request.settings, self.generator)
+        return _Row(self, list(self.request.prompt_ids), self.row_settings, self.generator)
+
+    @property
+    def row_settings(self) -> SamplingSettings:
+        """Its rows' settings as the steps read them: its length as max_tokens (which bounds a
+        draft), and no speculation for beams of width 2 and more (they fork at every step)."""
+        settings = self.request.settings
+        speculate = settings.speculate and self.width == 1
+        return replace(settings, max_tokens=self.request.max_new_tokens, speculate=speculate)
 
     def first_row(self) -> _Row:
         """The row its prompt is prefilled in."""
