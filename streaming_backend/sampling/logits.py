@@ -156,8 +156,10 @@ class NextTokenChooser:
     def _greedy(self, logits: torch.Tensor, rows: Sequence[Row]) -> Choice | None:
         """`choose` for plainly greedy rows (`_plain_greedy`): each row's first largest logit,
         where its finite check holds, so the same ids and flags as the whole pipeline gives.
-        None (the pipeline's turn) when a row is not finite, or when a row short of min_tokens
-        would take EOS: banned, its token is the pipeline's to find. On a CPU one call of our C
+        None (the pipeline's turn) when a row is not finite. A row short of min_tokens whose
+        likeliest is EOS takes its likeliest other token, the EOS ids put out of reach as the
+        pipeline does (a fixed-length benchmark, ignore_eos, bans EOS on every row; when one row
+        of 16 wanted it, the whole batch went through the pipeline). On a CPU one call of our C
         kernels takes both (`native.MatmulKernel.greedy`: a row it is not certain of goes to the
         pipeline); without them, the pipeline's finite check and numpy's argmax. After a forward
         has left the caches cold every tensor operation costs tens of microseconds: in a 3.3 ms
@@ -177,9 +179,17 @@ class NextTokenChooser:
                 ids = numpy.argmax(logits.detach().numpy(), axis=-1).tolist()
             else:
                 ids = logits.max(-1).indices.tolist()
-        for token, row, least in zip(ids, rows, self.min_tokens):
-            if token in self.eos_ids and len(row.output_ids) < least:
-                return None
+        banned = [
+            r
+            for r, (token, row, least) in enumerate(zip(ids, rows, self.min_tokens))
+            if token in self.eos_ids and len(row.output_ids) < least
+        ]
+        if banned:  # those rows' likeliest but EOS, as the pipeline's ban and argmax find it
+            redo = sampling.suppress_tokens(
+                logits[banned].clone(), range(len(banned)), self.eos_ids
+            )
+            for r, token in zip(banned, redo.max(-1).indices.tolist()):
+                ids[r] = token
         return Choice(ids=ids, finite=finite, logprobs=None)
 
     def _check(self, rows: Sequence[Row]) -> None:

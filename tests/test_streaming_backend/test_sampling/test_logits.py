@@ -113,8 +113,9 @@ def test_a_non_finite_row_is_reported_and_the_others_are_unharmed():
 def test_plainly_greedy_rows_get_what_the_whole_pipeline_gives(dtype, kernels, monkeypatch):
     """Greedy rows with nothing to process but an EOS ban take a shorter way (`_greedy`, the
     pipeline not run; float32 on our C kernels where they build, else numpy's argmax): the same
-    ids and flags as the pipeline (which logprobs take) gives, ties to the first largest. A
-    row that is not finite, or that would take a banned EOS, is the pipeline's."""
+    ids and flags as the pipeline (which logprobs take) gives, ties to the first largest, and
+    for a row that would take a banned EOS its next best, tied or not. A row that is not finite
+    is the pipeline's."""
     if kernels == "none":
         monkeypatch.setattr(native, "matmul_kernel", lambda: None)
     torch.manual_seed(3)
@@ -133,9 +134,19 @@ def test_plainly_greedy_rows_get_what_the_whole_pipeline_gives(dtype, kernels, m
     monkeypatch.setattr(chooser, "process", pipeline)
     banned = logits.clone()
     banned[3, EOS] = 70.0  # row 3 is short of min_tokens: EOS banned, its next best
-    expected = NextTokenChooser.for_rows(rows, [EOS]).choose(banned.clone(), rows, logprobs=True)
+    banned[0, EOS] = 70.0  # row 0 has no min_tokens: EOS allowed
+    banned[1, EOS] = 70.0  # row 1 short of min_tokens too: the first of its tie below
+    rows[1].settings = SamplingSettings(temperature=0, min_tokens=3)
+    chooser, eos_banned = (
+        NextTokenChooser.for_rows(rows, [EOS]),
+        NextTokenChooser.for_rows(rows, [EOS]),
+    )
+    monkeypatch.setattr(chooser, "process", lambda *a: pytest.fail("the pipeline ran"))
+    expected = eos_banned.choose(banned.clone(), rows, logprobs=True)
     assert chooser.choose(banned.clone(), rows).ids == expected.ids
+    assert expected.ids[0] == EOS and expected.ids[1] == 7 and expected.ids[2] == EOS
     assert expected.ids[3] == int(logits[3].float().argmax())
+    chooser = NextTokenChooser.for_rows(rows, [EOS])
     for bad in (float("nan"), float("inf"), float("-inf")):
         broken = logits.clone()
         broken[2, 123] = bad
