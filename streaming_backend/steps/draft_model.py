@@ -45,7 +45,7 @@ class DraftRequest(NamedTuple):
     """One stream's wish for a draft: its context (prompt then answer) and how many tokens."""
 
     key: Hashable  # the stream's, until release(key)
-    context: Sequence[int]
+    context: list[int]
     count: int
 
 
@@ -148,10 +148,18 @@ class _Chunk(NamedTuple):
     tokens: list[int]
 
 
-def _shared(written: Sequence[int], context: Sequence[int]) -> int:
+# A slot's tokens are its stream's context up to the newest draft: they can differ from the
+# context only in this many last tokens (MAX_DRAFT is 8), compared one by one; what is before
+# them is compared at once (and one by one only if that finds a difference)
+SHARED_TAIL = 64
+
+
+def _shared(written: list[int], context: list[int]) -> int:
     """How many leading tokens two sequences share."""
     limit = min(len(written), len(context))
-    at = 0
+    at = max(0, limit - SHARED_TAIL)
+    if written[:at] != context[:at]:
+        at = 0
     while at < limit and written[at] == context[at]:
         at += 1
     return at

@@ -125,3 +125,18 @@ VOCAB = {"<s>": 1, "</s>": 2, "a": 3, "b": 4, "c": 5}
 def test_vocabulary_differences_are_named(other, why):
     """Sizes, ids and special tokens are compared; the first difference is named."""
     assert vocabulary_difference(_Tok(VOCAB), other) == why
+
+
+@pytest.mark.parametrize(
+    "written, context, shared",
+    [
+        (list(range(100)) + [7, 8], list(range(100)) + [7, 9, 10], 101),  # a rejected draft
+        (list(range(100)), list(range(100)) + [5], 100),  # behind the context
+        ([9] + list(range(1, 100)), list(range(100)), 0),  # a difference far back
+        ([], [1, 2], 0),
+    ],
+)
+def test_the_shared_prefix_is_found_wherever_it_ends(written, context, shared):
+    """The tokens a slot still shares with its context: near the end (where drafts differ) or,
+    should the slot differ further back, there."""
+    assert draft_module._shared(written, context) == shared
