@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import os
 import signal
 import subprocess
@@ -207,3 +208,49 @@ def test_a_write_killed_midway_leaves_no_file_at_its_path(tmp_path):
     write_tree(path, [torch.ones(4096), torch.ones(4096)], {})
     back, _ = read_tree(path, [])
     assert all(torch.equal(t, torch.ones(4096)) for t in back)
+
+
+def huge_mapped_kib(path: Path) -> int:
+    """KiB of this process's mappings of `path` mapped in huge pages (smaps' FilePmdMapped)."""
+    total, ours = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5 and ":" not in fields[0]:
+            ours = len(fields) >= 6 and fields[5] == str(path)
+        elif ours and fields[0] == "FilePmdMapped:":
+            total += int(fields[1])
+    return total
+
+
+def read_all_mapped(path: Path) -> int:
+    """Map `path` as a reader maps a weight file (MADV_HUGEPAGE), touch every page; the KiB of
+    it mapped in huge pages."""
+    with path.open("rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mapped.madvise(mmap.MADV_HUGEPAGE)
+    sum(mapped[i] for i in range(0, len(mapped), PAGE))
+    try:
+        return huge_mapped_kib(path)
+    finally:
+        mapped.close()
+
+
+def test_a_written_file_is_read_back_in_huge_pages(tmp_path):
+    """The pages a write leaves in the page cache are small ones where it wrote in pieces, as
+    a TreeWriter does: the writer lets them go, so that a reader's mapping reads the file back
+    in huge folios. Where the kernel maps no file in huge pages even when read from disk (no
+    large folios, THP off), there is nothing to check."""
+    size = 16 << 20
+    plain = tmp_path / "plain"
+    plain.write_bytes(os.urandom(size))
+    fd = os.open(plain, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    from_disk = read_all_mapped(plain)
+    if from_disk == 0:
+        pytest.skip("this kernel or file system maps no file in huge pages")
+    path = tmp_path / "w"
+    write_tree(path, [torch.randint(0, 255, (size,), dtype=torch.uint8)], {})
+    assert read_all_mapped(path) >= from_disk / 2
