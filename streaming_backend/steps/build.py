@@ -19,17 +19,20 @@ PREFIX_ENTRIES_PER_STREAM = 2  # KV cache slots per max_streams (the budget may 
 
 class Carried(NamedTuple):
     """What compact steps rebuilt with another slot length keep: the compact model (no weights
-    converted again), the cache's memory and the measured pacing (no calibration)."""
+    converted again), the cache's memory, the measured pacing (no calibration) and the draft
+    model (steps/draft_model.py: not loaded again; its cache is made anew)."""
 
     model: Any  # forward.llama.CompactLlama
     cache_bytes: int
     pacer: PrefillPacer
+    draft: Any = None  # steps.draft_model.DraftModel, where one drafts
 
     @classmethod
     def of(cls, steps: Any) -> Carried:
         """From compact steps (steps/slots.py SlotSteps), which are then no longer used."""
         cache = steps.cache
-        return cls(steps.forward.model, (cache.slots + 1) * cache.slot_bytes, steps.pacer)
+        bytes_ = (cache.slots + 1) * cache.slot_bytes
+        return cls(steps.forward.model, bytes_, steps.pacer, steps.draft_model)
 
 
 def build_steps(
@@ -70,9 +73,8 @@ def build_steps(
         why = fall_back(exc, config.forward)
         return HfSteps(with_weights(loaded), config, on_failure, why=why)
     cache = forward.cache
-    steps = SlotSteps(
-        forward, config, on_failure, loaded.eos_ids, _draft_model(loaded, config, cache)
-    )
+    draft = _draft_model(loaded, config, cache, carried.draft if carried else None)
+    steps = SlotSteps(forward, config, on_failure, loaded.eos_ids, draft)
     if carried is None:
         steps.calibrate()
     else:
@@ -94,13 +96,16 @@ def build_steps(
     return steps
 
 
-def _draft_model(loaded: LoadedModel, config: EngineConfig, cache: Any) -> Any:
+def _draft_model(loaded: LoadedModel, config: EngineConfig, cache: Any, carried: Any) -> Any:
     """speculative=draft's draft model (steps/draft_model.py), with a KV cache slot for each
-    stream the model's cache holds (at most max_streams) of as many positions; None in any
-    other mode. ValueError when its vocabulary is not the model's."""
+    stream the model's cache holds (at most max_streams) of as many positions: `carried` (the
+    draft model of the steps rebuilt) with a new cache, else loaded now; None in any other
+    mode. ValueError when its vocabulary is not the model's."""
     if config.speculative != "draft":
         return None
+    slots = min(config.max_streams, cache.slots)
+    if carried is not None:
+        return carried.resized(slots, cache.max_len)
     from streaming_backend.steps.draft_model import load_draft_model
 
-    slots = min(config.max_streams, cache.slots)
     return load_draft_model(config.draft_model, loaded, config, slots, cache.max_len)

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from streaming_backend.configuration.models import EngineConfig
+from streaming_backend.forward.llama import CompactLlama
 from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
 from streaming_backend.forward.slots import SlotCache
 from streaming_backend.model.loading import (
@@ -52,13 +53,49 @@ class DraftRequest(NamedTuple):
 class DraftModel:
     """A draft model on the compact forward, with one KV cache slot per drafting stream."""
 
-    def __init__(self, forward: SlotForward, vocab: int, name: str = "draft"):
+    def __init__(
+        self, forward: SlotForward, vocab: int, name: str = "draft", context: int | None = None
+    ):
         self.forward = forward
         self.cache = forward.cache
         self.vocab = vocab  # the target's vocabulary size: no drafted id at or past it
         self.name = name
+        self.context = context or self.cache.max_len  # its own context: no slot is longer
         self._slot: dict[Hashable, int] = {}  # key -> its slot
         self._written: dict[Hashable, list[int]] = {}  # key -> the tokens its slot holds
+
+    @classmethod
+    def on(
+        cls,
+        model: CompactLlama,
+        dtype: torch.dtype,
+        device: torch.device,
+        slots: int,
+        max_len: int,
+        vocab: int,
+        name: str,
+        context: int,
+    ) -> DraftModel:
+        """A draft model running `model` (the compact forward's) with a new KV cache in `dtype`
+        on `device`, of `slots` slots of `max_len` positions (at most its `context`)."""
+        length = min(max_len, context, model.shape.max_positions)
+        cache = SlotCache(model.shape, slots, length, dtype, device)
+        log.info(
+            "draft model %s: %d KV cache slots of %d positions (%.0f MiB)",
+            name,
+            cache.slots,
+            cache.max_len,
+            cache.bytes / 2**20,
+        )
+        return cls(SlotForward(model, cache, device), vocab, name, context)
+
+    def resized(self, slots: int, max_len: int) -> DraftModel:
+        """The same draft model (its weights as they are) with a new, empty KV cache: the
+        model's steps rebuilt with another slot length (steps/build.py Carried)."""
+        model, dtype, device = self.forward.model, self.cache.k[0].dtype, self.forward.device
+        return DraftModel.on(
+            model, dtype, device, slots, max_len, self.vocab, self.name, self.context
+        )
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         """Each request's draft: up to `count` tokens, greedily; [] for a request whose slot
@@ -188,19 +225,10 @@ def load_draft_model(
         raise ValueError(
             f"the draft model {draft.name} does not run on the compact forward: {exc}"
         ) from None
-    length = min(max_len, draft.context_length, model.shape.max_positions)
-    cache = SlotCache(
-        model.shape, slots, length, draft.dtype, draft.device, forward_config.window_chunk
-    )
-    log.info(
-        "draft model %s: %d KV cache slots of %d positions (%.0f MiB)",
-        draft.name,
-        cache.slots,
-        cache.max_len,
-        cache.bytes / 2**20,
-    )
     vocab = loaded.model.config.vocab_size
-    return DraftModel(SlotForward(model, cache, draft.device), vocab, draft.name)
+    return DraftModel.on(
+        model, draft.dtype, draft.device, slots, max_len, vocab, draft.name, draft.context_length
+    )
 
 
 def check_same_vocabulary(model: LoadedModel, draft: LoadedModel) -> None:

@@ -8,9 +8,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from conftest import save_tiny_model
 
 from streaming_backend.configuration.models import EngineConfig
 from streaming_backend.dialogue.generation import GenerationRequest, Generator
+from streaming_backend.model.loading import load_model
 from streaming_backend.sampling.settings import SamplingSettings
 
 LOOPING = tuple([(37 * i) % 700 + 100 for i in range(15)] * 4)  # its own n-grams draft
@@ -92,3 +94,34 @@ def test_an_end_id_met_while_speculating_ends_there(tiny_loaded, tiny_model_dir,
     generator = _generator(tiny_loaded, "draft", tiny_model_dir)
     assert _beams(generator.generate([request])[0]) == expected
     assert generator.draft_counts.drafted > 0
+
+
+@pytest.fixture(scope="module")
+def long_dir(tmp_path_factory, default_model_dir):
+    """The tiny model with a context of 2048 positions (its slots get cut to fit batches)."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-2048"), default_model_dir, context=2048)
+
+
+def test_a_rebuild_for_longer_slots_keeps_the_draft_model(long_dir):
+    """When a batch makes the steps cut their slots, and a longer request then lengthens them,
+    the draft model keeps its weights (not loaded again) and gets slots as long as the
+    model's; the answers stay plain decoding's."""
+    loaded = load_model(str(long_dir), "float32", "cpu")
+    config = dict(forward="compact", quantize="none", kv_cache_memory="5MiB", max_streams=16)
+    drafting = Generator(
+        loaded, EngineConfig(speculative="draft", draft_model=str(long_dir), **config), 4
+    )
+    plain = Generator(loaded, EngineConfig(speculative="off", **config), 4)
+    short = GenerationRequest(LOOPING, 20)
+    long = GenerationRequest(tuple(range(1, 300)), 12)
+    batch = [replace(short, max_new_tokens=20 + i) for i in range(8)]  # more rows than slots
+    assert [_beams(r) for r in drafting.generate(batch)] == [
+        _beams(r) for r in plain.generate(batch)
+    ]
+    draft = drafting.steps.draft_model
+    assert draft.cache.max_len == drafting.steps.cache.max_len == 256
+    assert _beams(drafting.generate([long])[0]) == _beams(plain.generate([long])[0])
+    rebuilt = drafting.steps.draft_model
+    assert rebuilt is not draft and rebuilt.forward.model is draft.forward.model
+    assert rebuilt.cache.max_len == drafting.steps.cache.max_len == 512
+    assert drafting.draft_counts.drafted > 0
