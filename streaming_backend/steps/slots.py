@@ -281,11 +281,20 @@ class SlotSteps:
                 context = stream.prompt_ids + stream.output_ids
                 wanted.append((row, drafter, DraftRequest(id(stream), context, count)))
         if wanted:
-            proposed = self.draft_model.propose([request for _, _, request in wanted])
-            for (row, drafter, _), draft in zip(wanted, proposed):
+            for (row, drafter, _), draft in zip(wanted, self._drafted([r for *_, r in wanted])):
                 drafter.drafted(draft, rows[row].output_ids)
                 drafts[row] = draft
         return drafts
+
+    def _drafted(self, requests: list[DraftRequest]) -> list[list[int]]:
+        """The draft model's drafts; where it fails, none, and none from it again: the streams
+        go on decoding without it (a failing draft must not fail them)."""
+        try:
+            return self.draft_model.propose(requests)
+        except Exception:
+            log.exception("the draft model failed: speculative decoding stops")
+            self.draft_model = self.draft_counts = None
+            return [[] for _ in requests]
 
     def _draft_room(self, stream) -> int:
         """The most tokens a stream may draft now: within its max_tokens, its slot's context

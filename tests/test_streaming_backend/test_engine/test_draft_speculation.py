@@ -18,6 +18,7 @@ from streaming_backend.engine import Engine, EngineConfig
 from streaming_backend.events import FinishReason
 from streaming_backend.prompts import encode_prompt
 from streaming_backend.sampling.settings import SamplingSettings
+from streaming_backend.steps import draft_model as draft_model_module
 from streaming_backend.steps import drafts
 from streaming_backend.steps import slots as slots_module
 
@@ -158,6 +159,23 @@ def test_cancel_ends_a_stream_drafting_with_a_draft_model(tiny_loaded, tiny_mode
         assert engine.draft_counts.drafted > 0
         engine.submit(PROMPT[:10], SamplingSettings(max_tokens=1)).text()  # a step after it
         assert engine._steps.draft_model.streams == 0
+
+
+def test_a_failing_draft_model_stops_speculation_not_streams(
+    tiny_loaded, tiny_model_dir, monkeypatch
+):
+    """A draft model that raises: the streams go on without drafts and get plain decoding's
+    answer; no draft is made after it."""
+    with _engine(tiny_loaded) as plain:
+        [expected] = _answers(plain, [(PROMPT, GREEDY)])
+
+    def fail(self, requests):
+        raise RuntimeError("the draft model broke")
+
+    monkeypatch.setattr(draft_model_module.DraftModel, "propose", fail)
+    with _engine(tiny_loaded, tiny_model_dir) as engine:
+        assert _answers(engine, [(PROMPT, GREEDY)] * 2) == [expected, expected]
+        assert engine.draft_counts.drafted == 0 and engine._steps.draft_model is None
 
 
 def test_a_full_batch_drafts_nothing_with_a_draft_model(tiny_loaded, tiny_model_dir, monkeypatch):
