@@ -14,7 +14,7 @@ them. This holds --layers layers of one decoder layer's linears (q/k/v fused, o,
 down) of random weights, and the head where --vocab is given, in each format (the defaults, the
 1B shape's 4 layers, are 152 MB in int4: more than the caches hold), and runs an activation of
 --rows rows through all of them: one pass. Formats (FORMATS): ours (c-int4, c-int8: the C
-kernels, forward/csrc/), torch's weight-only kernels (aten-int4, aten-int8) and dense float32 /
+kernels, kernels/csrc/), torch's weight-only kernels (aten-int4, aten-int8) and dense float32 /
 bfloat16, each with the activations the forward feeds it, or the other dtype after a slash
 (c-int4/bf16, aten-int8/fp32). --amx both times our kernels with their block dots on AMX and
 without (the same bits) where the CPU has it. The formats (and AMX settings) take turns within
@@ -34,7 +34,8 @@ from collections.abc import Callable
 
 import torch
 
-from streaming_backend.forward import native, quant
+from streaming_backend.forward import quant
+from streaming_backend.kernels.matmul import matmul_kernel
 from streaming_backend.model.hardware import cpu_flags
 
 FP32, BF16 = torch.float32, torch.bfloat16
@@ -92,7 +93,7 @@ def _timed(run: Callable[[], object]) -> float:
 
 def systems(formats: list[str], amx: str) -> list[tuple[str, bool]]:
     """(format, AMX on) to time: our kernels once per AMX setting asked for, the others once."""
-    kernel = native.matmul_kernel()
+    kernel = matmul_kernel()
     settings = {"auto": [bool(kernel and kernel.amx)], "off": [False], "both": [True, False]}
     return [
         (name, on)
@@ -103,7 +104,7 @@ def systems(formats: list[str], amx: str) -> list[tuple[str, bool]]:
 
 def measure(prepared, xs, runs: list[tuple[str, bool]], rounds: int, passes: int) -> dict:
     """(format, AMX) -> every pass's seconds, the runs taking turns round by round."""
-    kernel = native.matmul_kernel()
+    kernel = matmul_kernel()
     amx = kernel.amx if kernel else False
     times: dict[tuple[str, bool], list[list[float]]] = {run: [] for run in runs}
     for run in runs:  # warm up
@@ -138,7 +139,7 @@ def main() -> None:
     unknown = [name for name in formats if name not in FORMATS]
     if unknown:
         parser.error(f"unknown formats {unknown}; choose from {', '.join(FORMATS)}")
-    if native.matmul_kernel() is None and any(name.startswith("c-") for name in formats):
+    if matmul_kernel() is None and any(name.startswith("c-") for name in formats):
         parser.error("our C kernels do not build here: leave out the c-* formats")
     flags = sorted(f for f in cpu_flags() if "bf16" in f or f.startswith(("avx512", "amx")))
     capability = torch.backends.cpu.get_cpu_capability()

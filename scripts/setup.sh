@@ -134,7 +134,7 @@ PYEOF
     apt_install "$package"
 }
 
-# The compact forward's C kernels (streaming_backend/forward/csrc/: attention, quantized matmuls),
+# The C kernels (streaming_backend/kernels/csrc/: attention, matmuls, decoder stack, greedy pick),
 # built now so that a server does not compile on its first request; without a C compiler the
 # forward attends with torch, one call per token, and runs int4/int8 on torch's kernels: slower.
 build_kernel() {
@@ -142,7 +142,7 @@ build_kernel() {
         say "installing Debian's gcc (the forward's C kernels)"
         apt_install gcc libc6-dev
     fi
-    if ! "$PY" -m streaming_backend.forward.native; then
+    if ! "$PY" -m streaming_backend.kernels.build; then
         echo "setup: warning: the C kernels did not build; the forward runs on torch's" >&2
     fi
 }

@@ -203,11 +203,13 @@ MAY_IMPORT: dict[str, set[str]] = {
     "streaming_backend.paths": set(),
     "streaming_backend.errors": _core("wire"),
     "streaming_backend.events": _core("wire", "errors"),
-    "streaming_backend.model": SHARED,  # loading, the hardware, the KV caches
+    # the C kernels: their build and bindings (the build reads the cache folder, paths)
+    "streaming_backend.kernels": SHARED,
+    "streaming_backend.model": SHARED | _core("kernels"),  # loading, the hardware, the KV caches
     "streaming_backend.configuration": SHARED | _core("model"),  # model.hardware's dtype names
     "streaming_backend.launcher": SHARED | _core("model", "configuration"),
-    "streaming_backend.sampling": SHARED,
-    "streaming_backend.forward": SHARED | _core("model", "configuration"),
+    "streaming_backend.sampling": SHARED | _core("kernels"),  # the greedy pick
+    "streaming_backend.forward": SHARED | _core("kernels", "model", "configuration"),
     "streaming_backend.prompts": SHARED | _core("model", "sampling"),
     "streaming_backend.steps": SHARED | _core("model", "configuration", "sampling", "forward"),
     "streaming_backend.engine": SHARED
@@ -236,8 +238,6 @@ KNOWN_BACK_ARROWS = {
     ("streaming_backend.model.numerics", "streaming_backend.steps"),
     # issue 48: the weight cache converts through the forward's weight conversion and file
     ("streaming_backend.model.weight_cache", "streaming_backend.forward"),
-    # issue 48: the greedy pick is one of the forward's C kernels (to go to a kernels package)
-    ("streaming_backend.sampling.logits", "streaming_backend.forward"),
 }
 
 

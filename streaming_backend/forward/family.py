@@ -63,7 +63,7 @@ SUPPORTED_TYPES = tuple(FAMILIES)
 # LongRoPE (Phi-3/4) is too within its original context (loading.rope_context bounds the model's).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 NO_WINDOW = 1 << 62  # "sliding window" of a full-attention layer
-# Hugging Face's activation name -> ours (Dims.activation; native.MatmulKernel's `{ours}_mul`)
+# Hugging Face's activation name -> ours (Dims.activation; kernels' MatmulKernel's `{ours}_mul`)
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from streaming_backend.forward.convert import Block, Experts
 from streaming_backend.forward.family import Dims
-from streaming_backend.forward.native import Placed
 from streaming_backend.forward.quant import linear, native_linear
+from streaming_backend.kernels.attention import Placed
 
 
 def decoder_layer(
@@ -170,7 +170,7 @@ def exact_attention(q, kv, placed: Placed, window: int, kernel, scale=None, cap:
     kv: this layer's K, V [places, Hkv, rows, D] (position p in row p mod rows: a sliding
     window's ring); placed: each token's place and position.
     A token's numbers depend on its own query and positions alone, never on what shares the
-    call: the C kernel (forward/native.py) computes each token on its own in a fixed order;
+    call: the C kernel (kernels/attention.py) computes each token on its own in a fixed order;
     without it, one torch call per token whose shapes its position alone fixes (torch's
     attention orders its sums by the call's shapes, so a call padded to a batch mate's length
     with a mask, or one of several query tokens, would round differently).
@@ -247,7 +247,7 @@ def native_layer(x, block: Block, kv, where, dims: Dims, kernel, rope) -> torch.
     projection of the normalised x; RoPE, the K/V writes and each token's exact attention; x
     plus the output projection; the gate/up projection of the normalised x; x plus the down
     projection of silu(gate) * up. Each token's numbers depend on it and its positions alone
-    (forward/csrc/). where: (the tokens' Placed, this layer's sliding window); rope: cos, sin.
+    (kernels/csrc/). where: (the tokens' Placed, this layer's sliding window); rope: cos, sin.
     Returns the layer's output, written into x."""
     placed, window = where
     qkv = native_linear(x, block.qkv, bias=block.qkv_bias, **_prologue(block.norm1, dims))

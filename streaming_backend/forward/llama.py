@@ -6,7 +6,7 @@ new keys and values are written into the cache at its position first, then it at
 slot's positions, so a slot's earlier positions (an earlier chunk, a reused prefix) are simply
 part of what it attends to. `decode` is the eager step's fewer operations for rows of one token.
 Where every linear weight runs on our C kernels, every layer does (native_layer, or the whole
-stack in one C call: native.DecoderStack); else torch's.
+stack in one C call: kernels.stack.DecoderStack); else torch's.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from streaming_backend.forward import native
 from streaming_backend.forward.convert import (
     LINEAR_WEIGHTS,
     CompactWeights,
@@ -35,8 +34,10 @@ from streaming_backend.forward.layers import (
     rows_attention,
     tokens_attention,
 )
-from streaming_backend.forward.native import AttentionKernel, Placed
 from streaming_backend.forward.quant import kernel_name, linear, native_linear
+from streaming_backend.kernels import stack
+from streaming_backend.kernels.abi import DTYPES
+from streaming_backend.kernels.attention import AttentionKernel, Placed, attention_kernel
 
 # UnsupportedModel's home is family.py; steps/build.py and forward_choice.py import it from here
 # K or V of every layer, one tensor each [slots + 1, kv_heads, rows, head_dim] (forward/slots.py)
@@ -105,8 +106,8 @@ class CompactLlama(nn.Module):
         self.embed_scale, self.logit_cap = weights.embed_scale, weights.logit_cap
         self.layer_ropes, self.ropes = weights.layer_ropes, weights.ropes
         # exact attention: the C kernel on the CPU for the dtypes it takes, else torch per token
-        on_cpu = self.embed.device.type == "cpu" and self.embed.dtype in native.DTYPES
-        self.kernel: AttentionKernel | None = native.attention_kernel() if on_cpu else None
+        on_cpu = self.embed.device.type == "cpu" and self.embed.dtype in DTYPES
+        self.kernel: AttentionKernel | None = attention_kernel() if on_cpu else None
         self.attention = f"c-{self.kernel.variant}" if self.kernel else "torch"
         # what runs the linear weights: c-avx2 / c-generic, aten, dense ("+" joins several)
         linear_weights = [self.head, *(w for b in self.blocks for w in b.weights())]
@@ -126,7 +127,7 @@ class CompactLlama(nn.Module):
             if huge_pages
             else 0
         )
-        # every layer in one C call where none needs torch between its calls (native.DecoderStack)
+        # every layer in one C call where none needs torch between its calls (stack.DecoderStack)
         self.native_stack = self._decoder_stack() if self.native else None
 
     def tensors(self) -> Iterator[torch.Tensor]:
@@ -298,7 +299,7 @@ class CompactLlama(nn.Module):
             return logits
         return torch.tanh(logits / self.logit_cap) * self.logit_cap
 
-    def _decoder_stack(self) -> native.DecoderStack | None:
+    def _decoder_stack(self) -> stack.DecoderStack | None:
         """The native layers as one C call, where every one is plain: pre-norms, no head or
         post norms, no experts; else None (native_layer's calls from Python)."""
         plain = all(
@@ -310,7 +311,7 @@ class CompactLlama(nn.Module):
         if not plain:
             return None
         layers = [
-            native.StackSpec(
+            stack.StackSpec(
                 block.norm1,
                 block.norm2,
                 *[(getattr(block, n), getattr(block, f"{n}_bias")) for n in LINEAR_WEIGHTS],
@@ -319,7 +320,7 @@ class CompactLlama(nn.Module):
             )
             for number, block in enumerate(self.native_blocks)
         ]
-        return native.decoder_stack(layers, self.shape.hidden, self.shape.dims)
+        return stack.decoder_stack(layers, self.shape.hidden, self.shape.dims)
 
     def _native_layers(self, x, k_cache, v_cache, placed: Placed) -> torch.Tensor:
         """Every decoder layer on n tokens (x [n, hidden] float32, contiguous; placed: where

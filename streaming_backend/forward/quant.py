@@ -8,7 +8,7 @@
 - int4: weight-only, asymmetric, one step and low per group of INT4_GROUP inputs per output
   row; the head stays int8 (HEAD_KIND).
 
-Where the C kernels build (forward/native.py, csrc/quant_matmul.c) the weights are laid out for
+Where the C kernels build (kernels/matmul.py, kernels/csrc/matmul.c) the weights are laid out for
 them (NativeInt4Weight, NativeInt8Weight): they quantize each activation row in blocks of 32
 inputs with a step per block and multiply with integer dot products, streaming the weights at
 close to memory speed for one row. Elsewhere (no C compiler, a weight whose inputs do not fill
@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from streaming_backend.configuration.models import QUANTIZE_KINDS
-from streaming_backend.forward import native
+from streaming_backend.kernels.abi import DTYPES
+from streaming_backend.kernels.matmul import MatmulKernel, matmul_kernel
 
 # inputs per int4 scale/zero pair: 64 failed the quality gate on the default model (greedy
 # agreement 67 %, perplexity +32 %), 32 passed (docs/design.md, the quality gate)
@@ -36,7 +37,7 @@ INT4_GROUP = 32
 # the head's format per quantization: an int4 head cost 8 points of greedy agreement (90 % vs 98 %)
 HEAD_KIND = {"none": "none", "int8": "int8", "int4": "int8"}
 LAYOUT_VERSION = 2  # of what quantize_weight produces: raise it when that changes (weight_cache)
-TILE = native.MatmulKernel.TILE  # weight rows the C kernels take together: their layout's tiles
+TILE = MatmulKernel.TILE  # weight rows the C kernels take together: their layout's tiles
 ROWS_AT_ONCE = 256 * TILE  # rows of a weight quantize_weight quantizes at a time (_by_rows)
 INT4_INNER_K_TILES = 1  # the CPU packing ignores it; the op still takes it
 # The activations' dtype at a quantized matmul, by the model's: neither kernel has a fast float32
@@ -79,7 +80,7 @@ class NativeInt8Weight(NamedTuple):
 
 class NativeInt4Weight(NamedTuple):
     """A 4-bit weight in the C kernel's layout: w = l * step + low per group of INT4_GROUP inputs,
-    l in [0, 15]; in tiles of TILE output rows (csrc/quant_matmul.c), which the shapes below
+    l in [0, 15]; in tiles of TILE output rows (kernels/csrc/matmul.c), which the shapes below
     only size (native_int4_values gives the values in row order)."""
 
     # [out, in / 2] uint8: group g of tile t at (t * groups + g) * 256; byte 64 p + 4 c + j holds
@@ -118,9 +119,9 @@ def quantize_weight(weight: torch.Tensor, kind: str, matmul: str = "auto") -> We
         return weight
     if weight.device.type != "cpu":
         raise ValueError(f"{kind} weights use torch's CPU kernels; the model is on {weight.device}")
-    # the C kernel quantizes activations in whole blocks of its inputs (native.MatmulKernel)
-    fits = weight.shape[1] % native.MatmulKernel.BLOCK == 0
-    on_native = check_matmul(matmul) == "auto" and fits and native.matmul_kernel() is not None
+    # the C kernel quantizes activations in whole blocks of its inputs (MatmulKernel)
+    fits = weight.shape[1] % MatmulKernel.BLOCK == 0
+    on_native = check_matmul(matmul) == "auto" and fits and matmul_kernel() is not None
     if kind == "int8":
         return _by_rows(quantize_int8_native if on_native else quantize_int8, weight)
     if weight.shape[1] % INT4_GROUP:
@@ -150,14 +151,14 @@ def _by_rows(quantize, weight: torch.Tensor) -> Weight:
 
 def kernel_name(weight: Weight) -> str:
     """What runs a weight's matmuls: c-VARIANT (our C kernels as built for this CPU, VARIANT
-    being native.variant()'s), aten (torch's weight-only kernels), dense-c-VARIANT (a plain
+    being kernels.build.variant()'s), aten (torch's weight-only kernels), dense-c-VARIANT (a plain
     tensor on our C kernel) or dense (on torch's)."""
     if isinstance(weight, NATIVE_WEIGHTS):
-        return f"c-{native.matmul_kernel().variant}"
+        return f"c-{matmul_kernel().variant}"
     if not isinstance(weight, torch.Tensor):
         return "aten"
     on_native = _dense_on_native(torch.empty(0, dtype=weight.dtype), weight)
-    return f"dense-c-{native.matmul_kernel().variant}" if on_native else "dense"
+    return f"dense-c-{matmul_kernel().variant}" if on_native else "dense"
 
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:
@@ -284,9 +285,9 @@ def native_linear(
     x: torch.Tensor, weight: NativeInt8Weight | NativeInt4Weight, **around
 ) -> torch.Tensor:
     """x [m, in] (float32 or bfloat16, contiguous) . W^T through the C kernel, with what
-    native.MatmulKernel takes around it (an RMS norm or silu(gate) * up before, bias and a
+    MatmulKernel takes around it (an RMS norm or silu(gate) * up before, bias and a
     residual after) -> [m, out] in x's dtype."""
-    kernel = native.matmul_kernel()
+    kernel = matmul_kernel()
     if isinstance(weight, NativeInt4Weight):
         return kernel.q4(x, *weight, **around)
     return kernel.q8(x, *weight, **around)
@@ -296,12 +297,12 @@ def _native_linear(flat: torch.Tensor, weight: NativeInt8Weight | NativeInt4Weig
     """flat [m, in] . W^T through the C kernel, in flat's dtype (float16 through float32)."""
     if torch.compiler.is_compiling():  # ctypes is opaque to dynamo: this call runs eagerly
         torch._dynamo.graph_break()  # (imported only when compiling: 1.2 s at every start)
-    y = native_linear(flat if flat.dtype in native.DTYPES else flat.float(), weight)
+    y = native_linear(flat if flat.dtype in DTYPES else flat.float(), weight)
     return y if y.dtype == flat.dtype else y.to(flat.dtype)
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, on a CPU through our C kernel (native.MatmulKernel.dense) where it builds.
+    """F.linear, on a CPU through our C kernel (MatmulKernel.dense) where it builds.
 
     torch's CPU matmuls pick their kernel and blocking by the call's row count and a row's
     place in the call, so a row's float32 or bfloat16 result differs in the last bits with its
@@ -316,7 +317,7 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
         return F.linear(x, weight, bias)
     flat = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
     around = {"bias": bias} if bias is not None and bias.dtype == x.dtype else {}
-    y = native.matmul_kernel().dense(flat, weight, **around)
+    y = matmul_kernel().dense(flat, weight, **around)
     if bias is not None and not around:
         y = y + bias
     return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
@@ -328,10 +329,10 @@ def _dense_on_native(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     return (
         weight.device.type == "cpu"
-        and x.dtype in native.DTYPES
-        and weight.dtype in native.DTYPES
+        and x.dtype in DTYPES
+        and weight.dtype in DTYPES
         and weight.is_contiguous()
-        and native.matmul_kernel() is not None
+        and matmul_kernel() is not None
     )
 
 

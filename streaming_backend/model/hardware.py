@@ -43,6 +43,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from streaming_backend.kernels.build import ATEN_BELOW_AVX512  # torch's kernels' cap and ours
+
 AUTO = "auto"
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -184,7 +186,6 @@ def all_cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
 # oneDNN's instruction-set limits (ONEDNN_MAX_CPU_ISA) below its bfloat16 and AMX kernels
 ONEDNN_BELOW_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE")
 ONEDNN_BELOW_AMX = (*ONEDNN_BELOW_BF16, "AVX512_CORE_VNNI", "AVX512_CORE_BF16", "AVX10_1_512")
-ATEN_BELOW_AVX512 = ("default", "avx2", "no avx")  # ATEN_CPU_CAPABILITY values
 
 
 def isa_caps(environ: Mapping[str, str]) -> frozenset[str]:

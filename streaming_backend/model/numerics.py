@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from streaming_backend.forward import native
 from streaming_backend.forward.quant import HEAD_KIND, INT4_GROUP
+from streaming_backend.kernels.matmul import MatmulKernel
 from streaming_backend.model.loading import LoadedModel
 from streaming_backend.steps import Steps
 
@@ -49,7 +49,7 @@ class Numerics:
     forward: str  # compact or hf (steps/build.py)
     decode: str  # how a decode step runs: eager, compiled (torch.compile) or cuda_graphs
     attention: str  # the compact forward's exact attention: c-avx512, c-avx2, c-generic (C kernel
-    # as built, forward/native.py) or torch (one call per token); hf on the Hugging Face forward
+    # as built, kernels/build.py) or torch (one call per token); hf on the Hugging Face forward
     matmul: str  # what runs the linear weights: c-avx512, c-avx2, c-generic (our C kernels, which
     # quantize the activations too), aten (torch's weight-only kernels), dense ("+" joins); or hf
     device: str  # cpu or cuda
@@ -57,7 +57,7 @@ class Numerics:
     threads: int  # torch's CPU threads at load (torch's attention: differed on 1 and 2); GPU: 0
     torch: str  # torch's version (its kernels)
     transformers: str  # its version where its modelling code computes (forward hf), else ""
-    # how our C matmuls sum a value (native.MatmulKernel.SUMS) where they run ("c-" in matmul)
+    # how our C matmuls sum a value (MatmulKernel.SUMS) where they run ("c-" in matmul)
     matmul_sums: str = ""
 
     def as_dict(self) -> dict[str, Any]:
@@ -95,7 +95,7 @@ def describe(loaded: LoadedModel, steps: Steps) -> Numerics:
         threads=0 if on_gpu else torch.get_num_threads(),
         torch=torch.__version__,
         transformers=transformers.__version__ if steps.name == "hf" else "",
-        matmul_sums=native.MatmulKernel.SUMS if "c-" in steps.matmul else "",
+        matmul_sums=MatmulKernel.SUMS if "c-" in steps.matmul else "",
     )
 
 

@@ -38,10 +38,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from streaming_backend.forward import convert, family, native, quant, weight_file
+from streaming_backend.forward import convert, family, quant, weight_file
 from streaming_backend.forward.convert import compact_weights
 from streaming_backend.forward.family import model_shape
 from streaming_backend.forward.llama import CompactLlama
+from streaming_backend.kernels import matmul as matmul_kernels
 from streaming_backend.model import checkpoint
 from streaming_backend.model.checkpoint import HeldModel, StreamedModel
 from streaming_backend.model.loading import LoadedModel, progress, with_weights
@@ -62,7 +63,7 @@ TYPES = (
     *(t for t in typing.get_args(quant.Weight) if t is not torch.Tensor),
 )
 # the code that decides a file's bytes: any change to it is a new file
-SOURCES = (family, convert, quant, native, weight_file, checkpoint)
+SOURCES = (family, convert, quant, matmul_kernels, weight_file, checkpoint)
 
 
 def compact_model(
@@ -118,7 +119,7 @@ def weights_path(loaded: LoadedModel, quantize: str, matmul: str) -> Path:
     checkpoint = loaded.checkpoint.resolve()
     where = hashlib.sha256(str(checkpoint).encode()).hexdigest()[:8]
     dtype = str(loaded.dtype).removeprefix("torch.")
-    runs = "c" if matmul == "auto" and native.matmul_kernel() is not None else "aten"
+    runs = "c" if matmul == "auto" and matmul_kernels.matmul_kernel() is not None else "aten"
     stem = f"{checkpoint.name}-{where}-{quantize}-{runs}-{dtype}"
     facts = [str(checkpoint), quantize, matmul, runs, dtype, torch.__version__]
     facts += [str(quant.LAYOUT_VERSION), *_files(checkpoint), *map(_source_digest, SOURCES)]

@@ -27,7 +27,7 @@ import numpy
 import torch
 
 from streaming_backend.errors import MaskFailed
-from streaming_backend.forward import native
+from streaming_backend.kernels import greedy
 from streaming_backend.sampling import logprobs as lp
 from streaming_backend.sampling import sampling
 from streaming_backend.sampling.grammar import GrammarMatcher, apply_grammar_masks
@@ -160,7 +160,7 @@ class NextTokenChooser:
         likeliest is EOS takes its likeliest other token, the EOS ids put out of reach as the
         pipeline does (a fixed-length benchmark, ignore_eos, bans EOS on every row; when one row
         of 16 wanted it, the whole batch went through the pipeline). On a CPU one call of our C
-        kernels takes both (`native.MatmulKernel.greedy`: a row it is not certain of goes to the
+        kernels takes both (`kernels.greedy.GreedyKernel`: a row it is not certain of goes to the
         pipeline); without them, the pipeline's finite check and numpy's argmax. After a forward
         has left the caches cold every tensor operation costs tens of microseconds: in a 3.3 ms
         decode step of the default model the pipeline's took about 190 us, torch's finite check
@@ -198,12 +198,12 @@ class NextTokenChooser:
 
 
 def _native_greedy(logits: torch.Tensor) -> tuple[list[int], list[bool]] | None:
-    """`native.MatmulKernel.greedy` of CPU float32 logits [B, V]; None where it does not apply
+    """`kernels.greedy.GreedyKernel` on CPU float32 logits [B, V]; None where it does not apply
     (another device or dtype, or no C kernels)."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2:
         return None
-    kernel = native.matmul_kernel()
-    return None if kernel is None else kernel.greedy(logits.contiguous())
+    kernel = greedy.greedy_kernel()
+    return None if kernel is None else kernel(logits.contiguous())
 
 
 def _seen(row: Row) -> list[int]:

@@ -58,7 +58,7 @@ class Steps(Protocol[S]):
     why: str | None  # why the Hugging Face forward runs (steps/build.py); None on the compact one
     quantize: str  # the linear weights' format: none, int8, int4 (forward/quant.py)
     decode_path: str  # how a decode step runs: eager, compiled (torch.compile) or cuda_graphs
-    # c-VARIANT: our C kernels, built as forward/native.py's variant() says for this CPU
+    # c-VARIANT: our C kernels, built as kernels/build.py's variant() says for this CPU
     attention: str  # what computes attention: c-VARIANT, torch (compact) or hf
     matmul: str  # what runs the linear weights: c-VARIANT, aten, dense (compact) or hf
     prompt_tokens_per_step: int | None  # admission cap on prompt tokens; None: prefill is chunked

@@ -31,7 +31,7 @@ class ForwardChoice:
     forward: str  # compact or hf
     why: str | None  # why the Hugging Face forward runs; None on the compact forward
     quantize: str  # the linear weights' format: none, int8, int4 (forward/quant.py)
-    # c-VARIANT: our C kernels, built as forward/native.py's variant() says for this CPU
+    # c-VARIANT: our C kernels, built as kernels/build.py's variant() says for this CPU
     matmul: str  # what runs the linear weights: c-VARIANT, aten, dense; or hf
     attention: str  # what computes attention: c-VARIANT, torch; or hf
     # the compact forward's KV cache: slots, positions, bytes, layers in sliding-window rings

@@ -10,8 +10,8 @@ from contextlib import contextmanager
 import torch
 from families import tiny_config_model
 
-from streaming_backend.forward import native
 from streaming_backend.forward.convert import all_tensors, compact_weights
+from streaming_backend.kernels import matmul
 
 
 def test_qkv_and_gate_up_are_fused_and_the_model_reads_the_fused_memory():
@@ -45,7 +45,7 @@ def test_the_c_layers_get_float32_parameters_only_where_every_weight_is_theirs()
     model = tiny_config_model("llama", torch.bfloat16).model
     assert compact_weights(model, "none").native is None
     weights = compact_weights(model, "int8")
-    if native.matmul_kernel() is None:  # no C compiler here: torch runs every weight
+    if matmul.matmul_kernel() is None:  # no C compiler here: torch runs every weight
         assert weights.native is None
         return
     block = weights.native.blocks[0]

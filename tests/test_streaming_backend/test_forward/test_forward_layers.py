@@ -18,7 +18,7 @@ from streaming_backend.forward.layers import (
     tokens_attention,
 )
 from streaming_backend.forward.llama import CompactLlama
-from streaming_backend.forward.native import Placed
+from streaming_backend.kernels.attention import Placed
 
 PLACES, ROWS, T = (2, 1), 16, 5  # two rows at places 2 and 1 of a cache of 3 places
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streaming_backend.forward import native, quant
+from streaming_backend.forward import quant
 from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
 from streaming_backend.forward.slots import CacheBudget
+from streaming_backend.kernels import build, matmul
 from streaming_backend.model.loading import load_model
 
 
@@ -192,7 +193,7 @@ def test_native_linear_is_the_same_on_one_thread_and_two():
 
 def test_native_kernel_refuses_what_it_cannot_read():
     """An activation of the wrong width or dtype fails loudly before anything is read."""
-    kernel = native.matmul_kernel()
+    kernel = matmul.matmul_kernel()
     q = quant.quantize_int4_native(weight())
     with pytest.raises(ValueError, match="for k = 128"):
         kernel.q4(torch.randn(2, 96), *q)
@@ -238,7 +239,7 @@ def test_quantized_forward_follows_the_plain_one(tiny_model_dir, kind, matmul):
     ours = matmul == "auto"  # int4 too has an int8 head: HEAD_KIND
     head_type = quant.NativeInt8Weight if ours else quant.Int8Weight
     assert isinstance(quantized.model.head, head_type) and quantized.model.native == ours
-    assert quantized.model.matmul == (f"c-{native.variant()}" if ours else "aten")
+    assert quantized.model.matmul == (f"c-{build.variant()}" if ours else "aten")
     assert all(not isinstance(b.gate_up, torch.Tensor) for b in quantized.model.blocks)
     ids = torch.randint(0, 1000, (12,), generator=torch.Generator().manual_seed(4)).tolist()
     results = []

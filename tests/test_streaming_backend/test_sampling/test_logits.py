@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from streaming_backend.forward import native
+from streaming_backend.kernels import greedy
 from streaming_backend.sampling import sampling
 from streaming_backend.sampling.logits import NextTokenChooser
 from streaming_backend.sampling.settings import SamplingSettings
@@ -117,7 +117,7 @@ def test_plainly_greedy_rows_get_what_the_whole_pipeline_gives(dtype, kernels, m
     for a row that would take a banned EOS its next best, tied or not. A row that is not finite
     is the pipeline's."""
     if kernels == "none":
-        monkeypatch.setattr(native, "matmul_kernel", lambda: None)
+        monkeypatch.setattr(greedy, "greedy_kernel", lambda: None)
     torch.manual_seed(3)
     logits = torch.randn(4, 49152).to(dtype)
     logits[1, [7, 9000, 40000]] = 50.0  # a three-way tie

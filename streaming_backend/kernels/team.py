@@ -8,7 +8,7 @@ from __future__ import annotations
 import ctypes
 from typing import NamedTuple
 
-from streaming_backend.forward.native import library
+from streaming_backend.kernels.build import library
 
 
 class TeamStats(NamedTuple):

@@ -1,7 +1,8 @@
 /* Exact attention over a slot KV cache: every token attends over exactly its own positions.
  *
- * Built by streaming_backend/forward/native.py (gcc -O3, -mavx2 -mfma -mf16c on x86-64) and
- * called through ctypes with the tensors' data pointers; the GIL is released for the call.
+ * Built with the other kernels into one library by streaming_backend/kernels/build.py and called
+ * through ctypes with the tensors' data pointers (kernels/attention.py); the GIL is released for
+ * the call. This file is the same for every ISA; the lanes are the ISA's primitives (isa.h).
  *
  * A token's result is computed by one thread, in an order fixed by its own position alone
  * (never by how many tokens share the call, nor by their positions): so a row's numbers are the
@@ -30,61 +31,16 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common.h"
+#include "attention.h"
+#include "isa.h"
 #include "team.h"
-
-/* q . k over d values, in an order fixed by d alone. */
-static float dot(const float *q, const void *k, int64_t k_at, int64_t d, int dtype) {
-#ifdef TS_AVX2
-    if (d % 16 == 0) {
-        __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
-        for (int64_t i = 0; i < d; i += 16) {
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k, k_at + i, dtype), a);
-            b = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8(k, k_at + i + 8, dtype), b);
-        }
-        return hsum8(_mm256_add_ps(a, b));
-    }
-#endif
-    float sum = 0.0f;
-    for (int64_t i = 0; i < d; i++) sum = fmaf(q[i], load1(k, k_at + i, dtype), sum);
-    return sum;
-}
-
-#ifdef TS_AVX2
-/* q . k_r for the 8 key rows r at k_at, k_at + d, ... (d % 8 == 0): each row's products summed
- * in one lane chain, then the 8 rows' lanes added in one transpose -> the 8 scores. */
-static inline __m256 dot8(const float *q, const void *k, int64_t k_at, int64_t d, int dtype) {
-    __m256 a[8];
-    for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < d; i += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + i);
-        for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qv, load8(k, k_at + r * d + i, dtype), a[r]);
-    }
-    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
-}
-#endif
 
 /* scores[j] = q . k_j for the count key rows from k_at; returns their maximum. Which way a
  * score is summed depends on j and count alone. */
 static float scores_of(float *scores, const float *q, const void *k, int64_t k_at, int64_t count,
                        int64_t d, int dtype) {
-    int64_t j = 0;
     float max = -INFINITY;
-#ifdef TS_AVX2
-    if (d % 8 == 0) {
-        __m256 m = _mm256_set1_ps(-INFINITY);
-        for (; j + 8 <= count; j += 8) {
-            const __m256 s = dot8(q, k, k_at + j * d, d, dtype);
-            _mm256_storeu_ps(scores + j, s);
-            m = _mm256_max_ps(m, s);
-        }
-        float lanes[8];
-        _mm256_storeu_ps(lanes, m);
-        for (int r = 0; r < 8; r++) max = lanes[r] > max ? lanes[r] : max;
-    }
-#endif
+    int64_t j = scores_lanes(scores, q, k, k_at, count, d, dtype, &max);
     for (; j < count; j++) {
         scores[j] = dot(q, k, k_at + j * d, d, dtype);
         max = scores[j] > max ? scores[j] : max;
@@ -97,24 +53,7 @@ static float scores_of(float *scores, const float *q, const void *k, int64_t k_a
  * `more`, the sum goes on from out[i] (a ring's second piece continues the first's). */
 static void weighted_sum(float *out, const float *p, const void *v, int64_t v_at, int64_t count,
                          int64_t d, int dtype, int more) {
-    int64_t i = 0;
-#ifdef TS_AVX2
-    for (; i + 64 <= d; i += 64) {
-        __m256 a[8];
-        for (int r = 0; r < 8; r++) a[r] = more ? _mm256_loadu_ps(out + i + 8 * r) : _mm256_setzero_ps();
-        for (int64_t j = 0; j < count; j++) {
-            const __m256 w = _mm256_set1_ps(p[j]);
-            for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(w, load8(v, v_at + j * d + i + 8 * r, dtype), a[r]);
-        }
-        for (int r = 0; r < 8; r++) _mm256_storeu_ps(out + i + 8 * r, a[r]);
-    }
-    for (; i + 8 <= d; i += 8) {
-        __m256 a = more ? _mm256_loadu_ps(out + i) : _mm256_setzero_ps();
-        for (int64_t j = 0; j < count; j++)
-            a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), load8(v, v_at + j * d + i, dtype), a);
-        _mm256_storeu_ps(out + i, a);
-    }
-#endif
+    int64_t i = weighted_lanes(out, p, v, v_at, count, d, dtype, more);
     for (; i < d; i++) {
         float a = more ? out[i] : 0.0f;
         for (int64_t j = 0; j < count; j++) a = fmaf(p[j], load1(v, v_at + j * d + i, dtype), a);
@@ -122,177 +61,10 @@ static void weighted_sum(float *out, const float *p, const void *v, int64_t v_at
     }
 }
 
-#define HEADS_AT_ONCE 3  /* query heads that share each key and value row read (registers: 16) */
-
-#ifdef TS_AVX2
-#ifndef TS_AVX512
-/* Scores of G query heads (q, G rows of d) against the 4 key rows at k_at, k_at + d, ...
- * (d % 8 == 0), each key row read once for the G heads: out[g] holds head g's 4 scores, each
- * summed as dot8 sums it (one lane chain over d, then the same pairs of lanes added). */
-static inline __attribute__((always_inline)) void dot4_heads(__m128 *out, const float *q, int G, const void *k,
-                                                            int64_t k_at, int64_t d, int dtype) {
-    __m256 a[HEADS_AT_ONCE][4];
-    for (int g = 0; g < G; g++)
-        for (int r = 0; r < 4; r++) a[g][r] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < d; i += 8) {
-        __m256 key[4];
-        for (int r = 0; r < 4; r++) key[r] = load8(k, k_at + r * d + i, dtype);
-        for (int g = 0; g < G; g++) {
-            const __m256 qv = _mm256_loadu_ps(q + g * d + i);
-            for (int r = 0; r < 4; r++) a[g][r] = _mm256_fmadd_ps(qv, key[r], a[g][r]);
-        }
-    }
-    for (int g = 0; g < G; g++) {
-        const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]), _mm256_hadd_ps(a[g][2], a[g][3]));
-        out[g] = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    }
-}
-#else
-/* The same on AVX-512: key rows 0 and 1 side by side in one register, 2 and 3 in another, each
- * head's 8 values of q in both halves; every lane adds the products the AVX2 build's lane adds,
- * in its order, and the halves go through its tree: the same scores, bit for bit, for half the
- * multiply-adds and widenings. */
-static inline __attribute__((always_inline)) void dot4_heads(__m128 *out, const float *q, int G, const void *k,
-                                                            int64_t k_at, int64_t d, int dtype) {
-    __m512 a[HEADS_AT_ONCE][2];
-    for (int g = 0; g < G; g++) a[g][0] = a[g][1] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < d; i += 8) {
-        __m512 key[2];
-        for (int h = 0; h < 2; h++) {
-            const int64_t first = k_at + 2 * h * d + i, second = first + d;
-            if (dtype == TS_F32) {
-                const float *base = (const float *)k;
-                key[h] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(base + first)),
-                                            _mm256_loadu_ps(base + second), 1);
-            } else {
-                const uint16_t *base = (const uint16_t *)k;
-                const __m256i both = _mm256_inserti128_si256(
-                    _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(base + first))),
-                    _mm_loadu_si128((const __m128i *)(base + second)), 1);
-                key[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(both), 16));
-            }
-        }
-        for (int g = 0; g < G; g++) {
-            const __m512 qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + g * d + i));
-            a[g][0] = _mm512_fmadd_ps(qv, key[0], a[g][0]);
-            a[g][1] = _mm512_fmadd_ps(qv, key[1], a[g][1]);
-        }
-    }
-    for (int g = 0; g < G; g++) {
-        const __m256 r0 = _mm512_castps512_ps256(a[g][0]), r1 = _mm512_extractf32x8_ps(a[g][0], 1);
-        const __m256 r2 = _mm512_castps512_ps256(a[g][1]), r3 = _mm512_extractf32x8_ps(a[g][1], 1);
-        const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(r0, r1), _mm256_hadd_ps(r2, r3));
-        out[g] = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    }
-}
-#endif
-
-/* scores_of for G query heads at once (scores[g], rows apart; q, d apart), each key row read
- * once for them: the same scores (whole eights of keys by dot4_heads, the rest by dot) and each
- * head's maximum folded into max[g]. */
-static inline __attribute__((always_inline)) void scores_heads(float *scores, int64_t stride, const float *q, int G,
-                                                              const void *k, int64_t k_at, int64_t count, int64_t d,
-                                                              int dtype, float *max) {
-    int64_t j = 0;
-    __m128 m[HEADS_AT_ONCE];
-    for (int g = 0; g < G; g++) m[g] = _mm_set1_ps(-INFINITY);
-    for (; j + 8 <= count; j += 8)  /* dot8's eights, as two fours */
-        for (int64_t four = j; four < j + 8; four += 4) {
-            __m128 s[HEADS_AT_ONCE];
-            dot4_heads(s, q, G, k, k_at + four * d, d, dtype);
-            for (int g = 0; g < G; g++) {
-                _mm_storeu_ps(scores + g * stride + four, s[g]);
-                m[g] = _mm_max_ps(m[g], s[g]);
-            }
-        }
-    for (int g = 0; g < G; g++) {
-        float lanes[4];
-        _mm_storeu_ps(lanes, m[g]);
-        for (int r = 0; r < 4; r++) max[g] = lanes[r] > max[g] ? lanes[r] : max[g];
-        for (int64_t t = j; t < count; t++) {
-            scores[g * stride + t] = dot(q + g * d, k, k_at + t * d, d, dtype);
-            max[g] = scores[g * stride + t] > max[g] ? scores[g * stride + t] : max[g];
-        }
-    }
-}
-
-#ifndef TS_AVX512
-/* weighted_sum for G query heads at once (out[g], d apart; p[g], stride apart), each value row
- * read once for them (d % 16 == 0): every element's products added in position order, as
- * weighted_sum adds them. */
-static inline __attribute__((always_inline)) void weighted_heads(float *out, const float *p, int64_t stride, int G,
-                                                                const void *v, int64_t v_at, int64_t count, int64_t d,
-                                                                int dtype, int more) {
-    for (int64_t i = 0; i < d; i += 16) {
-        __m256 a[HEADS_AT_ONCE][2];
-        for (int g = 0; g < G; g++)
-            for (int r = 0; r < 2; r++) a[g][r] = more ? _mm256_loadu_ps(out + g * d + i + 8 * r) : _mm256_setzero_ps();
-        for (int64_t j = 0; j < count; j++) {
-            const __m256 v0 = load8(v, v_at + j * d + i, dtype), v1 = load8(v, v_at + j * d + i + 8, dtype);
-            for (int g = 0; g < G; g++) {
-                const __m256 w = _mm256_set1_ps(p[g * stride + j]);
-                a[g][0] = _mm256_fmadd_ps(w, v0, a[g][0]);
-                a[g][1] = _mm256_fmadd_ps(w, v1, a[g][1]);
-            }
-        }
-        for (int g = 0; g < G; g++)
-            for (int r = 0; r < 2; r++) _mm256_storeu_ps(out + g * d + i + 8 * r, a[g][r]);
-    }
-}
-#else
-/* 16 values from base[index] (float32 or bfloat16) as float32. */
-static inline __m512 load16(const void *base, int64_t index, int dtype) {
-    if (dtype == TS_F32) return _mm512_loadu_ps((const float *)base + index);
-    const __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-
-/* The AVX2 build's weighted_heads sums for elements [i, i + 16 W) of G heads, 16 lanes a
- * register: each element still takes its products one fused multiply-add at a time in position
- * order, so the same bits; each value row is read and widened once for the G heads, each weight
- * broadcast once for the W registers. */
-static inline __attribute__((always_inline)) void weighted_block(float *out, const float *p, int64_t stride, int G,
-                                                                int W, const void *v, int64_t v_at, int64_t count,
-                                                                int64_t d, int64_t i, int dtype, int more) {
-    __m512 a[HEADS_AT_ONCE][4];
-    for (int g = 0; g < G; g++)
-        for (int r = 0; r < W; r++) a[g][r] = more ? _mm512_loadu_ps(out + g * d + i + 16 * r) : _mm512_setzero_ps();
-    for (int64_t j = 0; j < count; j++) {
-        __m512 row[4];
-        for (int r = 0; r < W; r++) row[r] = load16(v, v_at + j * d + i + 16 * r, dtype);
-        for (int g = 0; g < G; g++) {
-            const __m512 w = _mm512_set1_ps(p[g * stride + j]);
-            for (int r = 0; r < W; r++) a[g][r] = _mm512_fmadd_ps(w, row[r], a[g][r]);
-        }
-    }
-    for (int g = 0; g < G; g++)
-        for (int r = 0; r < W; r++) _mm512_storeu_ps(out + g * d + i + 16 * r, a[g][r]);
-}
-
-/* weighted_heads on AVX-512 (d % 16 == 0): 64 elements of each head at a time, then 16. */
-static inline __attribute__((always_inline)) void weighted_heads(float *out, const float *p, int64_t stride, int G,
-                                                                const void *v, int64_t v_at, int64_t count, int64_t d,
-                                                                int dtype, int more) {
-    int64_t i = 0;
-    for (; i + 64 <= d; i += 64) weighted_block(out, p, stride, G, 4, v, v_at, count, d, i, dtype, more);
-    for (; i < d; i += 16) weighted_block(out, p, stride, G, 1, v, v_at, count, d, i, dtype, more);
-}
-#endif
-#endif
-
 /* p[i] = exp(p[i] - max) for i < count; returns their sum, in an order fixed by count alone. */
 static float softmax_numerators(float *p, int64_t count, float max) {
-    int64_t i = 0;
     float sum = 0.0f;
-#ifdef TS_AVX2
-    __m256 m = _mm256_set1_ps(max), acc = _mm256_setzero_ps();
-    for (; i + 8 <= count; i += 8) {
-        __m256 e = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(p + i), m));
-        _mm256_storeu_ps(p + i, e);
-        acc = _mm256_add_ps(acc, e);
-    }
-    sum = hsum8(acc);
-#endif
+    int64_t i = softmax_lanes(p, count, max, &sum);
     for (; i < count; i++) {
         p[i] = exp_neg(p[i] - max);
         sum += p[i];
@@ -329,15 +101,7 @@ static void scores_group(const Call *c, float *scores, const float *query, int64
     const int64_t d = c->head_dim;
     float *p = scores + g * c->rows + offset;
     const float *q = query + g * d;
-#ifdef TS_AVX2
-    if (d % 16 == 0) {
-        switch (G) {  /* a constant G per call site */
-        case 3: scores_heads(p, c->rows, q, 3, c->k, at, n, d, c->dtype, max + g); return;
-        case 2: scores_heads(p, c->rows, q, 2, c->k, at, n, d, c->dtype, max + g); return;
-        default: scores_heads(p, c->rows, q, 1, c->k, at, n, d, c->dtype, max + g); return;
-        }
-    }
-#endif
+    if (scores_together(p, c->rows, q, G, c->k, at, n, d, c->dtype, max + g)) return;
     for (int i = 0; i < G; i++) {
         const float m = scores_of(p + i * c->rows, q + i * d, c->k, at, n, d, c->dtype);
         max[g + i] = m > max[g + i] ? m : max[g + i];
@@ -352,15 +116,7 @@ static void values_group(const Call *c, float *acc, const float *scores, int64_t
     const int64_t d = c->head_dim;
     const float *p = scores + g * c->rows + offset;
     float *out = acc + g * d;
-#ifdef TS_AVX2
-    if (d % 16 == 0) {
-        switch (G) {
-        case 3: weighted_heads(out, p, c->rows, 3, c->v, at, n, d, c->dtype, more); return;
-        case 2: weighted_heads(out, p, c->rows, 2, c->v, at, n, d, c->dtype, more); return;
-        default: weighted_heads(out, p, c->rows, 1, c->v, at, n, d, c->dtype, more); return;
-        }
-    }
-#endif
+    if (values_together(out, p, c->rows, G, c->v, at, n, d, c->dtype, more)) return;
     for (int i = 0; i < G; i++) weighted_sum(out + i * d, p + i * c->rows, c->v, at, n, d, c->dtype, more);
 }
 

@@ -85,11 +85,12 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-static inline void relax(void) {
+/* A spinning thread's pause (x86's; elsewhere none). */
 #if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
+static inline void relax(void) { __builtin_ia32_pause(); }
+#else
+static inline void relax(void) {}
 #endif
-}
 
 static void futex_wait(atomic_uint *word, unsigned value) {
     syscall(SYS_futex, (unsigned *)word, FUTEX_WAIT_PRIVATE, value, NULL, NULL, 0);

@@ -1,6 +1,6 @@
-"""The kernels' thread team (csrc/team.c): a call's chunks go to whichever thread runs, the calling
-thread takes over a chunk a parked worker holds, and every output has the same bits as on one
-thread, however the workers are scheduled."""
+"""The kernels' thread team (streaming_backend/kernels/team.py, csrc/team.c): a call's chunks go
+to whichever thread runs, the calling thread takes over a chunk a parked worker holds, and every
+output has the same bits as on one thread, however the workers are scheduled."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import time
 import pytest
 import torch
 
-from streaming_backend.forward import native, quant, team
-from streaming_backend.forward.native import Placed
+from streaming_backend.forward import quant
 from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
 from streaming_backend.forward.slots import CacheBudget
+from streaming_backend.kernels import team
+from streaming_backend.kernels.attention import Placed, attention_kernel
 from streaming_backend.model.loading import load_model
 
 HOLD_S = 0.003  # a parked worker: about a scheduler's slice
@@ -48,7 +49,7 @@ def attention(rows: list[tuple[int, int]], seed: int = 0):
     k = torch.randn(6, 3, 300, 64, generator=generator)
     v = torch.randn(6, 3, 300, 64, generator=generator)
     q = torch.randn(len(rows), 3, 3, 64, generator=generator)
-    kernel = native.attention_kernel()
+    kernel = attention_kernel()
     return lambda: kernel(q, k, v, Placed.of(rows), 1 << 62, 0.125)
 
 
