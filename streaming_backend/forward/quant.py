@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from streaming_backend.configuration.models import QUANTIZE_KINDS
+from streaming_backend.heap import trim_heap
 from streaming_backend.kernels.abi import DTYPES
 from streaming_backend.kernels.matmul import MatmulKernel, matmul_kernel
 
@@ -138,7 +139,10 @@ def _by_rows(quantize, weight: torch.Tensor) -> Weight:
     of ROWS_AT_ONCE rows at a time, not of the whole weight (a head's is 4 bytes a parameter)."""
     if weight.shape[0] <= ROWS_AT_ONCE:
         return quantize(weight)
-    parts = [quantize(rows) for rows in weight.split(ROWS_AT_ONCE)]
+    parts = []
+    for rows in weight.split(ROWS_AT_ONCE):
+        parts.append(quantize(rows))
+        trim_heap()  # a part's float32 temporaries freed back, not kept under the parts (heap.py)
     joined = {
         name: torch.cat([getattr(part, name) for part in parts])
         for name, value in parts[0]._asdict().items()

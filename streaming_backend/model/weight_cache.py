@@ -24,7 +24,6 @@ file; a model loaded with its weights, on a GPU or from a hub id is derived in m
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import gc
 import hashlib
@@ -42,6 +41,7 @@ from streaming_backend.forward import convert, family, quant, weight_file
 from streaming_backend.forward.convert import compact_weights
 from streaming_backend.forward.family import model_shape
 from streaming_backend.forward.llama import CompactLlama
+from streaming_backend.heap import trim_heap
 from streaming_backend.kernels import matmul as matmul_kernels
 from streaming_backend.model import checkpoint
 from streaming_backend.model.checkpoint import HeldModel, StreamedModel
@@ -194,10 +194,7 @@ class _Written(NamedTuple):
     def loaded(self, *modules: Any) -> Iterator[None]:
         with self.source.loaded(*modules):
             yield
-        # the released weights' memory back to the system at once: glibc's heap keeps freed
-        # blocks under its mmap threshold (which it raises to 32 MiB as large blocks are
-        # freed), and a layer's new tensors do not fill the holes of the last one's exactly
-        trim_heap()
+        trim_heap()  # the released weights' memory back to the system at once (heap.py)
 
     def keep(self, tree: Any) -> Any:
         return self.writer.put(tree)
@@ -240,11 +237,3 @@ def release_memory() -> None:
     weights leave the resident size, not only Python's view."""
     gc.collect()
     trim_heap()
-
-
-def trim_heap() -> None:
-    """Return the C heap's free memory to the system (glibc's malloc_trim)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: its allocator keeps what it keeps
-        pass
