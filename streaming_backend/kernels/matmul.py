@@ -24,9 +24,13 @@ class MatmulKernel:
 
     BLOCK = 32  # inputs per block (QK in the source): k must be a multiple
     TILE = 16  # quantized weight rows a tile takes together (TILE in the source)
+    # an activation block's largest |v| (V_MAX in the source): its values rounded to the levels
+    # max|block| / LEVELS apart, v = 16 q + r in two int8 halves (about 12 bits)
+    LEVELS = 127 * 16
     # how the quantized matmuls sum a value (csrc/matmul.c's top comment), named in the numerics:
-    # each block's exact integer dot product, then the blocks in float32 in the order of k
-    SUMS = "block-dots-in-order"
+    # activations at LEVELS per block, each block's exact integer dot product, then the blocks in
+    # float32 in the order of k
+    SUMS = f"levels-{LEVELS}-block-dots-in-order"
     PROLOGUES = {None: 0, "rms_norm": 1, "silu_mul": 2, "gelu_tanh_mul": 3}
     GATED = ("silu_mul", "gelu_tanh_mul")  # prologues of an MLP's [gate, up]: x is [m, 2k]
 

@@ -7,11 +7,11 @@
  * primitives (isa.h, isa/<name>.h).
  *
  * The activations are quantized first, each row on its own, in blocks of QK = 32 inputs, to
- * about 15 bits: v = round(x / d) with the block's step d = max|x| / 16256, so |v| <= 127 * 128,
- * kept as two int8 halves v = 128 * q + r (q in [-127, 127], r in [-64, 63]); s = d * sum(v).
- * Every block of a weight row then meets every block of an activation row in one exact integer
- * dot product D = l . v = 128 * (l . q) + l . r (|D| < 2^27), and the blocks are summed in
- * float32 one after the other, in the order of k:
+ * about 12 bits: v = round(x / d) with the block's step d = max|x| / V_MAX (2032), so
+ * |v| <= 127 * 16, kept as two int8 halves v = 16 * q + r (q in [-127, 127], r in [-8, 7];
+ * V_SHIFT = 4); s = d * sum(v). Every block of a weight row then meets every block of an
+ * activation row in one exact integer dot product D = l . v = 16 * (l . q) + l . r (|D| < 2^24),
+ * and the blocks are summed in float32 one after the other, in the order of k:
  *
  *   int4 ("q4"): w = l * step + low per block of 32 inputs, l in [0, 15], step and low in float16
  *       acc = fma(float(D_b), d_b * step_b, acc) and lows = fma(low_b, s_b, lows) for b = 0, 1, ..
@@ -21,7 +21,9 @@
  *
  * (One int8 half alone, as llama.cpp's Q8_0 / Q8_1 activations, flipped the default model's first
  * token on "What is the capital of France?" from "The" to "L": its weights are exact in int4, so
- * the activations' rounding was the whole difference from the unquantized model.)
+ * the activations' rounding was the whole difference from the unquantized model. 12 bits pass the
+ * quality gate as 15 did (docs/design.md); a factor of 16 rather than 128 lets AMX multiply a
+ * q4 block's q and r halves in one tile multiply, the weights times 16 still bytes (isa/amx.h).)
  *
  * One model whatever the load: y[r, c] depends on row r of x and row c of W alone, summed as
  * above whatever m, n, the tile a row falls in or the thread that computes it; D is an integer,
@@ -66,7 +68,7 @@
 #define MIN_THREAD_WORK (1 << 16)  /* weight values worth a thread of their own (576 x 576: 2) */
 
 /* One row of x (k float32 values) as k / QK blocks: halves q and r in input order, steps d,
- * d * sum(v) s, 128 * sum(v) sv. */
+ * d * sum(v) s, 128 * sum(v) sv (the q8 tiles' correction for weights offset by 128). */
 static void quantize_row(int8_t *qs, int8_t *rs, float *ds, float *ss, int32_t *svs, const float *x, int64_t k) {
     for (int64_t b = 0; b < k / QK; b++) {
         int32_t sum_v;
@@ -237,6 +239,13 @@ static void rows_store(const void *args, int64_t chunk, const void *scratch) {
     memcpy(c->xq.sv + first * blocks, sv, (size_t)(R * blocks) * sizeof(int32_t));
     memcpy(c->xq.q + first * k, q, (size_t)(R * k));
     memcpy(c->xq.r + first * k, r, (size_t)(R * k));
+    if (c->xq.halves != NULL)
+        for (int64_t i = 0; i < R; i++)
+            for (int64_t b = 0; b < blocks; b++) {
+                int8_t *to = c->xq.halves + (b * c->m + first + i) * HALVES_BYTES;
+                memcpy(to, q + i * k + b * QK, QK);
+                memcpy(to + QK, r + i * k + b * QK, QK);
+            }
 }
 
 /* A chunk's weight rows [first, last). */
@@ -281,7 +290,7 @@ int matmul_on_team(TeamCall *call, Matmul *c, int kind, const void *x, int x_own
     c->amx = !dense && c->m >= AMX_MIN_ROWS && amx_use(-1);
     /* one buffer: the steps, sums and integer sums, then both halves; dense: the float rows */
     const size_t bytes = dense ? (size_t)(c->m * c->k) * sizeof(float)
-                               : 2 * (size_t)(c->m * c->k) + 3 * (size_t)(c->m * blocks) * sizeof(float);
+                               : (c->amx ? 4 : 2) * (size_t)(c->m * c->k) + 3 * (size_t)(c->m * blocks) * sizeof(float);
     char *memory = team_buffer(call, BUF_X, bytes);
     if (memory == NULL) return TS_NO_MEMORY;
     if (dense) {
@@ -292,6 +301,7 @@ int matmul_on_team(TeamCall *call, Matmul *c, int kind, const void *x, int x_own
         c->xq.sv = (int32_t *)(c->xq.s + c->m * blocks);
         c->xq.q = (int8_t *)(c->xq.sv + c->m * blocks);
         c->xq.r = c->xq.q + c->m * c->k;
+        c->xq.halves = c->amx ? c->xq.r + c->m * c->k : NULL;
     }
     const int64_t work = c->n * c->k * (c->m < ROW_TILE ? 1 : c->m / ROW_TILE);
     int64_t most = work / MIN_THREAD_WORK, units = (c->n + SPLIT_ROWS - 1) / SPLIT_ROWS;

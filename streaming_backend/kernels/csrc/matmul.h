@@ -9,7 +9,9 @@
 #include "team.h"
 
 #define QK 32            /* inputs per block, of the activations and of the int4 weights */
-#define V_MAX 16256.0f   /* 127 * 128: the largest |v| of an activation block */
+#define V_SHIFT 4        /* v = (q << V_SHIFT) + r: the bits of the low half r */
+#define V_BASE (1 << V_SHIFT)
+#define V_MAX (127.0f * V_BASE)  /* the largest |v| of an activation block */
 #define TILE 16          /* weight rows of a quantized tile (see the layouts in matmul.c) */
 #define Q4_BLOCK_BYTES (TILE * QK / 2)  /* a q4 tile's block: 256 bytes */
 #define Q8_BLOCK_BYTES (TILE * QK)      /* a q8 tile's block: 512 bytes */
@@ -18,18 +20,22 @@
 /* how far on in its stream of tiles a quantized tile asks for weights as it reads its own */
 #define WEIGHTS_AHEAD 2048
 #endif
+#define HALVES_BYTES (2 * QK)  /* a block of an activation row in Quantized.halves: q, then r */
 #define AMX_ROWS 16     /* activation rows of one AMX tile multiply (isa/amx.h) */
 #define AMX_MIN_ROWS 8  /* fewer take the AVX-512 tiles: faster there (kernel_bench, --amx both) */
 
 enum { KIND_Q8 = 0, KIND_Q4 = 1, KIND_DENSE = 2 };  /* the weight formats */
 
-/* The activation rows, quantized: row r's block b is v = 128 * q + r in q[r * k + b * QK ..] and
+/* The activation rows, quantized: row r's block b is v = 2^V_SHIFT q + r in q[r * k + b * QK ..] and
  * r[...], with step d[r * blocks + b] (x ~ v * d), s[...] = d * sum(v) and sv[...] = 128 * sum(v)
  * (an integer: the AVX-512 q8 tile's correction for its unsigned weights). */
 typedef struct {
     int8_t *q, *r;
     float *d, *s;
     int32_t *sv;
+    int8_t *halves;  /* AMX calls (Matmul.amx): both halves again, blocks first, HALVES_BYTES a row's
+                      * block: row r's block b at halves[(b * m + r) * HALVES_BYTES], its q then its r,
+                      * so a tile of rows' block is one contiguous load (isa/amx.h) */
 } Quantized;
 
 /* What is done to a row of x before it is quantized. */

@@ -92,13 +92,14 @@ def test_linear_equals_the_dequantized_matmul(kind, dtype):
 
 def block_quantized(x: torch.Tensor) -> torch.Tensor:
     """x [m, k] as the C kernel reads it: each block of 32 inputs rounded to the nearest of the
-    levels max|block| / 16256 apart (127 * 128: two int8 halves; ties to even), as float32."""
+    levels max|block| / LEVELS apart (two int8 halves; ties to even), as float32."""
+    levels = matmul.MatmulKernel.LEVELS
     blocks = x.float().view(x.shape[0], -1, 32)
     top = blocks.abs().amax(-1, keepdim=True)
-    # a true division, as the kernel's (torch computes `16256 / top` as 16256 * (1 / top), which
+    # a true division, as the kernel's (torch computes `levels / top` as levels * (1 / top), which
     # moves a value that lands on a half level to the other side now and then)
-    inverse = torch.where(top > 0, torch.full_like(top, 16256.0) / top, torch.zeros_like(top))
-    return (torch.round(blocks * inverse) * (top / 16256)).view(x.shape)
+    inverse = torch.where(top > 0, torch.full_like(top, float(levels)) / top, torch.zeros_like(top))
+    return (torch.round(blocks * inverse) * (top / levels)).view(x.shape)
 
 
 def test_native_int4_keeps_each_weight_within_half_a_step():

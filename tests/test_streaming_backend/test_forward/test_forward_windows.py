@@ -125,7 +125,9 @@ def test_the_native_layers_over_rings_give_what_they_give_over_the_whole_context
         _, decoded = decode_greedy(forward, [slot], [5], ANSWER)
         logits[chunk] = torch.cat([prefilled, decoded[:, 0]])
     assert forward.cache.chunk_limit is None
-    torch.testing.assert_close(logits[3], logits[512], atol=FP32_ATOL, rtol=0)
+    # the two sums of a wrapped window round apart, which can move a quantized activation a level
+    # (of 2032 per block): measured up to 4.2e-4 (gemma2); a wrong ring is off by O(1)
+    torch.testing.assert_close(logits[3], logits[512], atol=1e-3, rtol=0)
 
 
 @pytest.mark.parametrize("kind", WINDOWED)

@@ -44,10 +44,11 @@ def test_the_native_layers_compute_what_the_torch_layers_do(tiny_model_dir, fami
             steps.append(forward.decode(slots, [20 + step, 30 + step, 40 + step]))
         logits[use_native] = torch.stack(steps)
     ours, theirs = logits[True], logits[False]
-    # float32: a norm one ulp apart can move an activation a level (of 16256 per block): measured
-    # up to 4e-5 of the largest logit; a wrong RoPE or norm is off by about the logits themselves
+    # float32: a norm one ulp apart can move an activation a level (of 2032 per block): measured
+    # up to 8.1e-4 of the largest logit; a wrong RoPE or norm is off by about the logits themselves
     if dtype == "float32":
-        assert (ours - theirs).abs().max() <= 2e-4 * theirs.abs().max()
+        worst = ((ours - theirs).abs().max() / theirs.abs().max()).item()
+        assert worst <= 2e-3, worst
     else:  # torch rounds each step to bfloat16, C once (measured: cosine 0.99984 at the least)
         close = F.cosine_similarity(ours.flatten(0, 1), theirs.flatten(0, 1), dim=-1)
         assert close.min() > 0.999

@@ -1,12 +1,19 @@
 /* AMX's primitives (isa.h; Xeons since Sapphire Rapids): the same block dots from tile multiplies.
  *
  * Where the CPU has AMX-INT8 and the kernel lets this process use it, the AVX-512 build computes
- * a block's D = 128 * (l . q) + l . r for up to 16 activation rows and a tile's 16 weight rows with
- * two tile multiplies (q and r halves against the block's weights), then sums the blocks in the
- * same order with the same float operations as q4_tile / q8_tile above: D is an exact integer
- * either way, so the bits are the same (tested, AMX against VNNI). A q8 block is already the
- * weight tile AMX multiplies (8 rows of 16 weight rows' 4 inputs); a q4 block is unpacked into
- * one: its low nibbles are rows 0-3, its high nibbles rows 4-7. */
+ * the block dots D = l . v of up to 16 activation rows against a tile's 16 weight rows with tile
+ * multiplies, then sums the blocks in the same order with the same float operations as q4_tile /
+ * q8_tile (isa/avx512.h): D is an exact integer either way, so the bits are the same (tested, AMX
+ * against VNNI). The activation rows' blocks come from Quantized.halves, a tile of rows' block one
+ * contiguous load.
+ *
+ * q4: one multiply a block, 64 deep: each activation row's q and r side by side against the
+ * block's weights twice, times 2^V_SHIFT then as they are (a nibble times 16 is at most 240, still
+ * a byte), so D = l . (2^V_SHIFT q + r) comes out of the tile whole. The q4 block is unpacked into
+ * that weight tile: rows 0-3 its low nibbles times 16, rows 4-7 its high nibbles times 16, rows 8-15
+ * the same nibbles as they are.
+ * q8: the weights are signed and do not take the factor: two multiplies 32 deep (q, then r), the
+ * block already being the weight tile AMX multiplies (8 rows of 16 weight rows' 4 inputs). */
 #ifndef TS_ISA_AMX_H
 #define TS_ISA_AMX_H
 
@@ -21,11 +28,17 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 /* the tile registers used (numbers: the tile intrinsics take literal ones) */
-#define T_CQ 0  /* the sums l . q */
-#define T_CR 1  /* the sums l . r */
-#define T_AQ 2  /* the activations' high halves q */
-#define T_AR 3  /* their low halves r */
-#define T_B 4   /* one block of a tile's weights */
+#define T_CQ 0  /* q8: the sums l . q */
+#define T_CR 1  /* q8: the sums l . r */
+#define T_AQ 2  /* q8: the activations' high halves q */
+#define T_AR 3  /* q8: their low halves r */
+#define T_B 4   /* q8: one block of a tile's weights */
+#define T_C4 5  /* q4: the block dots D */
+#define T_A4 6  /* q4: the activation rows' block, q and r side by side */
+#define T_B4 7  /* q4: the block's weights, times 2^V_SHIFT and as they are */
+#define Q4_TILE_BYTES (2 * Q8_BLOCK_BYTES)  /* T_B4's bytes: 16 rows of 64 */
+
+_Static_assert(15 << V_SHIFT <= 255, "a nibble times 2^V_SHIFT fits a byte (the q4 weight tile)");
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -47,7 +60,8 @@ static inline int amx_available(void) {
     return amx_state;
 }
 
-/* This thread's tiles for M activation rows: two sums tiles, two activation tiles, one weight tile. */
+/* This thread's tiles for M activation rows: q8's two sums, two activation and one weight tile;
+ * q4's sums, activation and weight tile. */
 static inline void amx_configure(int M) {
     TileConfig config;
     memset(&config, 0, sizeof config);
@@ -55,78 +69,65 @@ static inline void amx_configure(int M) {
     for (int t = T_CQ; t <= T_CR; t++) config.rows[t] = (uint8_t)M, config.colsb[t] = TILE * 4;
     for (int t = T_AQ; t <= T_AR; t++) config.rows[t] = (uint8_t)M, config.colsb[t] = QK;
     config.rows[T_B] = QK / 4, config.colsb[T_B] = TILE * 4;
+    config.rows[T_C4] = (uint8_t)M, config.colsb[T_C4] = TILE * 4;
+    config.rows[T_A4] = (uint8_t)M, config.colsb[T_A4] = HALVES_BYTES;
+    config.rows[T_B4] = HALVES_BYTES / 4, config.colsb[T_B4] = TILE * 4;
     _tile_loadconfig(&config);
     amx_rows_set = M;
 }
 
-/* D of one block for M activation rows (their halves at q and r, rows `stride` bytes apart)
- * against a weight tile b (signed or unsigned bytes), in int32 lanes: dq + 16 j holds row j's
- * l . q, dr + 16 j its l . r. */
-static inline __attribute__((always_inline)) void amx_block(int signed_weights, const void *b, const int8_t *q,
-                                                            const int8_t *r, int64_t stride, int32_t *dq,
-                                                            int32_t *dr) {
-    _tile_loadd(T_B, b, TILE * 4);
-    _tile_loadd(T_AQ, q, stride);
-    _tile_loadd(T_AR, r, stride);
-    _tile_zero(T_CQ);
-    _tile_zero(T_CR);
-    if (signed_weights) {
-        _tile_dpbssd(T_CQ, T_AQ, T_B);
-        _tile_dpbssd(T_CR, T_AR, T_B);
-    } else {
-        _tile_dpbsud(T_CQ, T_AQ, T_B);
-        _tile_dpbsud(T_CR, T_AR, T_B);
-    }
-    _tile_stored(T_CQ, dq, TILE * 4);
-    _tile_stored(T_CR, dr, TILE * 4);
+/* Row j's block b in Quantized.halves (rows from there HALVES_BYTES apart). */
+static inline const int8_t *amx_halves(const Matmul *c, int64_t b, int64_t row) {
+    return c->xq.halves + (b * c->m + row) * HALVES_BYTES;
 }
 
-/* Row j's D of a block, from amx_block's sums: 128 * (l . q) + l . r, exact. */
-static inline __m512i amx_dot(const int32_t *dq, const int32_t *dr, int j) {
-    return _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(dq + TILE * j), 7), _mm512_load_si512(dr + TILE * j));
-}
-
-/* A q4 block (256 bytes at p) as a weight tile (512 bytes at to): rows 0-3 its low nibbles,
- * rows 4-7 its high ones. */
+/* A q4 block (256 bytes at p) as T_B4's weight tile (Q4_TILE_BYTES at to): rows 0-3 its low
+ * nibbles and rows 4-7 its high ones, times 2^V_SHIFT; rows 8-15 the same as they are. */
 static inline void amx_unpack(uint8_t *to, const uint8_t *p) {
-    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    const __m512i nibble = _mm512_set1_epi8(0x0f), high = _mm512_set1_epi8((char)(0x0f << V_SHIFT));
     for (int u = 0; u < 4; u++) {
         const __m512i raw = _mm512_loadu_si512(p + 64 * u);
-        _mm512_store_si512(to + 64 * u, _mm512_and_si512(raw, nibble));
-        _mm512_store_si512(to + 256 + 64 * u, _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble));
+        _mm512_store_si512(to + 64 * u, _mm512_and_si512(_mm512_slli_epi16(raw, V_SHIFT), high));
+        _mm512_store_si512(to + 256 + 64 * u, _mm512_and_si512(_mm512_srli_epi16(raw, 4 - V_SHIFT), high));
+        _mm512_store_si512(to + 512 + 64 * u, _mm512_and_si512(raw, nibble));
+        _mm512_store_si512(to + 768 + 64 * u, _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble));
     }
 }
 
-#define UNPACK_AHEAD 4  /* q4 blocks unpacked before their tile multiply (a power of 2) */
+#define UNPACK_AHEAD 8  /* q4 blocks unpacked before their tile multiply (a power of 2): the stores
+                         * are done before the tile load reads them */
 
 /* q4_tile's sums for M activation rows (at most AMX_ROWS) from row, on AMX. Software-pipelined:
  * a block is unpacked UNPACK_AHEAD blocks before the tiles load it, and its sums are read back
- * one block after its multiplies, so neither waits for the stores just made. */
+ * one block after its multiply, so neither waits for the stores just made. */
 static inline __attribute__((always_inline)) void amx_q4_tile(const Matmul *c, int64_t row, int M, int64_t col) {
     const int64_t k = c->k, blocks = k / QK;
     const uint8_t *w = c->w + col * (k / 2);
     const uint16_t *steps = c->steps + col * blocks, *lows = c->lows + col * blocks;
-    _Alignas(64) uint8_t unpacked[UNPACK_AHEAD][Q8_BLOCK_BYTES];
-    _Alignas(64) int32_t dq[2][AMX_ROWS * TILE], dr[2][AMX_ROWS * TILE];
+    _Alignas(64) uint8_t unpacked[UNPACK_AHEAD][Q4_TILE_BYTES];
+    _Alignas(64) int32_t dots[2][AMX_ROWS * TILE];
     __m512 acc[AMX_ROWS];
     for (int j = 0; j < M; j++) acc[j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks && b < UNPACK_AHEAD; b++) amx_unpack(unpacked[b], w + b * Q4_BLOCK_BYTES);
     for (int64_t b = 0; b <= blocks; b++) {
         if (b < blocks) {
-            amx_block(0, unpacked[b % UNPACK_AHEAD], c->xq.q + row * k + b * QK, c->xq.r + row * k + b * QK, k,
-                      dq[b & 1], dr[b & 1]);
+            _tile_loadd(T_B4, unpacked[b % UNPACK_AHEAD], TILE * 4);
+            _tile_loadd(T_A4, amx_halves(c, b, row), HALVES_BYTES);
+            _tile_zero(T_C4);
+            _tile_dpbsud(T_C4, T_A4, T_B4);
+            _tile_stored(T_C4, dots[b & 1], TILE * 4);
             const uint8_t *next = w + (b + UNPACK_AHEAD) * Q4_BLOCK_BYTES;
             for (int line = 0; line < Q4_BLOCK_BYTES; line += 64) ask(next + WEIGHTS_AHEAD + line);
             if (b + UNPACK_AHEAD < blocks) amx_unpack(unpacked[b % UNPACK_AHEAD], next);
         }
         if (b == 0) continue;
         const int64_t a = b - 1;  /* the block whose sums are read now */
-        const int32_t *q = dq[a & 1], *r = dr[a & 1];
+        const int32_t *dot = dots[a & 1];
         const __m512 step = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(steps + a * TILE)));
         for (int j = 0; j < M; j++) {
-            const __m512 dot = _mm512_cvtepi32_ps(amx_dot(q, r, j));
+            const __m512 d = _mm512_cvtepi32_ps(_mm512_load_si512(dot + TILE * j));
             const __m512 scale = _mm512_mul_ps(step, _mm512_set1_ps(c->xq.d[(row + j) * blocks + a]));
-            acc[j] = _mm512_fmadd_ps(dot, scale, acc[j]);
+            acc[j] = _mm512_fmadd_ps(d, scale, acc[j]);
         }
     }
     /* the lows' chain, as q4_tile sums it, in a pass of its own (fewer live registers) */
@@ -138,6 +139,27 @@ static inline __attribute__((always_inline)) void amx_q4_tile(const Matmul *c, i
             low[j] = _mm512_fmadd_ps(low16, _mm512_set1_ps(c->xq.s[(row + j) * blocks + b]), low[j]);
     }
     emit_q4_rows(c, row, M, col, acc, low);
+}
+
+/* q8's two multiplies of one block for M activation rows (their halves in Quantized.halves)
+ * against the weight tile b (signed bytes), in int32 lanes: dq + 16 j holds row j's l . q,
+ * dr + 16 j its l . r. */
+static inline __attribute__((always_inline)) void amx_block(const void *b, const int8_t *halves, int32_t *dq,
+                                                            int32_t *dr) {
+    _tile_loadd(T_B, b, TILE * 4);
+    _tile_loadd(T_AQ, halves, HALVES_BYTES);
+    _tile_loadd(T_AR, halves + QK, HALVES_BYTES);
+    _tile_zero(T_CQ);
+    _tile_zero(T_CR);
+    _tile_dpbssd(T_CQ, T_AQ, T_B);
+    _tile_dpbssd(T_CR, T_AR, T_B);
+    _tile_stored(T_CQ, dq, TILE * 4);
+    _tile_stored(T_CR, dr, TILE * 4);
+}
+
+/* Row j's D of a block, from amx_block's sums: 2^V_SHIFT * (l . q) + l . r, exact. */
+static inline __m512i amx_dot(const int32_t *dq, const int32_t *dr, int j) {
+    return _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(dq + TILE * j), V_SHIFT), _mm512_load_si512(dr + TILE * j));
 }
 
 /* q8_tile's sums for M activation rows from row, on AMX: the weights multiply as they lie; a
@@ -152,7 +174,7 @@ static inline __attribute__((always_inline)) void amx_q8_tile(const Matmul *c, i
         if (b < blocks) {
             const int8_t *p = w + b * Q8_BLOCK_BYTES;
             for (int line = 0; line < Q8_BLOCK_BYTES; line += 64) ask(p + WEIGHTS_AHEAD + line);
-            amx_block(1, p, c->xq.q + row * k + b * QK, c->xq.r + row * k + b * QK, k, dq[b & 1], dr[b & 1]);
+            amx_block(p, amx_halves(c, b, row), dq[b & 1], dr[b & 1]);
         }
         if (b == 0) continue;
         const int64_t a = b - 1;

@@ -46,7 +46,7 @@ static inline __attribute__((always_inline)) void q4_tile(const Matmul *c, int64
             for (int r = 0; r < R; r++) {
                 const int64_t at = (row + r) * k + b * QK, ds = (row + r) * blocks + b;
                 const __m256i high = q4_half_dot(lo, hi, c->xq.q + at), rest = q4_half_dot(lo, hi, c->xq.r + at);
-                const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(high, 7), rest));
+                const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(high, V_SHIFT), rest));
                 acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(step, _mm256_set1_ps(c->xq.d[ds])), acc[r]);
                 low[r] = _mm256_fmadd_ps(low8, _mm256_set1_ps(c->xq.s[ds]), low[r]);
             }
@@ -86,7 +86,7 @@ static inline __attribute__((always_inline)) void q8_tile(const Matmul *c, int64
                 }
             }
             for (int r = 0; r < R; r++) {
-                const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(high[r], 7), rest[r]));
+                const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(high[r], V_SHIFT), rest[r]));
                 acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(c->xq.d[(row + r) * blocks + b]), acc[r]);
             }
         }

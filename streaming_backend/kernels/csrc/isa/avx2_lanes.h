@@ -84,8 +84,8 @@ static inline __attribute__((always_inline)) float quantize_block(const float *a
     for (int i = 0; i < 4; i++) {
         const __m256i value = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
         sum = _mm256_add_epi32(sum, value);  /* exact in int32 */
-        high[i] = _mm256_srai_epi32(_mm256_add_epi32(value, _mm256_set1_epi32(64)), 7);
-        low[i] = _mm256_sub_epi32(value, _mm256_slli_epi32(high[i], 7));
+        high[i] = _mm256_srai_epi32(_mm256_add_epi32(value, _mm256_set1_epi32(V_BASE / 2)), V_SHIFT);
+        low[i] = _mm256_sub_epi32(value, _mm256_slli_epi32(high[i], V_SHIFT));
     }
     __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));

@@ -53,7 +53,7 @@ static inline __m512i q4_dot(const __m512i lo[4], const __m512i hi[4], const int
     }
     const __m512i high = _mm512_add_epi32(_mm512_add_epi32(a[0], a[1]), _mm512_add_epi32(a[2], a[3]));
     const __m512i rest = _mm512_add_epi32(_mm512_add_epi32(e[0], e[1]), _mm512_add_epi32(e[2], e[3]));
-    return _mm512_add_epi32(_mm512_slli_epi32(high, 7), rest);  /* 128 * (l . q) + l . r */
+    return _mm512_add_epi32(_mm512_slli_epi32(high, V_SHIFT), rest);  /* 2^V_SHIFT (l . q) + l . r */
 }
 
 static inline __attribute__((always_inline)) void q4_tile(const Matmul *c, int64_t row, int R, int64_t col) {
@@ -110,7 +110,7 @@ static inline __attribute__((always_inline)) void q8_tile(const Matmul *c, int64
                 a = _mm512_dpbusd_epi32(a, u[i], _mm512_set1_epi32(four(q + 4 * i)));
                 e = _mm512_dpbusd_epi32(e, u[i + 1], _mm512_set1_epi32(four(q + 4 * i + 4)));
             }
-            a = _mm512_slli_epi32(_mm512_add_epi32(a, e), 7);
+            a = _mm512_slli_epi32(_mm512_add_epi32(a, e), V_SHIFT);
             e = _mm512_sub_epi32(zero, _mm512_set1_epi32(c->xq.sv[ds]));
             for (int i = 0; i < 8; i += 2) {
                 a = _mm512_dpbusd_epi32(a, u[i], _mm512_set1_epi32(four(rest + 4 * i)));

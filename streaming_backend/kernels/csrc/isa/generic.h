@@ -32,7 +32,7 @@ static inline float half_to_float(uint16_t h) {
 
 /* ---- matmul.c */
 
-/* One block of QK floats at x as halves q and r (v = 128 q + r = round(x / d)); returns the
+/* One block of QK floats at x as halves q and r (v = 2^V_SHIFT q + r = round(x / d)); returns the
  * block's step d = max|x| / V_MAX, sum(v) into *sum. */
 static inline __attribute__((always_inline)) float quantize_block(const float *at, int8_t *qs, int8_t *rs,
                                                                   int32_t *sum) {
@@ -42,9 +42,9 @@ static inline __attribute__((always_inline)) float quantize_block(const float *a
     int32_t sum_v = 0;
     for (int i = 0; i < QK; i++) {
         const int value = (int)nearbyintf(at[i] * id);
-        const int high = (value + 64) >> 7;  /* floor: an arithmetic shift, as srai */
+        const int high = (value + V_BASE / 2) >> V_SHIFT;  /* floor: an arithmetic shift, as srai */
         qs[i] = (int8_t)high;
-        rs[i] = (int8_t)(value - high * 128);
+        rs[i] = (int8_t)(value - high * V_BASE);
         sum_v += value;
     }
     *sum = sum_v;
@@ -84,8 +84,8 @@ static inline void q4_tile(const Matmul *c, int64_t row, int R, int64_t col) {
                 for (int u = 0; u < 4; u++)
                     for (int i = 0; i < 4; i++) {
                         const int lo = p[64 * u + i] & 0x0f, hi = p[64 * u + i] >> 4;
-                        dot += lo * (128 * q[4 * u + i] + rest[4 * u + i]);
-                        dot += hi * (128 * q[16 + 4 * u + i] + rest[16 + 4 * u + i]);
+                        dot += lo * (V_BASE * q[4 * u + i] + rest[4 * u + i]);
+                        dot += hi * (V_BASE * q[16 + 4 * u + i] + rest[16 + 4 * u + i]);
                     }
                 const int64_t at = col * blocks + b * TILE + j, ds = (row + r) * blocks + b;
                 const float scale = c->xq.d[ds] * half_to_float(c->steps[at]);
@@ -110,7 +110,7 @@ static inline void q8_tile(const Matmul *c, int64_t row, int R, int64_t col) {
                 const int8_t *q = c->xq.q + (row + r) * k + b * QK, *rest = c->xq.r + (q - c->xq.q);
                 int32_t dot = 0;
                 for (int u = 0; u < 8; u++)
-                    for (int i = 0; i < 4; i++) dot += p[64 * u + i] * (128 * q[4 * u + i] + rest[4 * u + i]);
+                    for (int i = 0; i < 4; i++) dot += p[64 * u + i] * (V_BASE * q[4 * u + i] + rest[4 * u + i]);
                 acc = fmaf((float)dot, c->xq.d[(row + r) * blocks + b], acc);
             }
             values[j] = acc * c->scales[col + j];
