@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
+import os
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -25,6 +28,7 @@ log = logging.getLogger("tokenstream.model")
 HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
 ALIGN = 4096  # each storage's start in the arena: a page, so every dtype and cache line fits
 MADV_HUGEPAGE = 14  # <sys/mman.h>
+MADV_POPULATE_READ = 22  # <sys/mman.h>, Linux 5.14: fault every page of a range in, reading
 SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -113,3 +117,73 @@ def place(
                 tensor.set_(arena, offset, tensor.shape, tensor.stride())
     log.info("weights: %.0f MB placed in transparent huge pages", total / 1e6)
     return total
+
+
+def map_file(fd: int) -> mmap.mmap:
+    """A read-only mapping of the whole file open at `fd`, asked for huge pages, with every page
+    read in (a weight file: the first step reads them all anyway).
+
+    The kernel maps a file in huge pages only where its page cache holds it in huge folios, and
+    it keeps what it holds: pages a write left there (weight_file lets its own go), or pages
+    read back one by one after reclaim took them (a host's cold-memory pageout, DAMON's, takes
+    the weights of an idle server), are small folios, and every later mapping gets them in
+    4 KiB pages, a slower step (the module docstring). So where less than half the mapping came
+    in huge pages, the file's unmapped pages are let go (POSIX_FADV_DONTNEED: pages another
+    process maps stay) and read again through a new mapping, once; the log says what that gave.
+    """
+    mapped = _map_read(fd)
+    if thp_mode() not in ("always", "madvise") or len(mapped) < 2 * HUGE_PAGE:
+        return mapped
+    huge, resident = _populate(mapped)
+    if resident == 0 or huge >= resident // 2:
+        return mapped
+    mapped.close()
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    mapped = _map_read(fd)
+    again, resident = _populate(mapped)
+    log.info(
+        "weights: the page cache held the weight file in small pages (%.0f of %.0f MB mapped in"
+        " huge pages); read again: %.0f MB", huge / 1e6, resident / 1e6, again / 1e6,
+    )  # fmt: skip
+    return mapped
+
+
+def _map_read(fd: int) -> mmap.mmap:
+    """The whole file read-only, huge pages asked for where the platform has the advice."""
+    mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mapped.madvise(mmap.MADV_HUGEPAGE)
+    return mapped
+
+
+def _populate(mapped: mmap.mmap) -> tuple[int, int]:
+    """Read every page of a mapping in; (bytes of it mapped in huge pages, bytes resident), or
+    (0, 0) where the kernel cannot populate a range or the process's mappings cannot be read."""
+    try:
+        mapped.madvise(MADV_POPULATE_READ)
+    except OSError:  # before Linux 5.14: the pages come in as the steps read them
+        return 0, 0
+    with warnings.catch_warnings():  # read-only, and only its address is wanted
+        warnings.simplefilter("ignore", UserWarning)
+        address = torch.frombuffer(mapped, dtype=torch.uint8).data_ptr()
+    return mapping_sizes(address)
+
+
+def mapping_sizes(address: int, smaps: Path = Path("/proc/self/smaps")) -> tuple[int, int]:
+    """(bytes mapped in huge pages, bytes resident) of this process's file mapping that starts
+    at `address` (smaps' FilePmdMapped and Rss); (0, 0) where there is none or no smaps."""
+    try:
+        text = smaps.read_text()
+    except OSError:
+        return 0, 0
+    huge = resident = 0
+    ours = False
+    for line in text.splitlines():
+        head = line.split(maxsplit=1)[0] if line else ""
+        if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+            ours = int(head.split("-")[0], 16) == address
+        elif ours and head == "Rss:":
+            resident = int(line.split()[1]) * 1024
+        elif ours and head == "FilePmdMapped:":
+            huge = int(line.split()[1]) * 1024
+    return huge, resident

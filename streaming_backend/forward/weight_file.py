@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import mmap
 import os
 import shutil
 import warnings
@@ -42,6 +41,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
 import torch
+
+from streaming_backend.forward import huge_pages
 
 MAGIC = b"tokenstream-weights\n"
 PAGE = 4096  # each tensor's start in the file: a page, so any dtype and cache line fits
@@ -154,9 +155,7 @@ def read_tree(path: Path, types: Iterable[type]) -> tuple[Any, dict[str, Any]]:
         size = os.fstat(f.fileno()).st_size
         if size != start + header["bytes"]:  # the tensors' bytes, their padding included
             raise WeightFileError(f"{path} holds {size} bytes, not {start + header['bytes']}")
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # pages read in later come in huge folios where it can
-        mapped.madvise(mmap.MADV_HUGEPAGE)
+        mapped = huge_pages.map_file(f.fileno())
     with warnings.catch_warnings():  # torch warns that the buffer is read-only: it is meant to be
         warnings.simplefilter("ignore", UserWarning)
         whole = torch.frombuffer(mapped, dtype=torch.uint8)  # holds the mapping open

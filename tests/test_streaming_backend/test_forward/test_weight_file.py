@@ -236,13 +236,10 @@ def read_all_mapped(path: Path) -> int:
         mapped.close()
 
 
-def test_a_written_file_is_read_back_in_huge_pages(tmp_path):
-    """The pages a write leaves in the page cache are small ones where it wrote in pieces, as
-    a TreeWriter does: the writer lets them go, so that a reader's mapping reads the file back
-    in huge folios. Where the kernel maps no file in huge pages even when read from disk (no
-    large folios, THP off), there is nothing to check."""
-    size = 16 << 20
-    plain = tmp_path / "plain"
+def huge_from_disk(plain: Path, size: int) -> int:
+    """KiB of a file of `size` random bytes, read from disk through a reader's mapping, mapped
+    in huge pages; skips the test where the kernel maps no file in huge pages (no large folios
+    for this file system, THP off)."""
     plain.write_bytes(os.urandom(size))
     fd = os.open(plain, os.O_RDONLY)
     os.fsync(fd)
@@ -251,6 +248,40 @@ def test_a_written_file_is_read_back_in_huge_pages(tmp_path):
     from_disk = read_all_mapped(plain)
     if from_disk == 0:
         pytest.skip("this kernel or file system maps no file in huge pages")
+    return from_disk
+
+
+def test_a_written_file_is_read_back_in_huge_pages(tmp_path):
+    """The pages a write leaves in the page cache are small ones where it wrote in pieces, as
+    a TreeWriter does: the writer lets them go, so that a reader's mapping reads the file back
+    in huge folios. Where the kernel maps no file in huge pages even when read from disk (no
+    large folios, THP off), there is nothing to check."""
+    size = 16 << 20
+    from_disk = huge_from_disk(tmp_path / "plain", size)
     path = tmp_path / "w"
     write_tree(path, [torch.randint(0, 255, (size,), dtype=torch.uint8)], {})
     assert read_all_mapped(path) >= from_disk / 2
+
+
+def test_a_file_cached_in_small_pages_is_read_again_in_huge_ones(tmp_path, caplog):
+    """A weight file whose pages the page cache holds as small folios (here rewritten in place
+    in 1 MiB pieces; on a host, read back page by page after a pageout) is let go and read
+    again by read_tree, so its mapping is in huge pages as a file read from disk is; the log
+    says so. Skipped where the kernel maps no file in huge pages."""
+    size = 16 << 20
+    from_disk = huge_from_disk(tmp_path / "plain", size)
+    path = tmp_path / "w"
+    write_tree(path, [torch.randint(0, 255, (size,), dtype=torch.uint8)], {})
+    with path.open("r+b") as f:
+        data = f.read()
+        f.seek(0)
+        for at in range(0, len(data), 1 << 20):
+            f.write(data[at : at + (1 << 20)])
+        f.flush()
+        os.fsync(f.fileno())
+    assert read_all_mapped(path) < from_disk / 2  # the trap is set: small folios
+    with caplog.at_level("INFO", logger="tokenstream.model"):
+        back, _ = read_tree(path, [])
+    assert huge_mapped_kib(path) >= from_disk / 2
+    assert "read again" in caplog.text
+    assert torch.equal(back[0], torch.frombuffer(bytearray(data), dtype=torch.uint8)[-size:])
