@@ -29,6 +29,9 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,7 @@ FIRST_PROBE_STEPS = 16  # decode steps between probes after a switch (or at load
 LAST_PROBE_STEPS = 256
 SMOOTHING = 0.2  # weight of the newest step in a row count's running mean
 CHANGE = 1.3  # a running mean this many times slower or faster than at the last probe: probe now
+SWITCH_WINDOW_S = 60.0  # StepReport.switches_last_minute counts the switches this recent
 
 
 def context_band(positions: int) -> int:
@@ -59,6 +63,7 @@ class StepReport:
     recent_step_s: float | None  # running mean of the latest row count's steps, current count
     best_step_s: float | None  # the fastest of that row count at a like context, any count
     slowdown: float | None  # recent / best: 1.0 at full speed; None before a step of that count
+    switches_last_minute: int = 0  # switches in the last SWITCH_WINDOW_S: a count that hunts
 
     def as_dict(self) -> dict:
         """The report by name (JSON)."""
@@ -82,6 +87,8 @@ class StepThreads:
     _best: dict[tuple[int, int], float] = field(default_factory=dict)
     _last_rows: int = 0
     _last_band: int = 0
+    clock: Callable[[], float] = time.monotonic  # when switches happen (tests give their own)
+    _switched_at: deque = field(default_factory=deque)  # clock() of the switches in the window
 
     def __post_init__(self) -> None:
         if self.most < 1:
@@ -126,6 +133,7 @@ class StepThreads:
                 probe, rows, 1e3 * seconds, probe, 1e3 * self._mean[rows], self.current,
             )  # fmt: skip
             self.current, self.switches = probe, self.switches + 1
+            self._switched_at.append(self.clock())
             self._mean = {rows: seconds}  # the other row counts' times were the old count's
             self._settled = {}
             self._wait = FIRST_PROBE_STEPS
@@ -139,7 +147,12 @@ class StepThreads:
         recent = self._mean.get(self._last_rows)
         best = self._best.get((self._last_rows, self._last_band))
         slowdown = recent / best if recent is not None and best else None
-        return StepReport(self.current, self.most, self.switches, recent, best, slowdown)
+        since = self.clock() - SWITCH_WINDOW_S
+        while self._switched_at and self._switched_at[0] < since:
+            self._switched_at.popleft()
+        return StepReport(
+            self.current, self.most, self.switches, recent, best, slowdown, len(self._switched_at)
+        )
 
     def _neighbour(self) -> int:
         """One fewer or one more (within 1 .. most), taking turns where both exist."""

@@ -7,6 +7,7 @@ import pytest
 from streaming_backend.engine.step_threads import (
     FIRST_PROBE_STEPS,
     LAST_PROBE_STEPS,
+    SWITCH_WINDOW_S,
     StepReport,
     StepThreads,
     context_band,
@@ -143,3 +144,21 @@ def test_context_bands_are_a_factor_of_root_two_wide():
     """Positions [1, 1.41), [1.41, 2), [2, 2.83), ... are bands 1, 2, 3, ...; none is band 0."""
     positions = (0, 1, 2, 3, 4, 5, 6, 362, 363, 511, 512, 724, 725)
     assert [context_band(n) for n in positions] == [0, 1, 3, 4, 5, 5, 6, 17, 18, 18, 19, 19, 20]
+
+
+def test_the_report_counts_the_switches_of_the_last_minute():
+    """switches_last_minute: the switches within SWITCH_WINDOW_S of the report, by the clock the
+    count was given; older ones leave it, the total stays."""
+    now = [0.0]
+    threads = StepThreads(most=2, clock=lambda: now[0])
+    run(threads, IDLE, 100)
+    run(threads, CORE_TAKEN, FIRST_PROBE_STEPS * 3)  # one switch, to one thread
+    assert threads.report().switches_last_minute == 1
+    now[0] = SWITCH_WINDOW_S / 2
+    run(threads, IDLE, 2 * LAST_PROBE_STEPS)  # and back
+    report = threads.report()
+    assert (report.switches, report.switches_last_minute) == (2, 2)
+    now[0] = SWITCH_WINDOW_S + 1
+    assert threads.report().switches_last_minute == 1
+    now[0] = 2 * SWITCH_WINDOW_S
+    assert (threads.report().switches, threads.report().switches_last_minute) == (2, 0)
