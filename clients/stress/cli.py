@@ -49,13 +49,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
+def with_scheme(url: str) -> str:
+    """An HTTP URL given as --url's host:port (127.0.0.1:8000) with http:// before it; a URL
+    with a scheme as it is."""
+    return url if "://" in url else f"http://{url}"
+
+
 def config_from_args(args: argparse.Namespace) -> StressConfig:
     """The StressConfig of parsed options."""
     return StressConfig(
         model=args.model,
         url=args.url,
-        http_url=args.http_url.rstrip("/"),
-        metrics_url=args.metrics_url,
+        http_url=with_scheme(args.http_url).rstrip("/"),
+        metrics_url=with_scheme(args.metrics_url),
         requests=args.requests,
         concurrency=args.concurrency,
         input_len=args.input_len,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import json
 import socket
@@ -251,3 +252,18 @@ def test_stubs_of_another_server_on_this_machine_are_not_counted(tmp_path):
         for stub in ours:
             stub.kill()
             stub.wait()
+
+
+def test_http_urls_given_as_host_and_port_get_a_scheme():
+    """--http-url and --metrics-url as --url takes its address (host:port) work as URLs: they
+    used to end the run in urllib's "unknown url type" traceback."""
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(
+        ["--http-url", "127.0.0.1:8000/", "--metrics-url", "localhost:8002/metrics"]
+    )
+    cfg = cli.config_from_args(args)
+    assert cfg.http_url == "http://127.0.0.1:8000"
+    assert cfg.metrics_url == "http://localhost:8002/metrics"
+    args = parser.parse_args(["--http-url", "https://triton.example:443"])
+    assert cli.config_from_args(args).http_url == "https://triton.example:443"
