@@ -44,9 +44,10 @@ with llama.cpp's own `convert_hf_to_gguf.py` and quantized (docs/performance.md 
     PYTHONPATH=. .venv/bin/python scripts/compare_peers.py --model ../models/llama-1b \\
         --llama-env ../peers/llama --llama-gguf ../models/llama-1b-q4_0.gguf --streams 8 --many 24
 
-Beside other work (`--busy 1`): each server's two levels are measured again while N processes
-(Python busy loops, one per core taken, bounded in time and ended after the level) keep N cores
-busy, and a second table gives each server's slowdown against its own idle figures:
+Beside other work (`--busy 1`, or `--busy 1,2` on 2 cores for every core busy too): each server's
+two levels are measured again while N processes (Python busy loops, one per core taken, bounded in
+time and ended after the level) keep N cores busy, and a second table gives each server's slowdown
+against its own idle figures:
 
     PYTHONPATH=. .venv/bin/python scripts/compare_peers.py --busy 1 --only tokenstream
 """
@@ -237,9 +238,15 @@ BUSY_LOOP = "import time\nend = time.monotonic() + {limit}\nwhile time.monotonic
 
 @contextlib.contextmanager
 def busy_cores(count: int):
-    """`count` processes that each keep one core busy until the block ends (yields them)."""
+    """`count` processes that each keep one core busy until the block ends (yields them). Each
+    in a session of its own, as the servers are (served.py): where the kernel schedules by
+    autogroup (one per session), a busy loop left in this script's session would compete with
+    this session's weight, not as a peer of the server (a shell at nice -19 made two of them
+    take both cores from the servers almost whole)."""
     code = BUSY_LOOP.format(limit=BUSY_LIMIT_S)
-    processes = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(count)]
+    processes = [
+        subprocess.Popen([sys.executable, "-c", code], start_new_session=True) for _ in range(count)
+    ]
     try:
         yield processes
     finally:
@@ -377,8 +384,8 @@ def main() -> None:
         parser.error("--model with --llama-env needs --llama-gguf: the same model as GGUF")
     if args.rounds < 1:
         parser.error("--rounds is 1 or more")
-    if any(not 0 <= n < cores for n in args.busy):
-        parser.error(f"--busy counts run from 0 to {cores - 1} (this machine has {cores} cores)")
+    if any(not 0 <= n <= cores for n in args.busy):  # every core busy: the harshest case
+        parser.error(f"--busy counts run from 0 to {cores} (this machine has {cores} cores)")
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
     for round_ in range(1, args.rounds + 1) if args.rounds > 1 else [0]:

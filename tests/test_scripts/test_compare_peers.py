@@ -32,12 +32,15 @@ def result(server: str, busy: int, round_: int, single: float, many: float) -> d
 
 
 def test_busy_cores_keep_a_core_busy_and_end_with_the_block(load_script):
-    """Each busy process burns CPU while the block runs, and none is left after it."""
+    """Each busy process burns CPU while the block runs, in a session of its own (an autogroup
+    of its own, as each server has: a peer of the servers whatever this session's priority),
+    and none is left after it."""
     script = load_script("compare_peers")
     with script.busy_cores(1) as processes:
         (process,) = processes
         time.sleep(0.5)
         assert process.poll() is None and cpu_seconds(process.pid) > 0.2
+        assert os.getsid(process.pid) == process.pid != os.getsid(0)
     assert process.poll() is not None
 
 
