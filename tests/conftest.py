@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import threading
 import time
@@ -105,6 +106,20 @@ def save_tiny_model(
     return out
 
 
+def save_other_vocabulary(model_dir: Path, out: Path) -> Path:
+    """The model in `model_dir` with one token added to its tokenizer (and a row to its
+    embedding), saved to `out`: a draft model whose vocabulary is not the model's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_tokens(["<not-in-the-model's-vocabulary>"])
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.resize_token_embeddings(len(tokenizer))
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
     """A randomly initialised 2-layer Llama with the default model's tokenizer, saved to disk."""
@@ -117,6 +132,23 @@ def tiny_loaded(tiny_model_dir):
     from streaming_backend.model.loading import load_model
 
     return load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+
+
+@pytest.fixture
+def checkpoint(tmp_path, tiny_model_dir) -> Path:
+    """A copy of the tiny model's folder, free to change."""
+    copy = tmp_path / "tiny"
+    copy.mkdir()
+    for path in tiny_model_dir.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    return copy
+
+
+def skeleton(folder: Path, dtype: str = "float32"):
+    """A model folder loaded as the served models load it: its config, no weights."""
+    from streaming_backend.model.loading import load_model
+
+    return load_model(str(folder), dtype=dtype, device="cpu", weights=False)
 
 
 def server_config(model_dir, **overrides):
@@ -313,6 +345,16 @@ def alive(processes: dict[int, int]) -> list[int]:
     from streaming_backend.launcher.processes import is_alive
 
     return [pid for pid, start in processes.items() if is_alive(pid, start)]
+
+
+def kill_all(process, family: dict[int, int]) -> None:
+    """Kill `process` (a Popen) where it still runs, and what still runs of `family` (its
+    descendants, pid -> start time, read while it ran)."""
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+    for pid in alive(family):
+        os.kill(pid, signal.SIGKILL)
 
 
 # --------------------------------------------------------------------------- supervised servers
@@ -537,6 +579,17 @@ _GENERATORS: dict = {}
 def batch_forward(request) -> str:
     """The dialogue model's forwards, by name: a test taking this runs on each."""
     return request.param
+
+
+def cancel_after(handle, count: int) -> list:
+    """An engine stream's events when it is cancelled once `count` have come: those and the
+    rest, to its final one."""
+    events = []
+    for event in handle:
+        events.append(event)
+        if len(events) == count:
+            handle.cancel()
+    return events
 
 
 def generate(loaded, forward, requests, max_beam_width: int):

@@ -33,7 +33,7 @@ from streaming_backend.prompts.prompt_limits import PromptLimits
 from streaming_backend.sampling import sampling
 from streaming_backend.sampling.logits import NextTokenChooser
 from streaming_backend.sampling.settings import SamplingSettings
-from streaming_backend.steps import Decoded, Steps
+from streaming_backend.steps import Decoded, Steps, admission
 from streaming_backend.steps.build import Carried, build_steps
 from streaming_backend.steps.drafts import DraftCounts, resolve_mode
 from streaming_backend.wire import DIALOGUE_INPUT_IDS, END_ID, REQUEST_OUTPUT_LEN
@@ -195,24 +195,17 @@ class Generator:
     def _admit(self, waiting: collections.deque[_Job], active: list[_Job]) -> None:
         """Start the waiting jobs, in order, while the steps have room for all their rows (a job
         holds one row until its beams fork: the rest is kept for it)."""
-        room = self.steps.capacity() - sum(job.width - len(job.rows) for job in active)
-        limit, tokens, new = self.steps.prompt_tokens_per_step, 0, []
-        while waiting and waiting[0].width <= room:
-            size = len(waiting[0].request.prompt_ids)
-            if new and limit is not None and tokens + size > limit:
-                break
-            job = waiting.popleft()
-            new.append(job.first_row())
-            active.append(job)
-            room -= job.width
-            tokens += size
-        if new:
-            self.steps.admit(new)
+        reserved = sum(job.width - len(job.rows) for job in active)
+        sizes = ((job.width, len(job.request.prompt_ids)) for job in waiting)
+        jobs = [waiting.popleft() for _ in range(admission(self.steps, sizes, reserved))]
+        if jobs:
+            active.extend(jobs)
+            self.steps.admit([job.first_row() for job in jobs])
         elif waiting and not active:  # all the room there is, and still too little
             job = waiting.popleft()
             job.outcome = StreamingError(
                 f"beam_width {job.width} needs {job.width} rows and this instance has room for "
-                f"{room} at most (its KV cache's slots: raise kv_cache_memory)"
+                f"{self.steps.capacity()} at most (its KV cache's slots: raise kv_cache_memory)"
             )
 
     def _prefill_failed(self, rows: list[_Row], error: Exception) -> None:

@@ -38,7 +38,7 @@ from streaming_backend.sampling.logits import NextTokenChooser
 from streaming_backend.sampling.request_keys import MAX_TOKENS
 from streaming_backend.sampling.settings import SamplingSettings
 from streaming_backend.sampling.stopping import StopStringMatcher
-from streaming_backend.steps import Decoded, Steps
+from streaming_backend.steps import Decoded, Steps, admission
 from streaming_backend.steps.build import build_steps
 from streaming_backend.steps.drafts import DraftCounts, resolve_mode
 from streaming_backend.steps.forward_choice import ForwardChoice
@@ -356,16 +356,9 @@ class Engine:
                 self._cond.wait()
             if self._stopping:
                 return None
-            new, tokens = [], 0
-            free = self._steps.capacity()
-            limit = self._steps.prompt_tokens_per_step
-            while self._waiting and len(new) < free:
-                size = len(self._waiting[0].prompt_ids)
-                if new and limit is not None and tokens + size > limit:
-                    break
-                new.append(self._waiting.popleft())
-                tokens += size
-        return new
+            # read lazily (admission stops at the first that stays), taken once it has answered
+            count = admission(self._steps, ((1, len(s.prompt_ids)) for s in self._waiting))
+            return [self._waiting.popleft() for _ in range(count)]
 
     def _drop_cancelled(self, new: list[_Stream]) -> list[_Stream]:
         """End cancelled streams, waiting, new or live, and free their rows; return new's others."""

@@ -10,12 +10,14 @@ whose prompt is done, with their next-token logits), step the decoding rows (`de
 `RunningBatch` step), fork a decoding stream into a new one with a copy of its model state
 (`fork`: beam search) and free a stream's row when it ends (`remove`). Choosing tokens (the
 batch's `NextTokenChooser`) and errors stay in the engine, events in `stream_events`.
+`admission` says how many waiting requests the steps take now, for the engine and the dialogue
+model alike.
 batch.py holds the running batch both use; forward_choice.py says which forward was built and why.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import NamedTuple, Protocol, TypeVar
 
 import torch
@@ -25,7 +27,7 @@ from streaming_backend.sampling.settings import SamplingSettings
 from streaming_backend.steps.batch import Decoded
 from streaming_backend.steps.drafts import DraftCounts
 
-__all__ = ["Decoded", "OnFailure", "Prefilled", "Steps", "Stream"]
+__all__ = ["Decoded", "OnFailure", "Prefilled", "Steps", "Stream", "admission"]
 
 
 class Stream(Protocol):
@@ -97,3 +99,18 @@ class Steps(Protocol[S]):
     def remove(self, streams: Collection[S], keep: bool = True) -> None: ...
 
     def clear(self) -> list[S]: ...  # after a failed step: drop every stream, return them
+
+
+def admission(steps: Steps, waiting: Iterable[tuple[int, int]], reserved: int = 0) -> int:
+    """How many of the waiting requests, each (rows, prompt tokens) in order, the steps take now.
+
+    Each one goes while the steps have room for all its rows (their capacity less the `reserved`
+    rows kept for requests already admitted, such as beams not yet forked) and, where the forward
+    caps the prompt tokens a step admits (`prompt_tokens_per_step`), while their sum stays within
+    the cap; the first one goes whatever its length, so a long prompt is never stuck."""
+    room, limit, tokens, count = steps.capacity() - reserved, steps.prompt_tokens_per_step, 0, 0
+    for rows, size in waiting:
+        if rows > room or (count and limit is not None and tokens + size > limit):
+            break
+        room, tokens, count = room - rows, tokens + size, count + 1
+    return count

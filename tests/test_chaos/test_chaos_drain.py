@@ -10,7 +10,6 @@ in Triton until the exit timeout (then the launcher kills it), so clients here c
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -21,10 +20,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import GrpcStream, alive, shm_files, wait_for, ws_generation
+from conftest import GrpcStream, alive, kill_all, shm_files, wait_for, ws_generation
 
 from streaming_backend.launcher import free_port
-from streaming_backend.launcher.processes import descendants, is_alive
+from streaming_backend.launcher.processes import descendants
 
 pytestmark = [pytest.mark.chaos, pytest.mark.server]
 
@@ -114,12 +113,7 @@ def test_sigterm_drains_then_exits_cleanly(tiny_model_dir: Path) -> None:
         exited = time.monotonic()
         text = output.text()
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        for pid, start in family.items():
-            if is_alive(pid, start):
-                os.kill(pid, signal.SIGKILL)
+        kill_all(process, family)
     ends = [s.ended_at - signalled for s in long]
     print(
         f"\ndrain: long streams ended {min(ends):.2f}-{max(ends):.2f} s after SIGTERM with "
@@ -166,12 +160,7 @@ def test_a_second_signal_stops_at_once(tiny_model_dir: Path) -> None:
         stream.close()
         text = output.text()
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        for pid, start in family.items():
-            if is_alive(pid, start):
-                os.kill(pid, signal.SIGKILL)
+        kill_all(process, family)
     print(f"\nsecond signal: serve exited {took:.1f} s after it; the stream got {stream.error}")
     assert code == 0 and "stopping at once" in text
     assert took < 15

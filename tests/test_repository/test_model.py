@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import threading
 import urllib.error
 import urllib.request
@@ -11,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from bridge_support import metric
 from conftest import wait_for
 
 from clients.library.grpc_client import GenerateRequest, GenerationError, stream_generate
@@ -41,13 +41,6 @@ def _sse(server, body: dict) -> list[dict]:
             if line.startswith("data:"):
                 events.append(json.loads(line[5:]))
     return events
-
-
-def _metric(server, name: str) -> float:
-    """Sum of a metric's samples on the metrics port."""
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    values = [float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
-    return sum(values)
 
 
 def test_one_response_per_token_and_final_on_the_last(triton_server):
@@ -163,20 +156,20 @@ def _first_chunks(server, request: GenerateRequest, n: int, cancel: threading.Ev
 def test_cancel_stops_the_stream_and_frees_its_slot(single_slot_server):
     """A client cancel stops generation on the server (tokens counted there) and the request
     waiting for the only slot then runs."""
-    tokens_before = _metric(single_slot_server, "tokenstream_generation_tokens_total")
+    tokens_before = metric(single_slot_server, "tokenstream_generation_tokens_total")
     cancel = threading.Event()
     long = GenerateRequest(prompt="long", sampling={"max_tokens": 200, "ignore_eos": True})
     received, running = _first_chunks(single_slot_server, long, 3, cancel)
     waiting = ThreadPoolExecutor(1).submit(
         _chunks, single_slot_server, prompt="next", sampling={"max_tokens": 5, "ignore_eos": True}
     )
-    wait_for(lambda: _metric(single_slot_server, "tokenstream_active_streams") == 2)
+    wait_for(lambda: metric(single_slot_server, "tokenstream_active_streams") == 2)
     cancel.set()
     running.result(timeout=60)
     assert 3 <= len(received) < 200 and not received[-1].final
     assert sum(c.num_output_tokens for c in waiting.result(timeout=60)) == 5
-    wait_for(lambda: _metric(single_slot_server, "tokenstream_active_streams") == 0)
-    generated = _metric(single_slot_server, "tokenstream_generation_tokens_total") - tokens_before
+    wait_for(lambda: metric(single_slot_server, "tokenstream_active_streams") == 0)
+    generated = metric(single_slot_server, "tokenstream_generation_tokens_total") - tokens_before
     # 200 tokens take 4 s here; the cancel is seen within a poll (40 ms) and a step (20 ms).
     assert 5 + 3 <= generated < 5 + 100, generated
 
@@ -186,38 +179,38 @@ def test_waiting_gauge_counts_requests_waiting_for_a_slot(single_slot_server):
     slot, 0 once it runs; the active gauge counts both."""
     cancel = threading.Event()
     long = GenerateRequest(prompt="long", sampling={"max_tokens": 200, "ignore_eos": True})
-    assert _metric(single_slot_server, "tokenstream_waiting_requests") == 0
+    assert metric(single_slot_server, "tokenstream_waiting_requests") == 0
     _, running = _first_chunks(single_slot_server, long, 1, cancel)
     waiting = ThreadPoolExecutor(1).submit(
         _chunks, single_slot_server, prompt="next", sampling={"max_tokens": 5, "ignore_eos": True}
     )
-    wait_for(lambda: _metric(single_slot_server, "tokenstream_waiting_requests") == 1)
-    assert _metric(single_slot_server, "tokenstream_active_streams") == 2
+    wait_for(lambda: metric(single_slot_server, "tokenstream_waiting_requests") == 1)
+    assert metric(single_slot_server, "tokenstream_active_streams") == 2
     cancel.set()
     running.result(timeout=60)
     assert sum(c.num_output_tokens for c in waiting.result(timeout=60)) == 5
-    assert _metric(single_slot_server, "tokenstream_waiting_requests") == 0
-    wait_for(lambda: _metric(single_slot_server, "tokenstream_active_streams") == 0)
+    assert metric(single_slot_server, "tokenstream_waiting_requests") == 0
+    wait_for(lambda: metric(single_slot_server, "tokenstream_active_streams") == 0)
 
 
 def test_overloaded_server_refuses_with_unavailable(single_slot_server):
     """Beyond max_streams + queue_limit a request fails at once as overloaded (Triton code
     UNAVAILABLE: retry later), over gRPC and HTTP; the accepted ones complete."""
-    rejected_before = _metric(single_slot_server, "tokenstream_rejected_requests_total")
+    rejected_before = metric(single_slot_server, "tokenstream_rejected_requests_total")
     cancel = threading.Event()
     long = GenerateRequest(prompt="busy", sampling={"max_tokens": 60, "ignore_eos": True})
     _, running = _first_chunks(single_slot_server, long, 1, cancel)
     queued = ThreadPoolExecutor(1).submit(
         _chunks, single_slot_server, prompt="queued", sampling={"max_tokens": 3, "ignore_eos": True}
     )
-    wait_for(lambda: _metric(single_slot_server, "tokenstream_active_streams") == 2)
+    wait_for(lambda: metric(single_slot_server, "tokenstream_active_streams") == 2)
     with pytest.raises(GenerationError) as info:
         _chunks(single_slot_server, prompt="one too many", sampling={"max_tokens": 3})
     assert info.value.code == wire.OVERLOADED.code
     assert info.value.message.startswith("overloaded: 1 requests are already waiting")
     body = {"text_input": "x", "parameters": {"stream": True, "max_tokens": 3}}
     assert wire.error_code(_sse_error(single_slot_server, body)) == wire.OVERLOADED.code
-    assert _metric(single_slot_server, "tokenstream_rejected_requests_total") == rejected_before + 2
+    assert metric(single_slot_server, "tokenstream_rejected_requests_total") == rejected_before + 2
     assert wire.OVERLOADED.triton_code == "UNAVAILABLE"
     cancel.set()
     running.result(timeout=60)
@@ -351,14 +344,14 @@ def test_metrics_show_our_histograms(triton_server):
         "nv_inference_request_success",
     ):
         assert name in text, name
-    assert _metric(triton_server, "tokenstream_generation_tokens_total") >= 12
+    assert metric(triton_server, "tokenstream_generation_tokens_total") >= 12
 
 
 def test_a_follow_up_turn_reuses_the_cached_conversation(triton_server):
     """A chat's second turn (messages: the first turn, its answer, a new question) prefills only
     what is new: its timing reports the reused tokens, and the prefix-cache counters count them."""
-    hits = _metric(triton_server, "tokenstream_prefix_cache_hits_total")
-    reused = _metric(triton_server, "tokenstream_prefix_cache_reused_tokens_total")
+    hits = metric(triton_server, "tokenstream_prefix_cache_hits_total")
+    reused = metric(triton_server, "tokenstream_prefix_cache_reused_tokens_total")
     first = [
         {"role": "system", "content": "You are a careful assistant who answers in full sentences."},
         {"role": "user", "content": "Tell me about the prefix cache of this server, please."},
@@ -374,8 +367,8 @@ def test_a_follow_up_turn_reuses_the_cached_conversation(triton_server):
     cached = chunks[0].timing.cached_tokens
     assert cached >= chunks[0].num_input_tokens // 2, (cached, chunks[0].num_input_tokens)
     assert all(c.timing.cached_tokens == cached for c in chunks)
-    wait_for(lambda: _metric(triton_server, "tokenstream_prefix_cache_hits_total") == hits + 1)
-    total = _metric(triton_server, "tokenstream_prefix_cache_reused_tokens_total")
+    wait_for(lambda: metric(triton_server, "tokenstream_prefix_cache_hits_total") == hits + 1)
+    total = metric(triton_server, "tokenstream_prefix_cache_reused_tokens_total")
     assert total == reused + cached
 
 

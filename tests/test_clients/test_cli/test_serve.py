@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -16,12 +15,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import alive, shm_files, write_echo_model
+from conftest import alive, kill_all, shm_files, write_echo_model
 
 from clients.cli.serve import add_arguments, config_from_args
 from streaming_backend.configuration.models import ModelSettings
 from streaming_backend.launcher import free_port
-from streaming_backend.launcher.processes import descendants, is_alive
+from streaming_backend.launcher.processes import descendants
 
 STOP_LIMIT_S = 15.0
 
@@ -108,11 +107,7 @@ def cli_process():
         for process in started:
             # only a CLI that still runs has a tree we can trust to be ours
             family = descendants(process.pid) if process.poll() is None else {}
-            process.kill()
-            process.wait()
-            for pid, start_time in family.items():
-                if is_alive(pid, start_time):
-                    os.kill(pid, signal.SIGKILL)
+            kill_all(process, family)
             process.stdout.close()
 
 

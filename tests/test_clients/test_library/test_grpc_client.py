@@ -9,10 +9,10 @@ import json
 import re
 import threading
 import time
-import urllib.request
 
 import numpy as np
 import pytest
+from bridge_support import active_streams, tokens_generated
 from tritonclient.grpc import InferResult, service_pb2
 from tritonclient.utils import (
     InferenceServerException,
@@ -163,13 +163,6 @@ def test_error_codes(message, status, code):
 # ---------------------------------------------------------------- against the real tritonserver
 
 
-def _metric(server, name: str) -> float:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(server.metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    return sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
-
-
 LONG = {"max_tokens": 220, "ignore_eos": True}
 
 
@@ -211,7 +204,7 @@ def test_stream_generate_cancel_event(paced_server):
     220 tokens take at least 4.4 s, so only a cancel that never arrived lets them all out; on the
     unpaced tiny model they took about half a second, which a loaded machine's cancel missed)."""
     cancel = threading.Event()
-    before = _metric(paced_server, "tokenstream_generation_tokens_total")
+    before = tokens_generated(paced_server)
     seen = 0
     request = gc.GenerateRequest(prompt="Story", sampling=LONG)
     for _ in gc.stream_generate(paced_server.grpc_url, request, cancel=cancel):
@@ -219,8 +212,8 @@ def test_stream_generate_cancel_event(paced_server):
         if seen == 3:
             cancel.set()
     assert seen == 3
-    _wait_for(lambda: _metric(paced_server, "tokenstream_active_streams") == 0)
-    assert _metric(paced_server, "tokenstream_generation_tokens_total") - before < 220
+    _wait_for(lambda: active_streams(paced_server) == 0)
+    assert tokens_generated(paced_server) - before < 220
 
 
 def _wait_for(condition, timeout: float = 10.0) -> None:
@@ -247,9 +240,7 @@ async def test_async_cancel_stops_exactly_one_generation(paced_server):
                         break
             return chunks
 
-        before = await asyncio.to_thread(
-            _metric, paced_server, "tokenstream_generation_tokens_total"
-        )
+        before = await asyncio.to_thread(tokens_generated, paced_server)
         keep = [asyncio.create_task(run(None)) for _ in range(2)]
         stopped = await run(stop_after=2)
         finished = await asyncio.gather(*keep)
@@ -257,18 +248,15 @@ async def test_async_cancel_stops_exactly_one_generation(paced_server):
     for chunks in finished:
         assert chunks[-1].final and chunks[-1].finish_reason == "length"
         assert sum(c.num_output_tokens for c in chunks) == 220
-    generated = await asyncio.to_thread(
-        _metric, paced_server, "tokenstream_generation_tokens_total"
-    )
+    generated = await asyncio.to_thread(tokens_generated, paced_server)
     assert 2 * 220 <= generated - before < 3 * 220  # the third stopped early
-    assert await asyncio.to_thread(_metric, paced_server, "tokenstream_active_streams") == 0
+    assert await asyncio.to_thread(active_streams, paced_server) == 0
 
 
 @pytest.mark.server
 async def test_async_task_cancel_cancels_upstream(paced_server):
     """Cancelling the asyncio task that consumes a generation stops it on the server: the server
     counts far fewer tokens than the request asked for, and no stream stays active."""
-    metric = "tokenstream_generation_tokens_total"
     async with gc.AsyncChatClient(paced_server.grpc_url) as client:
         first = asyncio.Event()
 
@@ -276,16 +264,14 @@ async def test_async_task_cancel_cancels_upstream(paced_server):
             async for _ in client.generate(gc.GenerateRequest(prompt="Go", sampling=LONG)):
                 first.set()
 
-        before = await asyncio.to_thread(_metric, paced_server, metric)
+        before = await asyncio.to_thread(tokens_generated, paced_server)
         task = asyncio.create_task(consume())
         await first.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.to_thread(
-            _wait_for, lambda: _metric(paced_server, "tokenstream_active_streams") == 0
-        )
-    generated = await asyncio.to_thread(_metric, paced_server, metric) - before
+        await asyncio.to_thread(_wait_for, lambda: active_streams(paced_server) == 0)
+    generated = await asyncio.to_thread(tokens_generated, paced_server) - before
     # Finishing would count all 220 tokens (2.2 s of paced steps); a cancel that reaches the
     # engine within a second leaves over half of them unmade, even on a loaded machine.
     assert 1 <= generated < LONG["max_tokens"] / 2, generated

@@ -8,10 +8,10 @@ streams end. A draft model with another vocabulary is refused at load, naming wh
 from __future__ import annotations
 
 import importlib.util
-import threading
 from pathlib import Path
 
 import pytest
+from conftest import cancel_after, save_other_vocabulary
 
 from streaming_backend.configuration.models import SPECULATIVE_MODES, check_parameters
 from streaming_backend.engine import Engine, EngineConfig
@@ -55,16 +55,7 @@ def cut_draft_dir(tiny_model_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def other_vocabulary_dir(tiny_model_dir, tmp_path_factory) -> Path:
     """The tiny model with one token added to its tokenizer (and a row to its embedding)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = tmp_path_factory.mktemp("other-vocabulary")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    tokenizer.add_tokens(["<not-in-the-model's-vocabulary>"])
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    model.resize_token_embeddings(len(tokenizer))
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    return out
+    return save_other_vocabulary(tiny_model_dir, tmp_path_factory.mktemp("other-vocabulary"))
 
 
 def _record(events) -> list[tuple]:
@@ -146,14 +137,7 @@ def test_cancel_ends_a_stream_drafting_with_a_draft_model(tiny_loaded, tiny_mode
     freed."""
     with _engine(tiny_loaded, tiny_model_dir) as engine:
         settings = SamplingSettings(temperature=0, max_tokens=150, ignore_eos=True)
-        handle = engine.submit(PROMPT, settings)
-        seen = threading.Event()
-        events = []
-        for event in handle:
-            events.append(event)
-            if len(events) == 5:
-                seen.set()
-                handle.cancel()
+        events = cancel_after(engine.submit(PROMPT, settings), 5)
         assert events[-1].finish_reason is FinishReason.CANCELLED
         assert sum(e.finish_reason is not None for e in events) == 1
         assert engine.draft_counts.drafted > 0

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import threading
 
 import pytest
+from conftest import cancel_after
 
 from streaming_backend.engine import Engine, EngineConfig
 from streaming_backend.events import FinishReason
@@ -213,14 +213,7 @@ def test_cancel_ends_a_speculating_stream(tiny_loaded):
     """A stream that drafts still ends with one CANCELLED event when cancelled mid-answer."""
     with _engine(tiny_loaded) as engine:
         settings = SamplingSettings(temperature=0, max_tokens=150, ignore_eos=True)
-        handle = engine.submit(PROMPT[:20] * 4, settings)
-        seen = threading.Event()
-        events = []
-        for event in handle:
-            events.append(event)
-            if len(events) == 5:
-                seen.set()
-                handle.cancel()
+        events = cancel_after(engine.submit(PROMPT[:20] * 4, settings), 5)
         assert events[-1].finish_reason is FinishReason.CANCELLED
         assert sum(e.finish_reason is not None for e in events) == 1
         assert engine.draft_counts.drafted > 0

@@ -4,27 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
+from conftest import skeleton
 from safetensors.torch import load_file, save_file
 
 from streaming_backend.model.checkpoint import StreamedModel, read, safetensors_index
 from streaming_backend.model.loading import load_model
 from streaming_backend.model.numerics import weights_digest
-
-
-@pytest.fixture
-def checkpoint(tmp_path, tiny_model_dir) -> Path:
-    """A copy of the tiny model's folder, free to change."""
-    copy = tmp_path / "tiny"
-    copy.mkdir()
-    for path in tiny_model_dir.iterdir():
-        (copy / path.name).write_bytes(path.read_bytes())
-    return copy
-
-
-def skeleton(folder: Path, dtype: str = "float32"):
-    return load_model(str(folder), dtype=dtype, device="cpu", weights=False)
 
 
 def mapped(folder: Path) -> list[str]:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import skeleton
 
 from streaming_backend.forward import quant
 from streaming_backend.forward.convert import compact_weights
@@ -33,21 +34,6 @@ def cache(tmp_path, monkeypatch) -> Path:
     """A cache folder of this test's own; its weight files' folder."""
     monkeypatch.setenv("TOKENSTREAM_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache" / FOLDER
-
-
-@pytest.fixture
-def checkpoint(tmp_path, tiny_model_dir) -> Path:
-    """A copy of the tiny model's folder, free to touch."""
-    copy = tmp_path / "tiny"
-    copy.mkdir()
-    for path in tiny_model_dir.iterdir():
-        (copy / path.name).write_bytes(path.read_bytes())
-    return copy
-
-
-def skeleton(folder: Path):
-    """The tiny model loaded as the served models load it: its config, no weights."""
-    return load_model(str(folder), dtype="float32", device="cpu", weights=False)
 
 
 def logits(loaded, model: CompactLlama) -> torch.Tensor:
