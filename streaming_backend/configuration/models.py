@@ -127,7 +127,7 @@ PREFILL_CHUNK_TOKENS = Parameter(
 KV_CACHE_MEMORY = Parameter(
     "kv_cache_memory",
     "0.5",
-    "KV cache size: a fraction of free memory (0.5) or a size (4GiB)",
+    "KV cache size: a fraction of free memory (0.5) or a size (4GiB), a draft model's included",
     MEMORY,
     option=True,
 )

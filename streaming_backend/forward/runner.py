@@ -71,6 +71,11 @@ class PromptChunk(NamedTuple):
 DecodeFn = Callable[[LayerCache, LayerCache, Rows, int], torch.Tensor]
 
 
+def cache_positions(loaded: LoadedModel, config: ForwardConfig, model: CompactLlama) -> int:
+    """Positions per slot of the model's KV cache: config.max_len, else its context."""
+    return min(config.max_len or loaded.context_length, model.shape.max_positions)
+
+
 class SlotForward:
     """A compact Llama forward bound to its slot cache, with a compiled or graphed decode step."""
 
@@ -91,10 +96,9 @@ class SlotForward:
         model = model or CompactLlama(
             loaded.model, config.quantize, config.matmul, huge_pages=config.huge_pages
         )
-        max_len = min(config.max_len or loaded.context_length, model.shape.max_positions)
         cache = SlotCache.for_budget(
             model.shape,
-            max_len,
+            cache_positions(loaded, config, model),
             loaded.dtype,
             loaded.device,
             config.budget,

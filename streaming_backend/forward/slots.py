@@ -113,6 +113,23 @@ def slots_for_budget(
     return slots
 
 
+def draft_slots_for_budget(budget: int, slot: int, draft_slot: int, most: int) -> int:
+    """How many slots (plus its scratch slot) a draft model's KV cache gets where it shares
+    `budget` bytes with the model's cache: one a model slot, at most `most` (one a stream), the
+    rest of the budget the model's. `slot`, `draft_slot`: one slot's bytes in each cache (a
+    scratch slot costs as much). CacheTooSmall when not even one slot of each fits."""
+    if (budget - (most + 1) * draft_slot) // slot - 1 >= most:
+        return most  # the model keeps at least as many slots
+    slots = budget // (slot + draft_slot) - 1  # pairs of slots, the scratch pair aside
+    if slots < 1:
+        raise CacheTooSmall(
+            f"a KV cache budget of {budget / 2**20:.1f} MiB holds no full-context slot beside "
+            f"the draft model's: one of each needs {(slot + draft_slot) / 2**20:.1f} MiB (plus "
+            "as much for their scratch slots); raise the memory budget or lower the context length"
+        )
+    return slots
+
+
 class SlotCache:
     """K/V storage for `slots` streams of up to `max_len` positions, and which slots are free."""
 

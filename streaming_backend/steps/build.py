@@ -19,20 +19,23 @@ PREFIX_ENTRIES_PER_STREAM = 2  # KV cache slots per max_streams (the budget may 
 
 class Carried(NamedTuple):
     """What compact steps rebuilt with another slot length keep: the compact model (no weights
-    converted again), the cache's memory, the measured pacing (no calibration) and the draft
-    model (steps/draft_model.py: not loaded again; its cache is made anew)."""
+    converted again), the caches' memory (the draft model's included), the measured pacing (no
+    calibration) and the draft model (steps/draft_model.py: not loaded again; its cache is
+    made anew)."""
 
     model: Any  # forward.llama.CompactLlama
     cache_bytes: int
     pacer: PrefillPacer
-    draft: Any = None  # steps.draft_model.DraftModel, where one drafts
+    draft: Any = None  # steps.draft_model.DraftWeights, where one drafts
 
     @classmethod
     def of(cls, steps: Any) -> Carried:
         """From compact steps (steps/slots.py SlotSteps), which are then no longer used."""
-        cache = steps.cache
+        cache, draft = steps.cache, steps.draft_model
         bytes_ = (cache.slots + 1) * cache.slot_bytes
-        return cls(steps.forward.model, bytes_, steps.pacer, steps.draft_model)
+        if draft is not None:
+            bytes_ += draft.cache.bytes
+        return cls(steps.forward.model, bytes_, steps.pacer, draft and draft.weights)
 
 
 def build_steps(
@@ -50,9 +53,9 @@ def build_steps(
     from streaming_backend.steps.slots import SlotSteps
 
     size, fraction = parse_memory(config.kv_cache_memory)
-    model = None
+    model = draft = None
     if carried is not None:
-        model, size, fraction = carried.model, carried.cache_bytes, None
+        model, size, fraction, draft = carried.model, carried.cache_bytes, None, carried.draft
     forward_config = ForwardConfig(
         budget=CacheBudget(bytes=size, fraction=fraction),
         max_len=config.max_len,
@@ -68,12 +71,19 @@ def build_steps(
             model = compact_model(
                 loaded, forward_config.quantize, forward_config.matmul, forward_config.huge_pages
             )
+        draft = _draft_weights(loaded, config, draft)
+        draft_slots = 0
+        if draft is not None:  # its KV cache comes out of the budget
+            forward_config, draft_slots = _share_budget(
+                loaded, forward_config, model, draft, config.max_streams
+            )
         forward = SlotForward.create(loaded, forward_config, model)
     except UnsupportedModel as exc:
         why = fall_back(exc, config.forward)
         return HfSteps(with_weights(loaded), config, on_failure, why=why)
     cache = forward.cache
-    draft = _draft_model(loaded, config, cache, carried.draft if carried else None)
+    if draft is not None:
+        draft = draft.with_cache(draft_slots, cache.max_len)
     steps = SlotSteps(forward, config, on_failure, loaded.eos_ids, draft)
     if carried is None:
         steps.calibrate()
@@ -82,11 +92,12 @@ def build_steps(
     if (report := steps.memory()) is not None:
         progress(report.describe())
     log.info(
-        "compact forward: %d KV cache slots of %d positions (%.0f MiB%s), prefix cache %s, %s%s",
+        "compact forward: %d KV cache slots of %d positions (%.0f MiB%s)%s, prefix cache %s, %s%s",
         cache.slots,
         cache.max_len,
         cache.bytes / 2**20,
         cache.describe_rings(),
+        f"; {draft.describe()}, kv_cache_memory holding both" if draft is not None else "",
         config.prefix_cache,
         steps.pacer.describe(),
         f", decode step compiled in {forward.compile_seconds:.1f} s"
@@ -96,16 +107,35 @@ def build_steps(
     return steps
 
 
-def _draft_model(loaded: LoadedModel, config: EngineConfig, cache: Any, carried: Any) -> Any:
-    """speculative=draft's draft model (steps/draft_model.py), with a KV cache slot for each
-    stream the model's cache holds (at most max_streams) of as many positions: `carried` (the
-    draft model of the steps rebuilt) with a new cache, else loaded now; None in any other
-    mode. ValueError when its vocabulary is not the model's."""
+def _draft_weights(loaded: LoadedModel, config: EngineConfig, carried: Any) -> Any:
+    """speculative=draft's draft model (steps/draft_model.py DraftWeights), without a cache:
+    `carried` (the draft model of the steps rebuilt), else loaded now; None in any other mode.
+    ValueError when its vocabulary is not the model's."""
     if config.speculative != "draft":
         return None
-    slots = min(config.max_streams, cache.slots)
     if carried is not None:
-        return carried.resized(slots, cache.max_len)
+        return carried
     from streaming_backend.steps.draft_model import load_draft_model
 
-    return load_draft_model(config.draft_model, loaded, config, slots, cache.max_len)
+    return load_draft_model(config.draft_model, loaded, config)
+
+
+def _share_budget(
+    loaded: LoadedModel, forward_config: Any, model: Any, draft: Any, streams: int
+) -> tuple[Any, int]:
+    """The forward's config with the KV cache budget left to the model once the draft model's
+    cache has its share, and that cache's slot count: a draft slot for each model slot, at most
+    one a stream (`streams`: max_streams), the scratch slots of both counted
+    (forward/slots.py draft_slots_for_budget). kv_cache_memory bounds the two caches together."""
+    from dataclasses import replace
+
+    from streaming_backend.forward.runner import cache_positions
+    from streaming_backend.forward.slots import CacheBudget, draft_slots_for_budget, slot_bytes
+
+    budget = forward_config.budget.resolve(loaded.device)
+    max_len = cache_positions(loaded, forward_config, model)
+    slot = slot_bytes(model.shape, max_len, loaded.dtype, forward_config.window_chunk)
+    draft_slot = draft.slot_bytes(max_len)
+    slots = draft_slots_for_budget(budget, slot, draft_slot, streams)
+    left = CacheBudget(bytes=budget - (slots + 1) * draft_slot)
+    return replace(forward_config, budget=left), slots

@@ -1,23 +1,25 @@
 """Speculative decoding's drafts from a draft model: a smaller model with the same tokenizer.
 
-    draft = load_draft_model("path/to/small", loaded, config)   # ValueError: another vocabulary
+    weights = load_draft_model("path/to/small", loaded, config)  # ValueError: another vocabulary
+    draft = weights.with_cache(slots, max_len)                    # its own KV cache
     drafts = draft.propose([DraftRequest(key, context, count), ...])   # one list a request
     draft.release(key)                                           # the stream ended
 
 The draft model runs on the compact forward, loaded as the model itself is (a skeleton and the
 weight cache's mapped weight file, model/weight_cache.py), with a KV cache slot of its own per
-stream that drafts. Each step, the streams that draft (steps/slots.py decides which, and how
-many tokens, through each stream's `Drafter`) are brought up to date in one prefill call: the
-tokens of their context the draft's slot does not hold yet (after a rejected draft the slot is
-first cut back to what the context still shares with it). The logits after each stream's newest
-token give its first drafted token, greedily; decode calls of the streams still drafting give
-the next ones. The steps then verify the drafts as rows of the running batch, which keeps the
-answer plain decoding's whatever the draft model proposes.
+stream that drafts; that cache's bytes come out of the model's KV cache budget (steps/build.py
+splits it: `DraftWeights.slot_bytes` is one slot's cost). Each step, the streams that draft
+(steps/slots.py decides which, and how many tokens, through each stream's `Drafter`) are
+brought up to date in one prefill call: the tokens of their context the draft's slot does not
+hold yet (after a rejected draft the slot is first cut back to what the context still shares
+with it). The logits after each stream's newest token give its first drafted token, greedily;
+decode calls of the streams still drafting give the next ones. The steps then verify the drafts
+as rows of the running batch, which keeps the answer plain decoding's whatever the draft model
+proposes.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
@@ -26,7 +28,7 @@ import torch
 from streaming_backend.configuration.models import EngineConfig
 from streaming_backend.forward.llama import CompactLlama
 from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
-from streaming_backend.forward.slots import SlotCache
+from streaming_backend.forward.slots import SlotCache, slot_bytes
 from streaming_backend.model.loading import (
     DTYPES,
     LoadedModel,
@@ -34,8 +36,6 @@ from streaming_backend.model.loading import (
     progress,
     resolve_quantize,
 )
-
-log = logging.getLogger(__name__)
 
 # The most context tokens a stream's draft slot takes in per step: a long prompt is caught up
 # over several steps (no drafts meanwhile) instead of delaying one step by its whole prefill
@@ -48,6 +48,35 @@ class DraftRequest(NamedTuple):
     key: Hashable  # the stream's, until release(key)
     context: list[int]
     count: int
+
+
+class DraftWeights(NamedTuple):
+    """A draft model loaded on the compact forward, before any KV cache is made for it."""
+
+    model: CompactLlama
+    dtype: torch.dtype  # its KV cache's
+    device: torch.device
+    vocab: int  # the target's vocabulary size: no drafted id at or past it
+    name: str
+    context: int  # its own context: no slot is longer
+
+    def slot_length(self, max_len: int) -> int:
+        """Positions of a slot beside the model's slots of `max_len` (at most its context)."""
+        return min(max_len, self.context, self.model.shape.max_positions)
+
+    def slot_bytes(self, max_len: int) -> int:
+        """Bytes of K and V one such slot takes (its scratch slot takes as many)."""
+        return slot_bytes(self.model.shape, self.slot_length(max_len), self.dtype)
+
+    def with_cache(self, slots: int, max_len: int) -> DraftModel:
+        """The draft model with a new KV cache of `slots` slots (and its scratch slot) of
+        `slot_length(max_len)` positions."""
+        cache = SlotCache(
+            self.model.shape, slots, self.slot_length(max_len), self.dtype, self.device
+        )
+        return DraftModel(
+            SlotForward(self.model, cache, self.device), self.vocab, self.name, self.context
+        )
 
 
 class DraftModel:
@@ -64,37 +93,17 @@ class DraftModel:
         self._slot: dict[Hashable, int] = {}  # key -> its slot
         self._written: dict[Hashable, list[int]] = {}  # key -> the tokens its slot holds
 
-    @classmethod
-    def on(
-        cls,
-        model: CompactLlama,
-        dtype: torch.dtype,
-        device: torch.device,
-        slots: int,
-        max_len: int,
-        vocab: int,
-        name: str,
-        context: int,
-    ) -> DraftModel:
-        """A draft model running `model` (the compact forward's) with a new KV cache in `dtype`
-        on `device`, of `slots` slots of `max_len` positions (at most its `context`)."""
-        length = min(max_len, context, model.shape.max_positions)
-        cache = SlotCache(model.shape, slots, length, dtype, device)
-        log.info(
-            "draft model %s: %d KV cache slots of %d positions (%.0f MiB)",
-            name,
-            cache.slots,
-            cache.max_len,
-            cache.bytes / 2**20,
-        )
-        return cls(SlotForward(model, cache, device), vocab, name, context)
-
-    def resized(self, slots: int, max_len: int) -> DraftModel:
-        """The same draft model (its weights as they are) with a new, empty KV cache: the
-        model's steps rebuilt with another slot length (steps/build.py Carried)."""
+    @property
+    def weights(self) -> DraftWeights:
+        """Its model as loaded, to be given another cache (steps/build.py Carried)."""
         model, dtype, device = self.forward.model, self.cache.k[0].dtype, self.forward.device
-        return DraftModel.on(
-            model, dtype, device, slots, max_len, self.vocab, self.name, self.context
+        return DraftWeights(model, dtype, device, self.vocab, self.name, self.context)
+
+    def describe(self) -> str:
+        """Its KV cache, for the load log."""
+        return (
+            f"draft model {self.name}: {self.cache.slots} KV cache slots of "
+            f"{self.cache.max_len} positions ({self.cache.bytes / 2**20:.0f} MiB)"
         )
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
@@ -202,13 +211,11 @@ def _shared(written: list[int], context: list[int]) -> int:
     return at
 
 
-def load_draft_model(
-    source: str, loaded: LoadedModel, config: EngineConfig, slots: int, max_len: int
-) -> DraftModel:
+def load_draft_model(source: str, loaded: LoadedModel, config: EngineConfig) -> DraftWeights:
     """The draft model at `source` (a model folder or GGUF file) for the model `loaded`, on the
-    compact forward in the model's dtype, device and quantize setting, with `slots` KV cache
-    slots of `max_len` positions (at most its own context). ValueError when its tokenizer is
-    not the model's, or when the compact forward does not run it."""
+    compact forward in the model's dtype, device and quantize setting, without a KV cache yet.
+    ValueError when its tokenizer is not the model's, or when the compact forward does not run
+    it."""
     from streaming_backend.forward.family import UnsupportedModel
     from streaming_backend.model.weight_cache import compact_model
 
@@ -226,9 +233,7 @@ def load_draft_model(
             f"the draft model {draft.name} does not run on the compact forward: {exc}"
         ) from None
     vocab = loaded.model.config.vocab_size
-    return DraftModel.on(
-        model, draft.dtype, draft.device, slots, max_len, vocab, draft.name, draft.context_length
-    )
+    return DraftWeights(model, draft.dtype, draft.device, vocab, draft.name, draft.context_length)
 
 
 def check_same_vocabulary(model: LoadedModel, draft: LoadedModel) -> None:

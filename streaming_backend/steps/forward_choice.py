@@ -37,13 +37,17 @@ class ForwardChoice:
     # the compact forward's KV cache: slots, positions, bytes, layers in sliding-window rings
     # and their rows (forward/slots.py, SlotCache.report); None on hf
     kv_cache: dict[str, Any] | None = None
+    # the draft model's KV cache beside it (speculative=draft), of the same kv_cache_memory;
+    # None without one
+    draft_kv_cache: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, steps: Steps) -> ForwardChoice:
         """The choice the steps embody (steps/build.py's build_steps)."""
         return cls(
-            steps.name, steps.why, steps.quantize, steps.matmul, steps.attention, steps.kv_cache
-        )
+            steps.name, steps.why, steps.quantize, steps.matmul, steps.attention, steps.kv_cache,
+            steps.draft_kv_cache,
+        )  # fmt: skip
 
     def as_dict(self) -> dict[str, Any]:
         """The choice by name."""

@@ -37,6 +37,7 @@ class HfSteps:
     attention = "hf"  # the Hugging Face modelling code's own
     matmul = "hf"
     kv_cache = None  # a DynamicCache per batch, grown as it goes: nothing preallocated to report
+    draft_kv_cache = None  # no draft model runs here
     draft_counts = None  # no speculative decoding (enable_drafts)
 
     def __init__(

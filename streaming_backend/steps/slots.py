@@ -95,6 +95,11 @@ class SlotSteps:
         """The slot cache's size and rings (SlotCache.report), for /status."""
         return self.cache.report()
 
+    @property
+    def draft_kv_cache(self) -> dict | None:
+        """The draft model's slot cache (SlotCache.report), for /status; None without one."""
+        return self.draft_model.cache.report() if self.draft_model is not None else None
+
     def memory(self) -> MemoryReport | None:
         """What the weights and the KV cache cost the host now; None on a GPU."""
         if self.forward.device.type != "cpu":

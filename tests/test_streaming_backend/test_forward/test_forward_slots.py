@@ -13,6 +13,7 @@ from streaming_backend.forward.slots import (
     CacheBudget,
     CacheTooSmall,
     SlotCache,
+    draft_slots_for_budget,
     layer_rows,
     slot_bytes,
     slots_for_budget,
@@ -49,6 +50,32 @@ def test_budget_sets_the_number_of_slots_and_one_scratch_slot():
         SHAPE, 128, torch.float32, CPU, CacheBudget(bytes=5 * per_slot), max_slots=2
     )
     assert capped.slots == 2
+
+
+@pytest.mark.parametrize(
+    "budget, slots",
+    [
+        (1000 * 30, 8),  # room to spare: one draft slot a stream, the model keeps the rest
+        (9 * 100 + 9 * 30, 8),  # just enough for 8 slots each (and the scratch slots)
+        (9 * 100 + 9 * 30 - 1, 7),  # a byte short: one pair fewer
+        (3 * 130, 2),  # little: as many draft slots as the model gets
+        (2 * 130, 1),
+    ],
+)
+def test_a_draft_models_slots_share_the_budget(budget, slots):
+    """A draft model's cache (slots of 30 bytes here) beside the model's (100 bytes a slot)
+    within one budget: a draft slot for each model slot, at most one a stream (8), each cache's
+    scratch slot counted; what is left the model's, never less than the draft's slots."""
+    got = draft_slots_for_budget(budget, 100, 30, 8)
+    assert got == slots
+    left = budget - (got + 1) * 30
+    assert left // 100 - 1 >= got
+
+
+def test_a_budget_too_small_for_a_slot_beside_the_drafts_is_a_clear_error():
+    """Not one slot of each fits (with their scratch slots): the error names the draft model."""
+    with pytest.raises(CacheTooSmall, match="no full-context slot beside the draft model's"):
+        draft_slots_for_budget(2 * 130 - 1, 100, 30, 8)
 
 
 def test_budget_too_small_for_one_full_context_slot_is_a_clear_error():

@@ -331,6 +331,7 @@ def test_health_endpoints_tell_ready_live_status_and_metrics(supervised) -> None
         "matmul": numerics["matmul"],
         "attention": numerics["attention"],
         "kv_cache": status_body[FORWARD]["kv_cache"],
+        "draft_kv_cache": None,  # no draft model
     }
     # the tiny model's slots: its whole context of 256 positions each, no sliding-window rings
     kv_cache = status_body[FORWARD]["kv_cache"]

@@ -49,6 +49,7 @@ def test_the_compact_forward_names_its_weights_and_kernels(tiny_loaded):
         "matmul": steps.matmul,
         "attention": steps.attention,
         "kv_cache": kv_cache,
+        "draft_kv_cache": None,
     }
 
 

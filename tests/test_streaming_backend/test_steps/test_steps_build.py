@@ -16,6 +16,7 @@ from streaming_backend.steps.build import (
     Carried,
     build_steps,
 )
+from streaming_backend.steps.forward_choice import ForwardChoice
 from streaming_backend.steps.hf import HfSteps
 
 
@@ -79,6 +80,58 @@ def test_the_memory_line_counts_weights_and_the_kv_cache(tiny_loaded):
     shared, private, reserved, _touched = map(int, line.groups())
     assert shared == 0 and private == round(figures["weights"]["private_bytes"] / 1e6)
     assert reserved == pytest.approx(steps.cache.bytes / 2**20, abs=0.5)
+
+
+def test_a_draft_models_kv_cache_is_counted_in_the_budget(tiny_loaded, tiny_model_dir, caplog):
+    """speculative=draft: kv_cache_memory bounds the model's cache and the draft model's
+    together (scratch slots included), the draft getting a slot for each of the model's up to
+    one a stream; the model has fewer slots than it would alone. The load log and /status's
+    forward report name both caches."""
+    budget = 2**20
+    alone = compact(tiny_loaded, max_streams=64, max_len=256, kv_cache_memory="1MiB")
+    with caplog.at_level("INFO", logger="streaming_backend.steps.build"):
+        steps = compact(
+            tiny_loaded,
+            max_streams=64,
+            max_len=256,
+            kv_cache_memory="1MiB",
+            speculative="draft",
+            draft_model=str(tiny_model_dir),
+        )
+    cache, draft = steps.cache, steps.draft_model.cache
+    assert cache.bytes + draft.bytes <= budget
+    assert 1 <= draft.slots <= cache.slots < alone.cache.slots
+    assert draft.max_len == cache.max_len == 256
+    choice = ForwardChoice.of(steps)
+    assert choice.kv_cache == cache.report() and choice.draft_kv_cache == draft.report()
+    assert steps.memory().kv_cache.reserved == cache.bytes + draft.bytes
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compact")]
+    assert f"{cache.slots} KV cache slots of 256 positions" in line
+    assert f"draft model {steps.draft_model.name}: {draft.slots} KV cache slots of 256" in line
+
+
+def test_an_ample_budget_gives_the_draft_model_a_slot_a_stream(tiny_loaded, tiny_model_dir):
+    """A budget that holds more: one draft slot per stream, the model its two per stream; rebuilt
+    with another slot length (the dialogue model's), the same draft weights and no more memory
+    for both caches than before."""
+    config = EngineConfig(
+        forward="compact",
+        max_streams=3,
+        max_len=128,
+        kv_cache_memory="64MiB",
+        speculative="draft",
+        draft_model=str(tiny_model_dir),
+    )
+    steps = build_steps(tiny_loaded, config, no_failures)
+    assert steps.draft_model.cache.slots == 3
+    assert steps.cache.slots == PREFIX_ENTRIES_PER_STREAM * 3
+    carried = Carried.of(steps)
+    used = (steps.cache.slots + 1) * steps.cache.slot_bytes + steps.draft_model.cache.bytes
+    assert carried.cache_bytes == used
+    again = build_steps(tiny_loaded, dataclasses.replace(config, max_len=64), no_failures, carried)
+    assert again.draft_model.forward.model is steps.draft_model.forward.model
+    assert again.draft_model.cache.max_len == again.cache.max_len == 64
+    assert again.cache.bytes + again.draft_model.cache.bytes <= carried.cache_bytes
 
 
 def test_forward_hf_builds_hugging_faces_steps_with_the_prompt_cap(tiny_loaded):

@@ -8,6 +8,7 @@ import functools
 import threading
 
 import pytest
+from conftest import cancel_after
 from families import tiny_config_model
 
 from streaming_backend.engine import Engine, EngineConfig
@@ -112,12 +113,8 @@ def test_least_recently_used_entries_are_evicted(tiny_loaded):
 def test_a_cancelled_streams_kv_is_reused_correctly(tiny_loaded):
     """A cancelled stream's slot is kept as an idle entry; a prompt continuing it is exact."""
     with _engine(tiny_loaded) as engine:
-        handle = engine.submit(PROMPT, SamplingSettings(max_tokens=200, ignore_eos=True))
-        events = []
-        for event in handle:
-            events.append(event)
-            if len(events) == 5:
-                handle.cancel()
+        settings = SamplingSettings(max_tokens=200, ignore_eos=True)
+        events = cancel_after(engine.submit(PROMPT, settings), 5)
         said = [t for e in events for t in e.token_ids]
         follow_up = PROMPT + said + [42] * 3
         _, cached, after = _run(engine, follow_up)
