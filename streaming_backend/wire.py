@@ -97,10 +97,25 @@ MEMORY = "memory"
 # speculation: speculative decoding's mode (off, ngram, draft) and its tokens drafted and accepted
 # since load, with their ratio (steps/drafts.py DraftCounts)
 SPECULATION = "speculation"
+# the dialogue model's speculation (its drafted and accepted tokens, their ratio) in /status: it
+# takes no control requests, so the supervisor reads its counters on Triton's metrics port
+DIALOGUE_SPECULATION = "dialogue_speculation"
+# speculative decoding's counters on Triton's metrics port, one series a model (label "model")
+SPEC_DRAFTED_METRIC = "tokenstream_spec_decode_draft_tokens_total"
+SPEC_ACCEPTED_METRIC = "tokenstream_spec_decode_accepted_tokens_total"
 HEALTH_KEYS = (
     "healthy", "reason", "draining", "active", "waiting", SYSTEM_FINGERPRINT, NUMERICS, STEPS,
     FORWARD, MEMORY, SPECULATION,
 )  # fmt: skip
+
+
+def speculation_counts(drafted: int, accepted: int) -> dict:
+    """Drafted and accepted tokens as /status shows them, with their rate (None before any
+    draft), for the chat model's speculation and the dialogue model's alike."""
+    rate = round(accepted / drafted, 4) if drafted else None
+    return {"drafted": drafted, "accepted": accepted, "rate": rate}
+
+
 ADMIN_KEY_VARIABLE = "TOKENSTREAM_ADMIN_KEY"  # the admin key, as the model process sees it
 ADMIN_HEADER = "tokenstream-admin-key"  # the header Triton's restricted repository API checks
 

@@ -1,4 +1,5 @@
-"""Our metric families on Triton's metrics port, fed from the outbox thread.
+"""Our metric families on Triton's metrics port: the chat model's, fed from the outbox thread,
+and the dialogue model's, fed after each execute().
 
 Names follow vLLM's where one exists, for dashboards: tokenstream_time_to_first_token_seconds is
 the server's first-token latency (received by the model -> first token emitted), called
@@ -17,6 +18,7 @@ from collections.abc import Callable
 
 from streaming_backend.engine.step_threads import StepReport
 from streaming_backend.events import FinishReason, TokenEvent
+from streaming_backend.wire import SPEC_ACCEPTED_METRIC, SPEC_DRAFTED_METRIC
 
 log = logging.getLogger("tokenstream.model")
 LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0]
@@ -44,17 +46,53 @@ def quietly(call: Callable, *args) -> None:
         log.exception("a metrics call failed")
 
 
+def metric_maker(family, labels: dict[str, str], families: list) -> Callable:
+    """make(name, doc, kind, **kw): a metric of a new family with `labels`; the family is kept
+    in `families` (a Metric is unusable once its MetricFamily is garbage-collected)."""
+
+    def make(name, doc, kind, **kw):
+        families.append(family(name=name, description=doc, kind=kind))
+        return families[-1].Metric(labels=labels, **kw)
+
+    return make
+
+
+class DraftCounters:
+    """Speculative decoding's drafted and accepted tokens as two counters of one model's
+    labels (wire.SPEC_DRAFTED_METRIC, SPEC_ACCEPTED_METRIC), grown by what is new."""
+
+    def __init__(self, make: Callable, counter_kind):
+        self.drafted = make(
+            SPEC_DRAFTED_METRIC,
+            "Tokens drafted by speculative decoding and verified in the running batch",
+            counter_kind,
+        )
+        self.accepted = make(
+            SPEC_ACCEPTED_METRIC,
+            "Drafted tokens accepted: equal to the token decoding chose at their position",
+            counter_kind,
+        )
+        self._added = (0, 0)  # drafted and accepted tokens as last added to the counters
+
+    def add(self, drafted: int, accepted: int) -> bool:
+        """The totals since load: the counters grow by what is new since the last call.
+        Whether anything was new."""
+        before_drafted, before_accepted = self._added
+        if drafted == before_drafted:
+            return False
+        quietly(self.drafted.increment, drafted - before_drafted)
+        quietly(self.accepted.increment, accepted - before_accepted)
+        self._added = (drafted, accepted)
+        return True
+
+
 class Metrics:
     """The chat model's metrics; `family` is pb_utils.MetricFamily (or a fake of it)."""
 
     def __init__(self, family, model_name: str, version: str):
         labels = {"model": model_name, "version": version}
-        # A Metric is unusable once its MetricFamily is garbage-collected: keep the families.
         self._families = []
-
-        def make(name, doc, kind, **kw):
-            self._families.append(family(name=name, description=doc, kind=kind))
-            return self._families[-1].Metric(labels=labels, **kw)
+        make = metric_maker(family, labels, self._families)
 
         self.first_token = make(
             "tokenstream_time_to_first_token_seconds",
@@ -108,16 +146,8 @@ class Metrics:
             "Recent decode step time over the fastest of the same rows since load (1: full speed)",
             family.GAUGE,
         )
-        self.drafted = make(
-            "tokenstream_spec_decode_draft_tokens_total",
-            "Tokens drafted by speculative decoding and verified in the running batch",
-            family.COUNTER,
-        )
-        self.accepted = make(
-            "tokenstream_spec_decode_accepted_tokens_total",
-            "Drafted tokens accepted: equal to the token decoding chose at their position",
-            family.COUNTER,
-        )
+        self.drafts = DraftCounters(make, family.COUNTER)
+        self.drafted, self.accepted = self.drafts.drafted, self.drafts.accepted
         self.acceptance = make(
             "tokenstream_spec_decode_acceptance_rate",
             "Accepted over drafted tokens since load (0 before any draft)",
@@ -140,7 +170,6 @@ class Metrics:
         self._reported = {
             "active": 0, "waiting": 0, "step_threads": 0, "step_slowdown": 0.0, "acceptance": 0.0
         }  # fmt: skip
-        self._drafts = (0, 0)  # drafted and accepted tokens as last added to their counters
         # time.monotonic() of set_steps' last look at a report (the limit had passed, or a switch)
         self._steps_set_at = -math.inf
         # output tokens not yet added to tokenstream_generation_tokens_total: every metrics call
@@ -183,13 +212,8 @@ class Metrics:
     def set_drafts(self, drafted: int, accepted: int) -> None:
         """Speculative decoding's tokens drafted and accepted since load: the counters grow by
         what is new since the last call, the rate gauge is set when it changed."""
-        before_drafted, before_accepted = self._drafts
-        if drafted == before_drafted:
-            return
-        quietly(self.drafted.increment, drafted - before_drafted)
-        quietly(self.accepted.increment, accepted - before_accepted)
-        self._drafts = (drafted, accepted)
-        self._set_gauge("acceptance", round(accepted / drafted, 3))
+        if self.drafts.add(drafted, accepted):
+            self._set_gauge("acceptance", round(accepted / drafted, 3))
 
     def _set_gauge(self, name: str, value: float) -> None:
         if value != self._reported[name]:
@@ -226,3 +250,36 @@ class Metrics:
             self.tpot.observe(
                 (event.emitted_ns - first_emitted_ns) / 1e9 / (event.num_output_tokens - 1)
             )
+
+
+DIALOGUE_BATCH_BUCKETS = [1, 2, 4, 8, 12, 16, 24, 32]
+
+
+class DialogueMetrics:
+    """The dialogue model's metrics: requests per execute(), and speculative decoding's
+    drafted and accepted tokens under the chat model's names with this model's labels.
+
+    Its instances share each labelled metric (Triton hands every instance the same series), so
+    the counters sum the instances' tokens; no acceptance-rate gauge, which each instance would
+    set to its own rate: the rate is the counters' quotient (/status computes it)."""
+
+    def __init__(self, family, model_name: str, version: str):
+        labels = {"model": model_name, "version": version}
+        self._families = []
+        make = metric_maker(family, labels, self._families)
+        self.batch_size = make(
+            "tokenstream_dialogue_batch_size",
+            "Requests per execute() of the dialogue model (the batches Triton formed)",
+            family.HISTOGRAM,
+            buckets=DIALOGUE_BATCH_BUCKETS,
+        )
+        self.drafts = DraftCounters(make, family.COUNTER)
+
+    def observe_batch(self, requests: int) -> None:
+        """One execute() of `requests` requests."""
+        quietly(self.batch_size.observe, requests)
+
+    def set_drafts(self, drafted: int, accepted: int) -> None:
+        """This instance's drafted and accepted tokens since load (the counters grow by what is
+        new since the last call)."""
+        self.drafts.add(drafted, accepted)

@@ -42,6 +42,7 @@ from streaming_backend.steps import Decoded, Steps, admission
 from streaming_backend.steps.build import build_steps
 from streaming_backend.steps.drafts import DraftCounts, resolve_mode
 from streaming_backend.steps.forward_choice import ForwardChoice
+from streaming_backend.wire import speculation_counts
 
 log = logging.getLogger(__name__)
 
@@ -228,9 +229,7 @@ class Engine:
         """Speculative decoding's mode and its tokens drafted and accepted since load (/status).
         Read from other threads: two counters, never a lock on the engine."""
         counts = self.draft_counts
-        drafted, accepted = counts.drafted, counts.accepted
-        rate = round(accepted / drafted, 4) if drafted else None
-        return {"mode": self.speculative, "drafted": drafted, "accepted": accepted, "rate": rate}
+        return {"mode": self.speculative} | speculation_counts(counts.drafted, counts.accepted)
 
     def health(self) -> tuple[bool, str]:
         """(healthy, reason): unhealthy once the device is poisoned or the thread has died."""

@@ -9,6 +9,7 @@ and the thread that sends every response are all alive.
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -20,10 +21,13 @@ from streaming_backend.wire import (
     FORWARD,
     MEMORY,
     NUMERICS,
+    SPEC_ACCEPTED_METRIC,
+    SPEC_DRAFTED_METRIC,
     SPECULATION,
     STEPS,
     SYSTEM_FINGERPRINT,
     TEXT_OUTPUT,
+    speculation_counts,
 )
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a proxy
@@ -78,6 +82,36 @@ def control(http_url: str, model: str, key: str, action: str, timeout: float) ->
             speculation=state.get(SPECULATION),
         )
     raise ControlError(f"{model} answered a control request with no response")
+
+
+def model_speculation(metrics_url: str, model: str, timeout: float) -> dict | None:
+    """`model`'s speculative decoding counts (wire.speculation_counts) from its counters on
+    Triton's metrics port, summed over its versions; None where the port shows none of them (the
+    model not loaded) or does not answer."""
+    try:
+        with _OPENER.open(metrics_url, timeout=timeout) as response:
+            text = response.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError):
+        return None
+    drafted, accepted = (
+        counter_total(text, name, model) for name in (SPEC_DRAFTED_METRIC, SPEC_ACCEPTED_METRIC)
+    )
+    if drafted is None or accepted is None:
+        return None
+    return speculation_counts(int(drafted), int(accepted))
+
+
+def counter_total(text: str, name: str, model: str) -> float | None:
+    """The sum of metric `name`'s series labelled model="`model`" in Prometheus text; None when
+    it has none."""
+    pattern = rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$"
+    label = f'model="{model}"'
+    values = [
+        float(value)
+        for labels, value in re.findall(pattern, text, re.M)
+        if label in labels.split(",")
+    ]
+    return sum(values) if values else None
 
 
 def load_model(

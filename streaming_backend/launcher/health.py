@@ -8,7 +8,7 @@ with it; these endpoints live in the supervising process and tell the truth acro
 | GET /ready | 200 when the models (and the bridge, under serve) serve; else 503 |
 | GET /live | 200 while the supervising loop turns; 503 when it is stuck (restart the pod) |
 | GET /status | JSON: state, reason, counters, model, dtype, forward, numerics, steps, memory, ... |
-|  | and speculation (drafted and accepted tokens) |
+|  | and speculation (drafted and accepted tokens; the dialogue model's too) |
 | GET /metrics | Prometheus text: restarts, reloads, readiness, state |
 | POST /reload | header `tokenstream-admin-key`; JSON body {"model": optional, "name": optional} |
 """

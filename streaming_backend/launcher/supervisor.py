@@ -29,7 +29,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streaming_backend.launcher.control import ControlError, control, load_model, model_ready
+from streaming_backend.launcher.control import (
+    ControlError,
+    control,
+    load_model,
+    model_ready,
+    model_speculation,
+)
 from streaming_backend.launcher.repository import patch_parameters, read_parameters
 from streaming_backend.launcher.server import ServerConfig, ServerDied, StartHung, TritonServer
 from streaming_backend.launcher.watch import CanaryConfig, Failure, Watch
@@ -40,6 +46,8 @@ from streaming_backend.wire import (
     CONTROL_DRAIN,
     CONTROL_END,
     CONTROL_HEALTH,
+    DIALOGUE_MODEL,
+    DIALOGUE_SPECULATION,
     FORWARD,
     MEMORY,
     NUMERICS,
@@ -51,6 +59,7 @@ from streaming_backend.wire import (
 POLL_S = 0.25  # process checks: a dead stub is seen within two polls
 DRAIN_POLL_S = 0.1
 CONTROL_TIMEOUT_S = 10.0
+METRICS_TIMEOUT_S = 2.0  # a read of Triton's metrics port for /status
 END_WAIT_S = 5.0  # after the drain deadline, for the ended streams' final responses to go out
 RELOAD_TIMEOUT_S = 600.0  # a new model may take minutes to load
 HUNG_START_TRIES = 2  # a start that hangs is tried once more
@@ -162,7 +171,8 @@ class Supervisor:
     def status(self) -> dict:
         """State, reason, counters and endpoints, as /status shows them; the chat model's
         numerics, system fingerprint, steps, forward, memory and speculation as its latest
-        canary told them (None before one did)."""
+        canary told them (None before one did); the dialogue model's speculation as its
+        counters on Triton's metrics port show them (None where it is not served)."""
         server = self.server
         watch = self._watch
         health = watch.answers.get(CHAT_MODEL) if watch is not None else None
@@ -183,7 +193,18 @@ class Supervisor:
             FORWARD: health.forward if health else None,
             MEMORY: health.memory if health else None,
             SPECULATION: health.speculation if health else None,
+            DIALOGUE_SPECULATION: self._dialogue_speculation(),
         }
+
+    def _dialogue_speculation(self) -> dict | None:
+        """The dialogue model's drafted and accepted tokens (it answers no canary): read from
+        its counters on Triton's metrics port; None where it is not served."""
+        server = self.server
+        if server is None or server.returncode is not None:
+            return None
+        if DIALOGUE_MODEL not in self._served_models():
+            return None
+        return model_speculation(server.metrics_url, DIALOGUE_MODEL, METRICS_TIMEOUT_S)
 
     # ---- run --------------------------------------------------------------------------------
 
@@ -306,13 +327,17 @@ class Supervisor:
 
     def _controlled_models(self) -> list[str]:
         """Models of the repository that take control requests (their config has CONTROL)."""
-        server = self.config.server
-        loaded = server.models or [path.name for path in server.repository.iterdir()]
+        repository = self.config.server.repository
         return sorted(
             name
-            for name in loaded
-            if f'"{CONTROL}"' in _read(server.repository / name / "config.pbtxt")
+            for name in self._served_models()
+            if f'"{CONTROL}"' in _read(repository / name / "config.pbtxt")
         )
+
+    def _served_models(self) -> list[str]:
+        """The models the server loads: those named, else every model of the repository."""
+        server = self.config.server
+        return list(server.models) or [path.name for path in server.repository.iterdir()]
 
     # ---- reload -----------------------------------------------------------------------------
 

@@ -219,8 +219,12 @@ def test_a_bad_request_fails_alone_in_its_batch(dialogue_server, client, case):
         assert after["inference_count"] - before["inference_count"] == len(good) + 1
 
 
-def test_batch_sizes_show_on_the_metrics_port(dialogue_server):
-    """Our histogram of requests per execute() is on /metrics beside Triton's own counters."""
+def test_batch_sizes_show_on_the_metrics_port(dialogue_server, client):
+    """Our histogram of requests per execute() is on /metrics beside Triton's own counters,
+    counting a request of this test's own (so the test holds alone, in any order)."""
+    client.infer(
+        DIALOGUE_MODEL, request_inputs([101, 102, 103], request_output_len=(4, np.int32, "INT32"))
+    )
     with urllib.request.urlopen(dialogue_server.metrics_url) as r:
         text = r.read().decode()
     count = [
@@ -230,3 +234,28 @@ def test_batch_sizes_show_on_the_metrics_port(dialogue_server):
     ]
     assert count and float(count[0].rsplit(" ", 1)[1]) > 0
     assert "nv_inference_exec_count" in text
+
+
+LOOPING_IDS = [(37 * i) % 700 + 100 for i in range(15)] * 4  # its own n-grams draft
+
+
+def test_speculation_shows_on_the_metrics_port_and_in_status(dialogue_server, client):
+    """The dialogue model speculates (auto: n-grams on a CPU): its drafted and accepted tokens
+    grow the chat model's counters under its own model label, counted by the time the response
+    is back, and the supervisor's /status reads them from there with their rate."""
+    from streaming_backend.launcher.control import model_speculation
+    from streaming_backend.launcher.server import ServerConfig
+    from streaming_backend.launcher.supervisor import Supervisor, SupervisorConfig
+    from streaming_backend.wire import DIALOGUE_SPECULATION
+
+    before = model_speculation(dialogue_server.metrics_url, DIALOGUE_MODEL, 10)
+    assert before is not None, "the dialogue model exports no speculation counters"
+    length = (30, np.int32, "INT32")
+    client.infer(DIALOGUE_MODEL, request_inputs(LOOPING_IDS, request_output_len=length))
+    after = model_speculation(dialogue_server.metrics_url, DIALOGUE_MODEL, 10)
+    assert after["drafted"] > before["drafted"] and after["accepted"] >= before["accepted"]
+    assert after["rate"] == round(after["accepted"] / after["drafted"], 4)
+    supervisor = Supervisor(SupervisorConfig(ServerConfig(models=(DIALOGUE_MODEL,))))
+    assert supervisor.status()[DIALOGUE_SPECULATION] is None  # no server started
+    supervisor.server = dialogue_server  # as though it had started this one
+    assert supervisor.status()[DIALOGUE_SPECULATION] == after

@@ -15,6 +15,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from streaming_backend.adapter.inputs import copy_inputs
+from streaming_backend.adapter.metrics import DialogueMetrics
 from streaming_backend.adapter.sender import error_response
 from streaming_backend.configuration.models import DialogueSettings
 from streaming_backend.dialogue.convert import (
@@ -29,14 +30,13 @@ from streaming_backend.model.loading import instance_device, load_model
 from streaming_backend.wire import DIALOGUE_INPUT_NAMES
 
 log = logging.getLogger("tokenstream.dialogue_model")
-BATCH_BUCKETS = [1, 2, 4, 8, 12, 16, 24, 32]
 
 
 class TritonPythonModel:
     """The batched, non-streaming token-ids model."""
 
     def initialize(self, args):
-        """Load the model and create the batch-size histogram."""
+        """Load the model and create its metrics."""
         self.settings = DialogueSettings.from_config(json.loads(args["model_config"]))
         device = instance_device(args["model_instance_kind"], args["model_instance_device_id"])
         # weights=False: the compact forward maps its weight file (model/weight_cache.py), the
@@ -52,23 +52,23 @@ class TritonPythonModel:
             self.loaded.dtype,
             self.generator.name,
         )
-        # A Metric is unusable once its MetricFamily is garbage-collected: keep the family.
-        self.family = pb_utils.MetricFamily(
-            name="tokenstream_dialogue_batch_size",
-            description="Requests per execute() of the dialogue model (the batches Triton formed)",
-            kind=pb_utils.MetricFamily.HISTOGRAM,
+        self.metrics = DialogueMetrics(
+            pb_utils.MetricFamily, args["model_name"], args["model_version"]
         )
-        labels = {"model": args["model_name"], "version": args["model_version"]}
-        self.batch_size = self.family.Metric(labels=labels, buckets=BATCH_BUCKETS)
         announce_initialized(args)  # last: a start that hangs after this is told from a slow one
 
     def execute(self, requests):
         """Generate for every valid request together; one response per request, in order."""
-        self.batch_size.observe(len(requests))
+        self.metrics.observe_batch(len(requests))
         parsed = [self._parse(request) for request in requests]
         valid = [p for p in parsed if isinstance(p, DialogueRequest)]
         results = iter(self.generator.generate([p.generation for p in valid]))
-        return [self._response(p, p if isinstance(p, Exception) else next(results)) for p in parsed]
+        responses = [
+            self._response(p, p if isinstance(p, Exception) else next(results)) for p in parsed
+        ]
+        counts = self.generator.draft_counts  # counted before the responses go out
+        self.metrics.set_drafts(counts.drafted, counts.accepted)
+        return responses
 
     def finalize(self):
         """Nothing runs between calls: nothing to stop."""

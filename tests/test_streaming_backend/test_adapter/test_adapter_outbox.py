@@ -15,7 +15,7 @@ from conftest import wait_for
 
 from streaming_backend import wire
 from streaming_backend.adapter.control import Control
-from streaming_backend.adapter.metrics import Metrics
+from streaming_backend.adapter.metrics import DialogueMetrics, Metrics
 from streaming_backend.adapter.outbox import Outbox
 from streaming_backend.adapter.request import parse_request
 from streaming_backend.adapter.response import ResponseBuilder
@@ -341,3 +341,22 @@ def test_the_draft_counters_grow_by_what_is_new_and_the_rate_follows():
     assert metrics.accepted.increments == [8, 4, 10]
     assert metrics.acceptance.observed == [0.8, 0.4, 0.55]
     assert metrics.drafted.labels == {"model": "chat", "version": "1"}
+
+
+def test_the_dialogue_models_draft_counters_are_the_chat_models_under_its_label():
+    """The dialogue model's drafted and accepted tokens: the chat model's counter names with its
+    own labels, grown by the difference; no rate gauge, which its instances would each set to
+    their own rate."""
+    chat, dialogue = (
+        Metrics(pb.MetricFamily, "chat", "1"),
+        DialogueMetrics(pb.MetricFamily, "dialogue_model", "1"),
+    )
+    for drafted, accepted in ((0, 0), (12, 9), (12, 9), (20, 11)):
+        dialogue.set_drafts(drafted, accepted)
+    assert dialogue.drafts.drafted.increments == [12, 8]
+    assert dialogue.drafts.accepted.increments == [9, 2]
+    assert dialogue.drafts.drafted.labels == {"model": "dialogue_model", "version": "1"}
+    names = {f.name: f.kind for f in dialogue._families}
+    assert {chat.drafted.family.name, chat.accepted.family.name} < names.keys()
+    assert chat.acceptance.family.name not in names
+    assert names[chat.drafted.family.name] == names[chat.accepted.family.name] == "counter"

@@ -115,7 +115,10 @@ def test_readiness_waits_for_each_required_part() -> None:
     from streaming_backend.launcher.supervisor import READY, Supervisor, SupervisorConfig
 
     supervisor = Supervisor(SupervisorConfig(ServerConfig()))
-    supervisor.server = SimpleNamespace(returncode=None, pid=1)
+    # port 9 refuses: the dialogue model's counters are not there to read
+    supervisor.server = SimpleNamespace(
+        returncode=None, pid=1, metrics_url="http://127.0.0.1:9/metrics"
+    )
     supervisor.state = READY
     assert supervisor.ready() and supervisor.status()["parts"] == {}
     bridge = supervisor.require("bridge")
