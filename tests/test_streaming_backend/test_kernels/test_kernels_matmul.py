@@ -1,8 +1,11 @@
 """The matmul kernels (streaming_backend/kernels/matmul.py, csrc/matmul.c) on AMX: the same bits
 as on the AVX-512 tiles, and TOKENSTREAM_AMX=0 keeping them off (their sums against torch are
-tested through forward/quant.py, test_forward_quant.py; across builds in test_kernels_build.py)."""
+tested through forward/quant.py, test_forward_quant.py; across builds in test_kernels_build.py);
+the RMS-norm prologue of a row whose inputs are not whole eights, in every build this CPU runs."""
 
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
@@ -82,3 +85,31 @@ def test_tokenstream_amx_0_keeps_the_matmuls_off_amx(monkeypatch):
         assert kernel.amx
     finally:
         matmul.matmul_kernel().amx = True
+
+
+def test_the_rms_norm_of_a_row_off_the_lanes_is_its_own_in_every_build(tmp_path, monkeypatch):
+    """The RMS-norm prologue before a dense matmul of k inputs that are not whole eights (the
+    lanes' width) normalises each row by its own k values: the lanes take the whole eights, the
+    rest come one by one. (The lanes read 8 at a time to k's next eight: the next row's first
+    values, or past the tensor's end for the last row, went into the norm.) Every build this CPU
+    runs, against float64, with a next row of large values that would show such a read."""
+    monkeypatch.setenv("TOKENSTREAM_CACHE", str(tmp_path))
+    cc = build.compiler()
+    variants = [v for v in ("avx512", "avx2") if build.VARIANTS[v].needs <= build.cpu_flags()]
+    kernels = [
+        matmul.MatmulKernel(ctypes.CDLL(str(build.build(cc, v))), v) for v in (*variants, "generic")
+    ]
+    generator = torch.Generator().manual_seed(6)
+    for k in (3, 8, 12, 20, 36, 100):
+        x = torch.randn(3, k, generator=generator)
+        x[1] = 1000.0  # a row the norm of its neighbours must not read
+        w = torch.randn(5, k, generator=generator)
+        norm = torch.rand(k, generator=generator)
+        xd = x.double()
+        rms = torch.sqrt((xd * xd).mean(1, keepdim=True) + 1e-5)
+        expected = (xd / rms * norm.double()) @ w.double().T
+        for kernel in kernels:
+            y = kernel.dense(x, w, prologue="rms_norm", norm=norm, eps=1e-5)
+            torch.testing.assert_close(
+                y.double(), expected, atol=1e-4, rtol=1e-4, msg=kernel.variant
+            )

@@ -100,14 +100,18 @@ static inline __attribute__((always_inline)) float quantize_block(const float *a
     return d;
 }
 
-/* sum of x[i]^2 over k values (k % 8 == 0): 8 lane chains, then hsum8's tree. */
+/* sum of x[i]^2 over k values: the whole eights in 8 lane chains, then hsum8's tree, then the last
+ * k % 8 values one by one (an order fixed by k; nothing read past the row's k values). */
 static __attribute__((unused)) float sum_squares(const void *x, int64_t at, int64_t k, int dtype) {
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < k; i += 8) {
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) {
         const __m256 v = load8(x, at + i, dtype);
         acc = _mm256_fmadd_ps(v, v, acc);
     }
-    return hsum8(acc);
+    float sum = hsum8(acc);
+    for (; i < k; i++) sum = fmaf(load1(x, at + i, dtype), load1(x, at + i, dtype), sum);
+    return sum;
 }
 
 /* silu(g) * u (matmul.c's silu_mul) for whole eights of inputs, g at x[at..], u k further. */
