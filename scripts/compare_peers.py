@@ -33,6 +33,9 @@ and text models need none of the three:
     PYTHONPATH=. .venv/bin/python scripts/compare_peers.py --vllm-env ../peers/vllm \\
         --only tokenstream,vllm --rounds 2
 
+`--vllm-dtype bfloat16,float32` measures vLLM in each (an AVX2-only CPU has no bfloat16
+instructions, so its float32 is the fairer peer there).
+
 `--rounds N` measures every server N times, alternated (ours, the peers, ours, the peers, each
 started afresh), and prints each round's ratios and their median: ratios of one run, where the
 machine's drift between servers shows as the spread between rounds.
@@ -143,15 +146,20 @@ def servers(args: argparse.Namespace) -> list[Server]:
         name = f"llama.cpp (llama-cpp-python server, {gguf.name}, {os.cpu_count()} threads)"
         found.append(Server(name, command, port, "chat", ban_eos))
     if args.vllm_env:
-        found.append(vllm_server(Path(args.vllm_env), folder, args.vllm_bind, ban_eos))
+        for dtype in args.vllm_dtype:
+            found.append(vllm_server(Path(args.vllm_env), folder, args.vllm_bind, ban_eos, dtype))
     only = [o.lower() for o in args.only or []]
     return [s for s in found if not only or any(o in s.name.lower() for o in only)]
 
 
-def vllm_server(venv: Path, folder: Path, bind: str, fixed_length: list[str]) -> Server:
+def vllm_server(
+    venv: Path, folder: Path, bind: str, fixed_length: list[str], dtype: str = "bfloat16"
+) -> Server:
     """vLLM's CPU backend on `folder` as its docs run it: tcmalloc and the venv's libiomp5
     preloaded, a KV cache of VLLM_KVCACHE_GIB, OpenMP threads bound as `bind` says (all: every
-    CPU of this process's affinity; default: vLLM's own choice; else a list such as 0-1)."""
+    CPU of this process's affinity; default: vLLM's own choice; else a list such as 0-1), its
+    weights and arithmetic in `dtype` (bfloat16, its CPU default; float32 where the CPU has no
+    bfloat16 instructions, an AVX2-only one)."""
     tcmalloc = next((path for path in TCMALLOC if Path(path).exists()), None)
     if tcmalloc is None:
         raise SystemExit("--vllm-env: no tcmalloc (apt-get install libtcmalloc-minimal4)")
@@ -171,9 +179,9 @@ def vllm_server(venv: Path, folder: Path, bind: str, fixed_length: list[str]) ->
         threads = f"threads on CPUs {cpus}"
     # `python -m`: the `vllm` console script fails looking up its own package metadata
     command = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
-    command += ["--model", str(folder), "--served-model-name", "chat", "--dtype", "bfloat16"]
+    command += ["--model", str(folder), "--served-model-name", "chat", "--dtype", dtype]
     command += ["--max-model-len", "4096", "--host", "127.0.0.1", "--port", str(port)]
-    name = f"vLLM{package_version(venv, 'vllm')} CPU, bfloat16, {threads}"
+    name = f"vLLM{package_version(venv, 'vllm')} CPU, {dtype}, {threads}"
     return Server(name, command, port, "chat", fixed_length, env, scratch)
 
 
@@ -355,6 +363,13 @@ def main() -> None:
         default="all",
         help="VLLM_CPU_OMP_THREADS_BIND: all (every CPU this may use; the default), default "
         "(vLLM's own binding, a core kept for its scheduler), or a list such as 0-1",
+    )
+    parser.add_argument(
+        "--vllm-dtype",
+        type=lambda t: t.split(","),
+        default=["bfloat16"],
+        help="vLLM's --dtype, comma-separated for one server each: bfloat16 (the default), "
+        "float32 (an AVX2-only CPU has no bfloat16 instructions)",
     )
     parser.add_argument("--model", type=Path, help="a Hugging Face model folder to serve instead")
     parser.add_argument("--llama-gguf", type=Path, help="the GGUF llama.cpp serves (with --model)")

@@ -93,7 +93,8 @@ def vllm_args(tmp_path, **changes):
     (venv / "lib" / "libiomp5.so").write_bytes(b"")
     options = dict(
         model=tmp_path / "model", llama_gguf=None, llama_env=None, transformers_env=None,
-        vllm_env=str(venv), vllm_bind="all", output_tokens=16, ours_args="", only=None,
+        vllm_env=str(venv), vllm_bind="all", vllm_dtype=["bfloat16"], output_tokens=16,
+        ours_args="", only=None,
     )  # fmt: skip
     return argparse.Namespace(**{**options, **changes})
 
@@ -136,7 +137,8 @@ def test_vllm_runs_its_openai_server_as_its_docs_advise(load_script, tmp_path, m
 
 def test_vllm_binding_its_default_or_a_list_and_only_any_case(load_script, tmp_path, monkeypatch):
     """--vllm-bind default leaves VLLM_CPU_OMP_THREADS_BIND unset (even if set here); a list goes
-    as given; --only matches names in any case; without tcmalloc the run stops with the fix."""
+    as given; --vllm-dtype gives a server a dtype; --only matches names in any case; without
+    tcmalloc the run stops with the fix."""
     script = load_script("compare_peers")
     tcmalloc = tmp_path / "libtcmalloc_minimal.so.4"
     tcmalloc.write_bytes(b"")
@@ -146,6 +148,14 @@ def test_vllm_binding_its_default_or_a_list_and_only_any_case(load_script, tmp_p
     assert "VLLM_CPU_OMP_THREADS_BIND" not in vllm.env and "default binding" in vllm.name
     (vllm,) = script.servers(vllm_args(tmp_path, vllm_bind="1", only=["vllm"]))
     assert vllm.env["VLLM_CPU_OMP_THREADS_BIND"] == "1" and vllm.name.endswith("CPUs 1")
+    bf16, fp32 = script.servers(
+        vllm_args(tmp_path, vllm_dtype=["bfloat16", "float32"], only=["vllm"])
+    )
+    assert [s.command[s.command.index("--dtype") + 1] for s in (bf16, fp32)] == [
+        "bfloat16",
+        "float32",
+    ]
+    assert "float32" in fp32.name and "bfloat16" in bf16.name
     assert script.cpu_list([3, 0, 1]) == "0-1,3" and script.cpu_list([5]) == "5"
     monkeypatch.setattr(script, "TCMALLOC", (str(tmp_path / "absent.so"),))
     with pytest.raises(SystemExit, match="libtcmalloc-minimal4"):
