@@ -22,19 +22,27 @@ each of --rounds rounds of --passes passes, since the machine is shared and nois
 threads and rows: the median round's ms per pass, the best pass, the weights' bytes (with their
 scales) read per second and rows x inputs x outputs multiply-adds per second in the best pass,
 and each format's speed against the first one's (medians). The machine's copy bandwidth (a 1 GiB
-float32 copy_) and the CPU's bfloat16, AVX-512 and AMX flags are printed first.
+float32 copy_), the integer dot products' peak on one core (`dot_peak`: the instruction our
+matmuls' block dots run on, AVX-512 VNNI's vpdpbusd or AVX2's vpmaddubsw, in independent chains;
+AMX is not measured) and the CPU's bfloat16, AVX-512 and AMX flags are printed first; a GMAC/s
+of the table is to be read against that peak over two (each activation is multiplied as two
+int8 halves) times the threads.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from streaming_backend.forward import quant
+from streaming_backend.kernels import build
 from streaming_backend.kernels.matmul import matmul_kernel
 from streaming_backend.model.hardware import cpu_flags
 
@@ -83,6 +91,78 @@ def copy_gbps() -> float:
     b.copy_(a)
     best = min(_timed(lambda: b.copy_(a)) for _ in range(5))
     return a.numel() * 4 / best / 1e9
+
+
+# The peak's loop: CHAINS accumulators, each a dot instruction of its own weights against the
+# activations, which an empty asm statement "changes" every turn so that nothing is hoisted.
+PEAK_SOURCE = r"""
+#include <immintrin.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+#define CHAINS 12
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+int main(int argc, char **argv) {
+    const long turns = atol(argv[1]);
+    VEC acc[CHAINS], w[CHAINS], x = SET1(5);
+    for (int j = 0; j < CHAINS; j++) { acc[j] = ZERO(); w[j] = SET1(j + 1); }
+    double best = 1e30;
+    for (int round = 0; round < 3; round++) {
+        const double started = now();
+        for (long i = 0; i < turns; i++) {
+            __asm__ volatile("" : "+x"(x));
+            for (int j = 0; j < CHAINS; j++) acc[j] = DOT(acc[j], w[j], x);
+        }
+        const double took = now() - started;
+        best = took < best ? took : best;
+    }
+    int sink = 0;
+    for (int j = 0; j < CHAINS; j++) sink += FIRST(acc[j]);
+    printf("%.6f %d\n", (double)turns * CHAINS / best, sink);
+    return 0;
+}
+"""
+PEAK_KINDS = {  # name -> (the CPU flags it needs, compiler flags, macros, u8 x s8 products a dot)
+    "vpdpbusd": (
+        {"avx512f", "avx512bw", "avx512_vnni"},
+        ["-mavx512f", "-mavx512bw", "-mavx512vnni"],
+        "-DVEC=__m512i -DSET1=_mm512_set1_epi8 -DZERO=_mm512_setzero_si512 "
+        "-DDOT=_mm512_dpbusd_epi32 -DFIRST=_mm512_cvtsi512_si32",
+        64,
+    ),
+    "vpmaddubsw": (
+        {"avx2"},
+        ["-mavx2"],
+        "-DVEC=__m256i -DSET1=_mm256_set1_epi8 -DZERO=_mm256_setzero_si256 "
+        "-DDOT(a,w,x)=_mm256_add_epi16(a,_mm256_maddubs_epi16(w,x)) "
+        "-DFIRST(a)=_mm256_extract_epi16(a,0)",
+        32,
+    ),
+}
+
+
+def dot_peak(turns: int = 20_000_000) -> tuple[str, float] | None:
+    """(instruction, u8 x s8 products a second on one core) of the integer dot our block dots
+    run on, the best of 3 timed loops; None where no compiler or no such instruction is here."""
+    cc, flags = build.compiler(), cpu_flags()
+    kind = next((name for name, row in PEAK_KINDS.items() if row[0] <= flags), None)
+    if cc is None or kind is None:
+        return None
+    _, isa, macros, products = PEAK_KINDS[kind]
+    with tempfile.TemporaryDirectory() as folder:
+        source, binary = Path(folder) / "peak.c", Path(folder) / "peak"
+        source.write_text(PEAK_SOURCE)
+        command = [cc, "-O3", "-funroll-all-loops", *isa, *macros.split(), str(source)]
+        if subprocess.run([*command, "-o", str(binary)], capture_output=True).returncode:
+            return None
+        out = subprocess.run([str(binary), str(turns)], capture_output=True, text=True)
+    if out.returncode:
+        return None
+    return kind, float(out.stdout.split()[0]) * products
 
 
 def _timed(run: Callable[[], object]) -> float:
@@ -145,6 +225,15 @@ def main() -> None:
     capability = torch.backends.cpu.get_cpu_capability()
     print(f"torch {torch.__version__}, capability {capability}, flags: {' '.join(flags)}")
     print(f"1 GiB float32 copy_: {copy_gbps():.1f} GB/s (one side)")
+    peak = dot_peak()
+    if peak is None:
+        print("integer dot peak: not measured here (no compiler, or no vpdpbusd / vpmaddubsw)")
+    else:
+        kind, products = peak
+        print(
+            f"integer dot peak, one core ({kind}): {products / 1e9:.1f} G u8 x s8 products/s; "
+            f"our quantized matmuls (two int8 halves) at most {products / 2e9:.1f} GMAC/s a core"
+        )
     generator = torch.Generator().manual_seed(0)
     linear_shapes = shapes(args)
     dense = [torch.randn(n, k, generator=generator) * 0.02 for k, n in linear_shapes]

@@ -1,5 +1,6 @@
 """scripts/matmul_bench.py: every format on tiny shapes, our kernels with AMX on and off, a row of
-the table for each (format, AMX, threads, rows), and formats it does not know refused."""
+the table for each (format, AMX, threads, rows), formats it does not know refused, and the
+integer dot peak it prints first."""
 
 from __future__ import annotations
 
@@ -47,6 +48,22 @@ def test_every_format_runs_and_has_its_rows_in_the_table(load_script):
     expected = [(name, n) for name in script.FORMATS for n in ("1", "4")]
     assert sorted((c[0], c[3]) for c in rows) == sorted(expected)
     assert all(c[-1].endswith("x") for c in rows) and "GB/s (one side)" in out
+    assert "integer dot peak" in out
+
+
+def test_the_dot_peak_counts_the_products_of_the_instruction_it_timed(load_script):
+    """dot_peak: on a CPU with AVX2 (or AVX-512 VNNI) and a compiler, the instruction's name and
+    a positive rate of u8 x s8 products (its instructions a second times their products each)."""
+    script = load_script("matmul_bench")
+    peak = script.dot_peak(turns=200_000)
+    flags = script.cpu_flags()
+    if script.build.compiler() is None or not any(
+        r[0] <= flags for r in script.PEAK_KINDS.values()
+    ):
+        assert peak is None
+        return
+    kind, products = peak
+    assert kind in script.PEAK_KINDS and products > 1e9
 
 
 def test_a_format_it_does_not_know_is_refused():
