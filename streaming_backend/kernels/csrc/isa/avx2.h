@@ -57,59 +57,49 @@ static inline __attribute__((always_inline)) void q4_tile(const Matmul *c, int64
     for (int r = 0; r < R; r++) emit_tile(c, row + r, col, values[r]);
 }
 
-/* q4 for the tile's 16 weight rows at once, two registers of 8, against R activation rows (a
+/* q4 for the tile's 16 weight rows at once, two registers of 8, against one activation row (a
  * call of one row: a single stream's step, or the last row of an odd count). Each unit of 4
- * inputs of a row (its q or r half), broadcast once, meets both registers' nibbles, so a
- * broadcast serves 16 weight rows and a block is read in one pass: 1.3x q4_tile's speed for one
- * row on a Zen 3; for two rows its sums do not fit the 16 registers, and q4_tile is faster. A
- * block's u8-by-s8 pair sums add up in int16 per register (every sum below 2^15: 8 * 2 * 15 *
- * 127), then widen to int32: l . q and l . r of 16 weight rows, exact, so the order of the
- * integer additions changes nothing; the float sums after are q4_tile's, block after block. */
-static inline __attribute__((always_inline)) void q4_tile_wide(const Matmul *c, int64_t row, int R, int64_t col) {
+ * inputs (its q or r half), broadcast once, meets both registers' nibbles, so a broadcast serves
+ * 16 weight rows and a block is read in one pass: 1.3x q4_tile's speed for one row on a Zen 3;
+ * for two rows the sums do not fit the 16 registers, and q4_tile is faster. A block's u8-by-s8
+ * pair sums add up in int16 per register (every sum below 2^15: 8 * 2 * 15 * 127), then widen to
+ * int32: l . q and l . r of 16 weight rows, exact, so the order of the integer additions changes
+ * nothing; the float sums after are q4_tile's, block after block. */
+static inline __attribute__((always_inline)) void q4_tile_wide(const Matmul *c, int64_t row, int64_t col) {
     const int64_t k = c->k, blocks = k / QK;
     const __m256i nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     const uint8_t *w = c->w + col * (k / 2);
     const uint16_t *steps = c->steps + col * blocks, *lows = c->lows + col * blocks;
-    __m256 acc[ROWS][2], low[ROWS][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = low[r][0] = low[r][1] = _mm256_setzero_ps();
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, low[2] = {acc[0], acc[1]};
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *p = w + b * Q4_BLOCK_BYTES;
         for (int line = 0; line < Q4_BLOCK_BYTES; line += 64) ask(p + WEIGHTS_AHEAD + line);
-        __m256i high[ROWS][2], rest[ROWS][2];
-        for (int r = 0; r < R; r++) high[r][0] = high[r][1] = rest[r][0] = rest[r][1] = _mm256_setzero_si256();
+        __m256i high[2], rest[2];
+        high[0] = high[1] = rest[0] = rest[1] = _mm256_setzero_si256();
         for (int u = 0; u < 4; u++) {
-            const __m256i raw0 = _mm256_loadu_si256((const __m256i *)(p + 64 * u));
-            const __m256i raw1 = _mm256_loadu_si256((const __m256i *)(p + 64 * u + 32));
-            const __m256i lo0 = _mm256_and_si256(raw0, nibble), hi0 = _mm256_and_si256(_mm256_srli_epi16(raw0, 4), nibble);
-            const __m256i lo1 = _mm256_and_si256(raw1, nibble), hi1 = _mm256_and_si256(_mm256_srli_epi16(raw1, 4), nibble);
-            for (int r = 0; r < R; r++) {
-                const int64_t at = (row + r) * k + b * QK + 4 * u;
-                const __m256i q_lo = _mm256_set1_epi32(four(c->xq.q + at)), q_hi = _mm256_set1_epi32(four(c->xq.q + at + 16));
-                high[r][0] = _mm256_add_epi16(high[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, q_lo), _mm256_maddubs_epi16(hi0, q_hi)));
-                high[r][1] = _mm256_add_epi16(high[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, q_lo), _mm256_maddubs_epi16(hi1, q_hi)));
-                const __m256i r_lo = _mm256_set1_epi32(four(c->xq.r + at)), r_hi = _mm256_set1_epi32(four(c->xq.r + at + 16));
-                rest[r][0] = _mm256_add_epi16(rest[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, r_lo), _mm256_maddubs_epi16(hi0, r_hi)));
-                rest[r][1] = _mm256_add_epi16(rest[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, r_lo), _mm256_maddubs_epi16(hi1, r_hi)));
+            const int64_t at = row * k + b * QK + 4 * u;
+            const __m256i q_lo = _mm256_set1_epi32(four(c->xq.q + at)), q_hi = _mm256_set1_epi32(four(c->xq.q + at + 16));
+            const __m256i r_lo = _mm256_set1_epi32(four(c->xq.r + at)), r_hi = _mm256_set1_epi32(four(c->xq.r + at + 16));
+            for (int half = 0; half < 2; half++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 64 * u + 32 * half));
+                const __m256i lo = _mm256_and_si256(raw, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+                high[half] = _mm256_add_epi16(high[half], _mm256_add_epi16(_mm256_maddubs_epi16(lo, q_lo), _mm256_maddubs_epi16(hi, q_hi)));
+                rest[half] = _mm256_add_epi16(rest[half], _mm256_add_epi16(_mm256_maddubs_epi16(lo, r_lo), _mm256_maddubs_epi16(hi, r_hi)));
             }
         }
+        const int64_t ds = row * blocks + b;
         for (int half = 0; half < 2; half++) {
             const __m256 step = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(steps + b * TILE + 8 * half)));
             const __m256 low8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(lows + b * TILE + 8 * half)));
-            for (int r = 0; r < R; r++) {
-                const int64_t ds = (row + r) * blocks + b;
-                const __m256i h = _mm256_madd_epi16(high[r][half], ones), l = _mm256_madd_epi16(rest[r][half], ones);
-                const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(h, V_SHIFT), l));
-                acc[r][half] = _mm256_fmadd_ps(dot, _mm256_mul_ps(step, _mm256_set1_ps(c->xq.d[ds])), acc[r][half]);
-                low[r][half] = _mm256_fmadd_ps(low8, _mm256_set1_ps(c->xq.s[ds]), low[r][half]);
-            }
+            const __m256i h = _mm256_madd_epi16(high[half], ones), l = _mm256_madd_epi16(rest[half], ones);
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(h, V_SHIFT), l));
+            acc[half] = _mm256_fmadd_ps(dot, _mm256_mul_ps(step, _mm256_set1_ps(c->xq.d[ds])), acc[half]);
+            low[half] = _mm256_fmadd_ps(low8, _mm256_set1_ps(c->xq.s[ds]), low[half]);
         }
     }
-    for (int r = 0; r < R; r++) {
-        float values[TILE];
-        _mm256_storeu_ps(values, _mm256_add_ps(acc[r][0], low[r][0]));
-        _mm256_storeu_ps(values + 8, _mm256_add_ps(acc[r][1], low[r][1]));
-        emit_tile(c, row + r, col, values);
-    }
+    float values[TILE];
+    for (int half = 0; half < 2; half++) _mm256_storeu_ps(values + 8 * half, _mm256_add_ps(acc[half], low[half]));
+    emit_tile(c, row, col, values);
 }
 
 /* l . a of 8 weight rows for one 4-input unit, exact: |l| meets a with l's sign (each pair sum
@@ -185,14 +175,14 @@ static inline __attribute__((always_inline)) void q8_tile_wide(const Matmul *c, 
     emit_tile(c, row, col, values);
 }
 
-/* q4_tile / q8_tile (one row: q4_tile_wide / q8_tile_wide) for R activation rows, a constant R per call site (so
- * each is unrolled). */
+/* q4_tile / q8_tile for R activation rows, a constant R per call site (so each is unrolled); one
+ * row: q4_tile_wide / q8_tile_wide. */
 static __attribute__((noinline, unused)) void quant_tiles(const Matmul *c, int kind, int64_t row, int R, int64_t col) {
     if (R == 2) {
         if (kind == KIND_Q4) q4_tile(c, row, 2, col);
         else q8_tile(c, row, 2, col);
     } else {
-        if (kind == KIND_Q4) q4_tile_wide(c, row, 1, col);
+        if (kind == KIND_Q4) q4_tile_wide(c, row, col);
         else q8_tile_wide(c, row, col);
     }
 }
