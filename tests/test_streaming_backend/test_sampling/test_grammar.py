@@ -169,6 +169,8 @@ def test_a_failing_mask_ends_its_stream_alone(tiny_loaded, monkeypatch):
         unconstrained = engine.submit(_prompt(tiny_loaded, "Hello"), free)
         wait_for(lambda: engine.live_streams == 3)
         (stream,) = [s for s in engine._steps.live() if s.handle is victim]
+        # admitted is not yet decoding: poisoned before its first token, it would end with none
+        wait_for(lambda: len(stream.output_ids) >= 1)
         poisoned.add(id(stream.grammar))
         events = list(victim)
         assert events[-1].finish_reason is FinishReason.ERROR
