@@ -9,7 +9,10 @@ faster now.
 A step is hundreds of parallel regions, and each waits at its end for every thread of torch's team.
 When another process takes a core, the scheduler parks one of those threads for a slice of the
 other's time, region after region, and a step runs many times slower (docs/design.md, "The step
-threads beside other work"); fewer threads then run faster. So now and then one step runs on a
+threads beside other work"); fewer threads then run faster. Each band of row counts (1, 2-3, 4-7,
+...) chooses on its own: a step of a row or two is bound by memory, about as fast on one thread
+as on two, while sixteen rows are bound by the multiplies, which two threads share. So now and
+then one step runs on a
 neighbouring count (one fewer, or one more up to `most`), and if it took clearly less time than the
 current count takes for the same number of rows, that count becomes current. A probe that loses
 waits twice as long before the next one, so on a quiet machine (or a busy one) the probes cost
@@ -70,19 +73,40 @@ class StepReport:
         return dict(self.__dict__)
 
 
+def rows_band(rows: int) -> int:
+    """Which band of row counts `rows` falls in, each its own choice of count: bands are a
+    factor of two wide (1, 2-3, 4-7, 8-15, 16-31, ...: bands 1, 2, 3, ...; 0 rows is band 0)."""
+    return max(rows, 0).bit_length()
+
+
+@dataclass
+class _Choice:
+    """The count of one band of row counts, and what its steps measured."""
+
+    current: int
+    wait: int = FIRST_PROBE_STEPS  # steps between probes now
+    until_probe: int = FIRST_PROBE_STEPS
+    down_next: bool = True  # which neighbour the next probe tries
+    mean: dict[int, float] = field(default_factory=dict)  # rows -> seconds at `current`
+    settled: dict[int, float] = field(default_factory=dict)  # rows -> mean at the last probe
+
+
 @dataclass
 class StepThreads:
-    """The thread count of the engine's decode steps (see the module docstring)."""
+    """The thread count of the engine's decode steps (see the module docstring).
+
+    Each band of row counts (rows_band) chooses its own count: a step of one or two rows reads
+    its weights at memory speed on one thread about as fast as on two, so a probe of one thread
+    there won by a hair of noise, and the count it set held for 16 rows too, which two threads
+    decode 1.4x as fast (a served run of 16 streams on a 2-core Zen 4 hunted between 385 and 445
+    tok/s). A band seen for the first time starts on the count of the band last used."""
 
     most: int
-    current: int = 0  # 0: start at `most`
+    current: int = 0  # the count of the latest step's band; 0: start at `most`
     switches: int = 0
-    _wait: int = FIRST_PROBE_STEPS  # steps between probes now
-    _until_probe: int = FIRST_PROBE_STEPS
+    _bands: dict[int, _Choice] = field(default_factory=dict)
     _probe: int | None = None  # the count the step in progress probes, if it is a probe
-    _down_next: bool = True  # which neighbour the next probe tries
-    _mean: dict[int, float] = field(default_factory=dict)  # rows -> seconds at `current`
-    _settled: dict[int, float] = field(default_factory=dict)  # rows -> _mean at the last probe
+    _probed_band: int = 0  # the band whose probe that is
     # (rows, context_band) -> fastest seconds, any count
     _best: dict[tuple[int, int], float] = field(default_factory=dict)
     _last_rows: int = 0
@@ -96,55 +120,72 @@ class StepThreads:
         self.current = self.current or self.most
 
     def before(self) -> int:
-        """The count the next step runs on: now and then a neighbour (a probe), once the
-        current count has a time for as many rows as the last step had, to compare with."""
+        """The count the next step runs on, its band's (the band of the last step's rows): now
+        and then a neighbour (a probe), once that count has a time for as many rows as the last
+        step had, to compare with."""
         self._probe = None
-        if self.most == 1 or self._last_rows not in self._mean:
+        if self.most == 1 or self._last_rows == 0:
             return self.current
-        self._until_probe -= 1
-        if self._until_probe > 0:
+        choice = self._choice(self._last_rows)
+        self.current = choice.current
+        if self._last_rows not in choice.mean:
             return self.current
-        self._probe = self._neighbour()
+        choice.until_probe -= 1
+        if choice.until_probe > 0:
+            return self.current
+        self._probe, self._probed_band = self._neighbour(choice), rows_band(self._last_rows)
         return self._probe
 
     def after(self, rows: int, seconds: float, context: int = 0) -> None:
         """Record the time of the step `before` was asked for, whose longest row attended over
-        `context` positions; switch if its probe won."""
+        `context` positions; switch its band's count if its probe won."""
         self._last_rows, self._last_band = rows, context_band(context)
         key = (rows, self._last_band)
         self._best[key] = min(seconds, self._best.get(key, seconds))
         probe, self._probe = self._probe, None
+        choice = self._choice(rows)
         if probe is None:
-            mean = self._mean.get(rows)
-            self._mean[rows] = mean = (
+            if choice.current != self.current:  # ran on another band's count: not this one's time
+                return
+            mean = choice.mean.get(rows)
+            choice.mean[rows] = mean = (
                 seconds if mean is None else mean + SMOOTHING * (seconds - mean)
             )
-            settled = self._settled.setdefault(rows, mean)
+            settled = choice.settled.setdefault(rows, mean)
             if mean > CHANGE * settled or CHANGE * mean < settled:  # the machine changed
-                self._wait, self._until_probe = FIRST_PROBE_STEPS, 1
+                choice.wait, choice.until_probe = FIRST_PROBE_STEPS, 1
             return
-        if rows not in self._mean:  # the rows changed: nothing to compare with, probe again
-            self._until_probe = 1
+        if rows_band(rows) != self._probed_band or rows not in choice.mean:
+            # the rows changed: nothing to compare with, probe again
+            self._bands[self._probed_band].until_probe = 1
             return
-        if seconds < SWITCH_MARGIN * self._mean[rows]:
+        if seconds < SWITCH_MARGIN * choice.mean[rows]:
             log.info(
-                "decode steps now on %d torch threads: a step of %d rows took %.1f ms on %d, "
-                "%.1f ms on %d",
-                probe, rows, 1e3 * seconds, probe, 1e3 * self._mean[rows], self.current,
+                "decode steps of %d rows now on %d torch threads: %.1f ms on %d, %.1f ms on %d",
+                rows, probe, 1e3 * seconds, probe, 1e3 * choice.mean[rows], choice.current,
             )  # fmt: skip
-            self.current, self.switches = probe, self.switches + 1
+            choice.current = self.current = probe
+            self.switches += 1
             self._switched_at.append(self.clock())
-            self._mean = {rows: seconds}  # the other row counts' times were the old count's
-            self._settled = {}
-            self._wait = FIRST_PROBE_STEPS
+            choice.mean = {rows: seconds}  # the other row counts' times were the old count's
+            choice.settled = {}
+            choice.wait = FIRST_PROBE_STEPS
         else:
-            self._wait = min(2 * self._wait, LAST_PROBE_STEPS)
-        self._settled[rows] = self._mean[rows]
-        self._until_probe = self._wait
+            choice.wait = min(2 * choice.wait, LAST_PROBE_STEPS)
+        choice.settled[rows] = choice.mean[rows]
+        choice.until_probe = choice.wait
+
+    def _choice(self, rows: int) -> _Choice:
+        """The band of `rows`' choice; a new band starts on the latest count."""
+        band = rows_band(rows)
+        if band not in self._bands:
+            self._bands[band] = _Choice(self.current)
+        return self._bands[band]
 
     def report(self) -> StepReport:
         """The count, and the latest row count's recent step time and best at its context."""
-        recent = self._mean.get(self._last_rows)
+        choice = self._bands.get(rows_band(self._last_rows))
+        recent = choice.mean.get(self._last_rows) if choice is not None else None
         best = self._best.get((self._last_rows, self._last_band))
         slowdown = recent / best if recent is not None and best else None
         since = self.clock() - SWITCH_WINDOW_S
@@ -154,13 +195,13 @@ class StepThreads:
             self.current, self.most, self.switches, recent, best, slowdown, len(self._switched_at)
         )
 
-    def _neighbour(self) -> int:
-        """One fewer or one more (within 1 .. most), taking turns where both exist."""
-        down, up = self.current - 1, self.current + 1
+    def _neighbour(self, choice: _Choice) -> int:
+        """One fewer or one more than the band's count (within 1 .. most), taking turns where
+        both exist."""
+        down, up = choice.current - 1, choice.current + 1
         if down < 1:
             return up
         if up > self.most:
             return down
-        choice = down if self._down_next else up
-        self._down_next = not self._down_next
-        return choice
+        choice.down_next = not choice.down_next
+        return up if choice.down_next else down

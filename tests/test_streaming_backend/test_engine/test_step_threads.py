@@ -11,6 +11,7 @@ from streaming_backend.engine.step_threads import (
     StepReport,
     StepThreads,
     context_band,
+    rows_band,
 )
 
 # seconds per step on 1 and 2 threads: an idle 2-core machine, and one with a core taken
@@ -67,6 +68,34 @@ def test_a_core_taken_after_the_probes_thinned_out_is_noticed_at_once():
     freed = {1: 0.012, 2: 0.010}  # one thread gets faster too when the other core is free
     run(threads, freed, 10)
     assert threads.current == 2
+
+
+def test_each_band_of_rows_chooses_its_own_count():
+    """Two rows read their weights at memory speed, as fast on one thread as on two (here
+    faster); sixteen rows decode 1.5x as fast on two. A load that moves between them keeps two
+    threads for sixteen rows while two rows settle on one, and the report names the count of
+    the latest step's band."""
+    times = {2: {1: 0.006, 2: 0.008}, 16: {1: 0.039, 2: 0.026}}
+    threads = StepThreads(most=2)
+    used = {2: [], 16: []}
+    for spell in range(40):
+        rows = 2 if spell % 2 == 0 else 16
+        for _ in range(50):
+            count = threads.before()
+            used[rows].append(count)
+            threads.after(rows, times[rows][count])
+        assert threads.report().threads == (1 if rows == 2 else 2)
+    assert used[2][-50:].count(1) > 45  # one thread, a probe of two now and then
+    assert used[16][-50:].count(2) > 45
+    # two rows down to one thread; sixteen, first seen on the latest count (one), back up to two
+    assert threads.switches == 2
+
+
+def test_row_bands_are_a_factor_of_two_wide():
+    """Rows 1, 2-3, 4-7, 8-15, 16-31 are bands 1 to 5; none is band 0."""
+    assert [rows_band(n) for n in (0, 1, 2, 3, 4, 7, 8, 15, 16, 31, 32)] == [
+        0, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6
+    ]  # fmt: skip
 
 
 def test_one_thread_means_no_probes():
