@@ -43,6 +43,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import streaming_backend  # noqa: F401 - before torch: OpenMP's wait policy, as served
+
+# isort: split
 import torch
 from transformers import DynamicCache
 

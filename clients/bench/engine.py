@@ -22,6 +22,9 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import streaming_backend  # noqa: F401 - before torch: OpenMP's wait policy, as served
+
+# isort: split
 import torch
 
 from clients.library import metrics
