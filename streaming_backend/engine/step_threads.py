@@ -18,11 +18,8 @@ current count takes for the same number of rows, that count becomes current. A p
 waits twice as long before the next one, so on a quiet machine (or a busy one) the probes cost
 almost nothing once the count has settled; and when the current count's steps get clearly slower or
 faster than they were at the last probe (another process started or ended), the next step probes at
-once. A band on fewer threads than the most also probes the next count up when the machine shows
-an idle core (`idle`: /proc/stat): a busy process that ended leaves the one-thread steps as fast
-as they were beside it, with nothing else to call a probe. The count never changes a row's
-numbers: the compact forward's kernels give the same bits on any count
-(tests/test_streaming_backend/test_engine/test_engine_invariance.py).
+once. The count never changes a row's numbers: the compact forward's kernels give the same bits on
+any count (tests/test_streaming_backend/test_engine/test_engine_invariance.py).
 
 The slowdown is the recent steps' time against the fastest step since load of the same rows
 at a like context (the longest row's positions, within a factor of sqrt(2): attention over 512
@@ -35,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -52,22 +48,6 @@ LAST_PROBE_STEPS = 256
 SMOOTHING = 0.2  # weight of the newest step in a row count's running mean
 CHANGE = 1.3  # a running mean this many times slower or faster than at the last probe: probe now
 SWITCH_WINDOW_S = 60.0  # StepReport.switches_last_minute counts the switches this recent
-# A band on fewer threads than the most probes the next count up as soon as the machine had at
-# least this many cores idle over its last IDLE_CHECK_STEPS steps (and FIRST_PROBE_STEPS passed
-# since its last probe): the busy process that took a core has ended, or never was
-IDLE_CORES = 0.5
-IDLE_CHECK_STEPS = 8
-
-
-def machine_idle_seconds(path: str = "/proc/stat") -> float | None:
-    """The machine's idle CPU time since boot, in seconds summed over its CPUs (the idle and
-    iowait columns of /proc/stat's first line); None where it cannot be read."""
-    try:
-        with open(path, encoding="ascii") as stat:
-            fields = stat.readline().split()
-        return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def context_band(positions: int) -> int:
@@ -107,7 +87,6 @@ class _Choice:
     wait: int = FIRST_PROBE_STEPS  # steps between probes now
     until_probe: int = FIRST_PROBE_STEPS
     down_next: bool = True  # which neighbour the next probe tries
-    since_probe: int = 0  # its steps since its last probe
     mean: dict[int, float] = field(default_factory=dict)  # rows -> seconds at `current`
     settled: dict[int, float] = field(default_factory=dict)  # rows -> mean at the last probe
 
@@ -137,11 +116,6 @@ class StepThreads:
     _last_band: int = 0
     clock: Callable[[], float] = time.monotonic  # when switches happen (tests give their own)
     _switched_at: deque = field(default_factory=deque)  # clock() of the switches in the window
-    # the machine's idle CPU seconds so far (machine_idle_seconds; tests give their own), or
-    # None: no probe comes early for an idle core
-    idle: Callable[[], float | None] | None = None
-    _idle_mark: tuple[float, float] | None = None  # (clock(), idle()) at the last look
-    _until_idle_check: int = IDLE_CHECK_STEPS
 
     def __post_init__(self) -> None:
         if self.most < 1:
@@ -181,9 +155,6 @@ class StepThreads:
             )
             if choice.current != self.current:  # ran on another band's count: not this one's time
                 return
-            choice.since_probe += 1
-            if choice.current < self.most and self._idle_core(choice):
-                choice.wait, choice.until_probe = FIRST_PROBE_STEPS, 1
             mean = choice.mean.get(rows)
             choice.mean[rows] = mean = (
                 seconds if mean is None else mean + SMOOTHING * (seconds - mean)
@@ -210,25 +181,7 @@ class StepThreads:
         else:
             choice.wait = min(2 * choice.wait, LAST_PROBE_STEPS)
         choice.settled[rows] = choice.mean[rows]
-        choice.until_probe, choice.since_probe = choice.wait, 0
-
-    def _idle_core(self, choice: _Choice) -> bool:
-        """Whether a band on fewer threads than the most should probe now: the machine had
-        IDLE_CORES idle over the last IDLE_CHECK_STEPS steps, and FIRST_PROBE_STEPS passed since
-        the band's last probe (a probe that keeps losing beside an idle core costs at most one
-        step in that many)."""
-        if self.idle is None:
-            return False
-        self._until_idle_check -= 1
-        if self._until_idle_check > 0:
-            return False
-        self._until_idle_check = IDLE_CHECK_STEPS
-        now, idle = self.clock(), self.idle()
-        mark, self._idle_mark = self._idle_mark, (None if idle is None else (now, idle))
-        if mark is None or idle is None or now <= mark[0]:
-            return False
-        cores = (idle - mark[1]) / (now - mark[0])
-        return cores >= IDLE_CORES and choice.since_probe >= FIRST_PROBE_STEPS
+        choice.until_probe = choice.wait
 
     def _choice(self, rows: int) -> _Choice:
         """The band of `rows`' choice; a new band starts on the latest count."""

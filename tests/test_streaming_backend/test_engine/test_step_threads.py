@@ -6,13 +6,11 @@ import pytest
 
 from streaming_backend.engine.step_threads import (
     FIRST_PROBE_STEPS,
-    IDLE_CHECK_STEPS,
     LAST_PROBE_STEPS,
     SWITCH_WINDOW_S,
     StepReport,
     StepThreads,
     context_band,
-    machine_idle_seconds,
     rows_band,
 )
 
@@ -98,71 +96,6 @@ def test_row_bands_are_a_factor_of_two_wide():
     assert [rows_band(n) for n in (0, 1, 2, 3, 4, 7, 8, 15, 16, 31, 32)] == [
         0, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6
     ]  # fmt: skip
-
-
-class Machine:
-    """A clock and the machine's idle CPU seconds: each step takes its seconds, during which
-    `idle_cores` cores sit idle."""
-
-    def __init__(self):
-        self.now, self.idle_s, self.idle_cores = 0.0, 0.0, 0.0
-
-    def threads(self) -> StepThreads:
-        """A two-thread StepThreads on this machine's clock and idle time."""
-        return StepThreads(most=2, clock=lambda: self.now, idle=lambda: self.idle_s)
-
-    def step(self, threads: StepThreads, seconds: dict[int, float], steps: int) -> list[int]:
-        used = []
-        for _ in range(steps):
-            count = threads.before()
-            used.append(count)
-            self.now += seconds[count]
-            self.idle_s += self.idle_cores * seconds[count]
-            threads.after(1, seconds[count])
-        return used
-
-
-def test_an_idle_core_brings_a_band_back_to_two_threads_within_a_few_steps():
-    """On one thread after a busy spell, where one thread is about as fast as it was (so no
-    change in its steps calls a probe), the band probes two threads as soon as the machine shows a
-    core idle, not after its probes' long wait; without that reading it waits."""
-    after_busy = {1: CORE_TAKEN[1], 2: IDLE[2]}  # one thread no faster: no change to notice
-    counts = {}
-    for idle_cores in (0.0, 0.9):
-        machine = Machine()
-        threads = machine.threads()
-        machine.step(threads, IDLE, 100)
-        machine.step(threads, CORE_TAKEN, 1000)  # busy: one thread, probes of two thinned out
-        while machine.step(threads, CORE_TAKEN, 1) != [2]:  # until a probe: the next is far
-            pass
-        assert threads.current == 1
-        machine.idle_cores = idle_cores
-        machine.step(threads, after_busy, FIRST_PROBE_STEPS + 2 * IDLE_CHECK_STEPS)
-        counts[idle_cores] = threads.current
-    assert counts == {0.0: 1, 0.9: 2}
-
-
-def test_beside_an_idle_core_a_losing_probe_comes_at_most_once_in_first_probe_steps():
-    """Where one thread is faster even on an idle machine, an idle core calls a probe of two
-    threads, which loses, at most once in FIRST_PROBE_STEPS steps."""
-    machine = Machine()
-    machine.idle_cores = 1.0
-    one_faster = {1: 0.010, 2: 0.016}
-    threads = machine.threads()
-    used = machine.step(threads, one_faster, 2000)
-    assert threads.current == 1
-    assert 0 < used[100:].count(2) <= 1900 / FIRST_PROBE_STEPS + 1
-
-
-def test_the_machines_idle_time_is_read_from_proc_stat(tmp_path):
-    """Idle and iowait of /proc/stat's first line, in seconds; None where unreadable."""
-    stat = tmp_path / "stat"
-    stat.write_text("cpu  10 0 5 300 20 0 0 0 0 0\ncpu0 5 0 2 150 10 0 0 0 0 0\n")
-    import os
-
-    assert machine_idle_seconds(str(stat)) == pytest.approx(320 / os.sysconf("SC_CLK_TCK"))
-    assert machine_idle_seconds(str(tmp_path / "absent")) is None
-    assert machine_idle_seconds() is not None  # this machine's
 
 
 def test_one_thread_means_no_probes():
