@@ -12,9 +12,9 @@ other's time, region after region, and a step runs many times slower (docs/desig
 threads beside other work"); fewer threads then run faster. Each band of row counts (1, 2-3, 4-7,
 ...) chooses on its own: a step of a row or two is bound by memory, about as fast on one thread
 as on two, while sixteen rows are bound by the multiplies, which two threads share. So now and
-then one step runs on a
-neighbouring count (one fewer, or one more up to `most`), and if it took clearly less time than the
-current count takes for the same number of rows, that count becomes current. A probe that loses
+then one step runs on a neighbouring count (one fewer, or one more up to `most`), and if it took
+clearly less time than the current count takes for the same number of rows, that count becomes
+current. A probe that loses
 waits twice as long before the next one, so on a quiet machine (or a busy one) the probes cost
 almost nothing once the count has settled; and when the current count's steps get clearly slower or
 faster than they were at the last probe (another process started or ended), the next step probes at
@@ -71,6 +71,11 @@ class StepReport:
     def as_dict(self) -> dict:
         """The report by name (JSON)."""
         return dict(self.__dict__)
+
+
+def _smoothed(mean: float | None, seconds: float) -> float:
+    """A running mean after one more step of `seconds` (the step itself when there was none)."""
+    return seconds if mean is None else mean + SMOOTHING * (seconds - mean)
 
 
 def rows_band(rows: int) -> int:
@@ -149,16 +154,10 @@ class StepThreads:
         choice = self._choice(rows)
         if probe is None:
             like = (self.current, *key)
-            recent = self._recent.get(like)
-            self._recent[like] = (
-                seconds if recent is None else recent + SMOOTHING * (seconds - recent)
-            )
+            self._recent[like] = _smoothed(self._recent.get(like), seconds)
             if choice.current != self.current:  # ran on another band's count: not this one's time
                 return
-            mean = choice.mean.get(rows)
-            choice.mean[rows] = mean = (
-                seconds if mean is None else mean + SMOOTHING * (seconds - mean)
-            )
+            choice.mean[rows] = mean = _smoothed(choice.mean.get(rows), seconds)
             settled = choice.settled.setdefault(rows, mean)
             if mean > CHANGE * settled or CHANGE * mean < settled:  # the machine changed
                 choice.wait, choice.until_probe = FIRST_PROBE_STEPS, 1
