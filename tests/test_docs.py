@@ -164,7 +164,7 @@ def test_performance_is_reference():
     """docs/performance.md stays a reference (settings, a current table per CPU kind, how to
     compare): history lives in git and design facts in docs/design.md."""
     text = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
-    assert len(text.splitlines()) <= 300
+    assert len(text.splitlines()) <= 320  # four CPU kinds, each a short section
 
 
 # ---- docs/layout.md lists every file
