@@ -14,12 +14,12 @@ threads beside other work"); fewer threads then run faster. Each band of row cou
 as on two, while sixteen rows are bound by the multiplies, which two threads share. So now and
 then one step runs on a neighbouring count (one fewer, or one more up to `most`), and if it took
 clearly less time than the current count takes for the same number of rows, that count becomes
-current. A probe that loses
-waits twice as long before the next one, so on a quiet machine (or a busy one) the probes cost
-almost nothing once the count has settled; and when the current count's steps get clearly slower or
-faster than they were at the last probe (another process started or ended), the next step probes at
-once. The count never changes a row's numbers: the compact forward's kernels give the same bits on
-any count (tests/test_streaming_backend/test_engine/test_engine_invariance.py).
+current. A probe that loses waits twice as long before the next one, so on a quiet machine (or a
+busy one) the probes cost almost nothing once the count has settled; and when the current count's
+steps get clearly slower or faster than they were at the last probe (another process started or
+ended), the next step probes at once. The count never changes a row's numbers: the compact
+forward's kernels give the same bits on any count
+(tests/test_streaming_backend/test_engine/test_engine_invariance.py).
 
 The slowdown is the recent steps' time against the fastest step since load of the same rows
 at a like context (the longest row's positions, within a factor of sqrt(2): attention over 512

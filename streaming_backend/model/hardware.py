@@ -15,8 +15,7 @@ ATEN_CPU_CAPABILITY below them: `isa_caps`) counts as one without them.
 
 Measured (docs/design.md): on an AVX2-only EPYC float32 served twice the tokens of bfloat16
 at 16 streams and halved TTFT; on an EPYC with AVX512_BF16 bfloat16 matmuls beat float32; on a
-Xeon with AVX-512 but no BF16 (int4 weights) bfloat16 served 1.00-1.18x at one stream and
-1.02-1.03x at 16, but a 1B model's step ran 0.89x at one row: float32 stays there.
+Xeon with AVX-512 but no BF16 bfloat16 was no clear win (slower for a 1B model's single row).
 
 `--quantize auto` (`choose_quantize`) picks the compact forward's weight format the same way:
 
