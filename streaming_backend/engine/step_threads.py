@@ -13,12 +13,15 @@ threads beside other work"); fewer threads then run faster. Each band of row cou
 ...) chooses on its own: a step of a row or two is bound by memory, about as fast on one thread
 as on two, while sixteen rows are bound by the multiplies, which two threads share. So now and
 then one step runs on a neighbouring count (one fewer, or one more up to `most`), and if it took
-clearly less time than the current count takes for the same number of rows, that count becomes
-current. A probe that loses waits twice as long before the next one, so on a quiet machine (or a
-busy one) the probes cost almost nothing once the count has settled; and when the current count's
-steps get clearly slower or faster than they were at the last probe (another process started or
-ended), the next step probes at once. The count never changes a row's numbers: the compact
-forward's kernels give the same bits on any count
+clearly less time than the current count takes for the same number of rows, the next step probes
+that count again; when it wins twice in a row, it becomes current. Beside a busy core single steps
+vary by 2x either way, and one win was often noise: a served run of 16 streams beside one `yes`
+switched 11 times in a minute. A probe that loses waits twice as long before the next one, so on a
+quiet machine (or a busy one) the probes cost almost nothing once the count has settled; and when
+the current count's steps get clearly slower or faster than they were at the last probe (another
+process started or ended), the next step probes at once. That trend is a slow mean of about twenty
+steps, so a spell of slow steps in the noise of a busy core does not set off probes. The count
+never changes a row's numbers: the compact forward's kernels give the same bits on any count
 (tests/test_streaming_backend/test_engine/test_engine_invariance.py).
 
 The slowdown is the recent steps' time against the fastest step since load of the same rows
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -40,13 +44,22 @@ from dataclasses import dataclass, field
 log = logging.getLogger(__name__)
 
 SWITCH_MARGIN = 0.8  # a probe wins when it takes less than this share of the current count's time
+DECISIVE = 0.5  # a probe this much faster switches at once; else the mean of its probes decides
+PROBE_SMOOTHING = 0.5  # weight of the newest probe in a count's running mean of probes
+PROBE_STEPS = 3  # steps of a probe: the first warms up, the others are judged
+LATEST_STEPS = 8  # a probe's steps are compared with the median of this many of the current's
+CHANGE_STEPS = 3  # steps on the current count between a change seen and its probe
+# a band's count holds this long after a switch unless a probe is decisive: beside a busy core
+# the faster count at one or two rows changed with phases of seconds, and followed them
+HOLD_S = 30.0
 FIRST_PROBE_STEPS = 16  # decode steps between probes after a switch (or at load)
 # the longest wait between probes, after repeated losses: a count chosen in a busy spell that
 # the spell's end does not make clearly faster (one thread, when the other process stops) is
 # kept at most this many steps; on an idle machine one step in this many runs on the other count
 LAST_PROBE_STEPS = 256
 SMOOTHING = 0.2  # weight of the newest step in a row count's running mean
-CHANGE = 1.3  # a running mean this many times slower or faster than at the last probe: probe now
+TREND_SMOOTHING = 0.05  # the same for the slower mean that tells the machine changed
+CHANGE = 1.3  # a trend this many times slower or faster than at the last probe: probe now
 SWITCH_WINDOW_S = 60.0  # StepReport.switches_last_minute counts the switches this recent
 
 
@@ -73,9 +86,9 @@ class StepReport:
         return dict(self.__dict__)
 
 
-def _smoothed(mean: float | None, seconds: float) -> float:
+def _smoothed(mean: float | None, seconds: float, weight: float = SMOOTHING) -> float:
     """A running mean after one more step of `seconds` (the step itself when there was none)."""
-    return seconds if mean is None else mean + SMOOTHING * (seconds - mean)
+    return seconds if mean is None else mean + weight * (seconds - mean)
 
 
 def rows_band(rows: int) -> int:
@@ -92,8 +105,17 @@ class _Choice:
     wait: int = FIRST_PROBE_STEPS  # steps between probes now
     until_probe: int = FIRST_PROBE_STEPS
     down_next: bool = True  # which neighbour the next probe tries
-    mean: dict[int, float] = field(default_factory=dict)  # rows -> seconds at `current`
-    settled: dict[int, float] = field(default_factory=dict)  # rows -> mean at the last probe
+    probing: int | None = None  # the count of the probe under way
+    left: int = 0  # that probe's steps still to run
+    judged: list[float] = field(default_factory=list)  # its judged steps' time against current's
+    # count -> (running mean of its probes' time against the current count's, probes taken)
+    ratios: dict[int, tuple[float, int]] = field(default_factory=dict)
+    switched_at: float | None = None  # clock() of the band's latest switch
+    # rows -> the latest steps' seconds at `current` (their median is what a probe must beat:
+    # a running mean jumped with one slow step beside a busy core, and a probe then won by 3x)
+    latest: dict[int, deque] = field(default_factory=dict)
+    trend: dict[int, float] = field(default_factory=dict)  # rows -> slow mean at `current`
+    settled: dict[int, float] = field(default_factory=dict)  # rows -> trend at the last probe
 
 
 @dataclass
@@ -136,12 +158,14 @@ class StepThreads:
             return self.current
         choice = self._choice(self._last_rows)
         self.current = choice.current
-        if self._last_rows not in choice.mean:
+        if self._last_rows not in choice.latest:
             return self.current
         choice.until_probe -= 1
         if choice.until_probe > 0:
             return self.current
-        self._probe, self._probed_band = self._neighbour(choice), rows_band(self._last_rows)
+        if choice.probing is None:  # a new probe
+            choice.probing, choice.left, choice.judged = self._neighbour(choice), PROBE_STEPS, []
+        self._probe, self._probed_band = choice.probing, rows_band(self._last_rows)
         return self._probe
 
     def after(self, rows: int, seconds: float, context: int = 0) -> None:
@@ -157,29 +181,59 @@ class StepThreads:
             self._recent[like] = _smoothed(self._recent.get(like), seconds)
             if choice.current != self.current:  # ran on another band's count: not this one's time
                 return
-            choice.mean[rows] = mean = _smoothed(choice.mean.get(rows), seconds)
-            settled = choice.settled.setdefault(rows, mean)
-            if mean > CHANGE * settled or CHANGE * mean < settled:  # the machine changed
-                choice.wait, choice.until_probe = FIRST_PROBE_STEPS, 1
+            choice.latest.setdefault(rows, deque(maxlen=LATEST_STEPS)).append(seconds)
+            choice.trend[rows] = trend = _smoothed(choice.trend.get(rows), seconds, TREND_SMOOTHING)
+            settled = choice.settled.setdefault(rows, trend)
+            changed = trend > CHANGE * settled or CHANGE * trend < settled
+            if changed and choice.until_probe > CHANGE_STEPS:  # the machine changed: probe
+                # against the steps since (a median of the steps before would hide the change)
+                choice.latest[rows] = deque([seconds], maxlen=LATEST_STEPS)
+                choice.wait, choice.until_probe = FIRST_PROBE_STEPS, CHANGE_STEPS
             return
-        if rows_band(rows) != self._probed_band or rows not in choice.mean:
-            # the rows changed: nothing to compare with, probe again
-            self._bands[self._probed_band].until_probe = 1
+        probed = self._bands[self._probed_band]
+        probed.left -= 1
+        # the first step runs on threads that slept, which the scheduler favours for a while
+        # beside a busy core: not judged. A step of rows the current count has no time for (or
+        # of another band) has nothing to compare with.
+        if probed.left < PROBE_STEPS - 1 and probed is choice and rows in choice.latest:
+            probed.judged.append(seconds / statistics.median(choice.latest[rows]))
+        if probed.left > 0:
+            probed.until_probe = 1
             return
-        if seconds < SWITCH_MARGIN * choice.mean[rows]:
+        probed.probing = None
+        if not probed.judged:  # nothing to compare with: probe again
+            probed.until_probe = 1
+            return
+        choice = probed
+        ratio = sum(choice.judged) / len(choice.judged)
+        mean, probes = choice.ratios.get(probe, (ratio, 0))
+        # the mean no slower than a loss by the margin: probes from a busier (or quieter) spell
+        # would hold off a switch for long after the spell ended
+        mean = min(_smoothed(mean, ratio, PROBE_SMOOTHING), 1 / SWITCH_MARGIN)
+        probes += 1
+        choice.ratios[probe] = (mean, probes)
+        now = self.clock()
+        held = choice.switched_at is not None and now - choice.switched_at < HOLD_S
+        if ratio < DECISIVE or (probes > 1 and mean < SWITCH_MARGIN and not held):
             log.info(
-                "decode steps of %d rows now on %d torch threads: %.1f ms on %d, %.1f ms on %d",
-                rows, probe, 1e3 * seconds, probe, 1e3 * choice.mean[rows], choice.current,
+                "decode steps of %d rows now on %d torch threads: %.2f of the time on %d",
+                rows, probe, mean, choice.current,
             )  # fmt: skip
-            choice.current = self.current = probe
             self.switches += 1
-            self._switched_at.append(self.clock())
-            choice.mean = {rows: seconds}  # the other row counts' times were the old count's
-            choice.settled = {}
+            self._switched_at.append(now)
+            choice.switched_at = now
+            # the other row counts' times were the old count's; the count left behind starts
+            # as if it had lost by the margin, so a tie does not switch back
+            choice.ratios = {choice.current: (1 / SWITCH_MARGIN, 2)}
+            choice.current = self.current = probe
+            choice.latest, choice.trend, choice.settled = {}, {}, {}
+            choice.wait = FIRST_PROBE_STEPS
+        elif ratio < SWITCH_MARGIN and not held:  # a win, not yet enough: probe again soon
             choice.wait = FIRST_PROBE_STEPS
         else:
             choice.wait = min(2 * choice.wait, LAST_PROBE_STEPS)
-        choice.settled[rows] = choice.mean[rows]
+        if rows in choice.trend:
+            choice.settled[rows] = choice.trend[rows]
         choice.until_probe = choice.wait
 
     def _choice(self, rows: int) -> _Choice:
