@@ -12,17 +12,20 @@ other's time, region after region, and a step runs many times slower (docs/desig
 threads beside other work"); fewer threads then run faster. Each band of row counts (1, 2-3, 4-7,
 ...) chooses on its own: a step of a row or two is bound by memory, about as fast on one thread
 as on two, while sixteen rows are bound by the multiplies, which two threads share. So now and
-then one step runs on a neighbouring count (one fewer, or one more up to `most`), and if it took
-clearly less time than the current count takes for the same number of rows, the next step probes
-that count again; when it wins twice in a row, it becomes current. Beside a busy core single steps
-vary by 2x either way, and one win was often noise: a served run of 16 streams beside one `yes`
-switched 11 times in a minute. A probe that loses waits twice as long before the next one, so on a
-quiet machine (or a busy one) the probes cost almost nothing once the count has settled; and when
-the current count's steps get clearly slower or faster than they were at the last probe (another
-process started or ended), the next step probes at once. That trend is a slow mean of about twenty
-steps, so a spell of slow steps in the noise of a busy core does not set off probes. The count
-never changes a row's numbers: the compact forward's kernels give the same bits on any count
-(tests/test_streaming_backend/test_engine/test_engine_invariance.py).
+then a probe runs PROBE_STEPS steps on a neighbouring count (one fewer, or one more up to `most`);
+its first step is not judged (threads that slept get the core first for a while), the others are
+compared with the median of the current count's latest steps of as many rows. A probe that takes
+under half that time switches the count at once. Otherwise beside a busy core single steps vary
+by 2x either way, and which count is faster changes with phases of seconds (a served run of 16
+streams beside one `yes` switched 11 times a minute when one winning step switched): a count
+switches when the running mean of its probes is clearly lower after two probes or more, the
+count left behind counts as having lost, and for a while after a switch (longer each time the
+band switches soon again) only a decisive probe switches it. A probe that loses waits twice as
+long before the next one, so on a quiet machine (or a busy one) the probes cost almost nothing
+once the count has settled; and when a slow mean of the current count's steps gets clearly slower
+or faster than at the last probe (another process started or ended), a probe runs a few steps
+later. The count never changes a row's numbers: the compact forward's kernels give the same
+bits on any count (tests/test_streaming_backend/test_engine/test_engine_invariance.py).
 
 The slowdown is the recent steps' time against the fastest step since load of the same rows
 at a like context (the longest row's positions, within a factor of sqrt(2): attention over 512
@@ -50,8 +53,10 @@ PROBE_STEPS = 3  # steps of a probe: the first warms up, the others are judged
 LATEST_STEPS = 8  # a probe's steps are compared with the median of this many of the current's
 CHANGE_STEPS = 3  # steps on the current count between a change seen and its probe
 # a band's count holds this long after a switch unless a probe is decisive: beside a busy core
-# the faster count at one or two rows changed with phases of seconds, and followed them
+# the faster count changed with phases of seconds, and followed them; twice as long after each
+# switch that comes within four holds of the last, up to the longest
 HOLD_S = 30.0
+LONGEST_HOLD_S = 480.0
 FIRST_PROBE_STEPS = 16  # decode steps between probes after a switch (or at load)
 # the longest wait between probes, after repeated losses: a count chosen in a busy spell that
 # the spell's end does not make clearly faster (one thread, when the other process stops) is
@@ -111,6 +116,7 @@ class _Choice:
     # count -> (running mean of its probes' time against the current count's, probes taken)
     ratios: dict[int, tuple[float, int]] = field(default_factory=dict)
     switched_at: float | None = None  # clock() of the band's latest switch
+    hold: float = HOLD_S  # how long after it only a decisive probe switches the band
     # rows -> the latest steps' seconds at `current` (their median is what a probe must beat:
     # a running mean jumped with one slow step beside a busy core, and a probe then won by 3x)
     latest: dict[int, deque] = field(default_factory=dict)
@@ -213,7 +219,7 @@ class StepThreads:
         probes += 1
         choice.ratios[probe] = (mean, probes)
         now = self.clock()
-        held = choice.switched_at is not None and now - choice.switched_at < HOLD_S
+        held = choice.switched_at is not None and now - choice.switched_at < choice.hold
         if ratio < DECISIVE or (probes > 1 and mean < SWITCH_MARGIN and not held):
             log.info(
                 "decode steps of %d rows now on %d torch threads: %.2f of the time on %d",
@@ -221,6 +227,10 @@ class StepThreads:
             )  # fmt: skip
             self.switches += 1
             self._switched_at.append(now)
+            # a band that switches again soon after its last switch is in a tie that the busy
+            # core's phases tip either way: it holds twice as long each time
+            recent = choice.switched_at is not None and now - choice.switched_at < 4 * choice.hold
+            choice.hold = min(2 * choice.hold, LONGEST_HOLD_S) if recent else HOLD_S
             choice.switched_at = now
             # the other row counts' times were the old count's; the count left behind starts
             # as if it had lost by the margin, so a tie does not switch back

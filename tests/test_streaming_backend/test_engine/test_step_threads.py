@@ -10,6 +10,7 @@ from streaming_backend.engine.step_threads import (
     FIRST_PROBE_STEPS,
     HOLD_S,
     LAST_PROBE_STEPS,
+    LONGEST_HOLD_S,
     PROBE_STEPS,
     SWITCH_WINDOW_S,
     StepReport,
@@ -332,3 +333,29 @@ def test_a_switched_count_holds_unless_a_probe_is_decisive():
     assert threads.current == 2 and threads.switches == 2
     probe_steps(threads, 16, 0.018, [0.018, 0.008, 0.008])  # one thread under half: at once
     assert threads.current == 1 and threads.switches == 3
+
+
+def test_a_band_that_keeps_switching_holds_longer_each_time():
+    """Each switch within four holds of the band's last one doubles its hold (up to
+    LONGEST_HOLD_S); a switch after a long quiet spell starts from HOLD_S again."""
+    threads = stepping()
+    times = {1: 0.028, 2: 0.040}  # a step on each count: one thread wins by 0.7x
+    switched = []
+    for _ in range(7):
+        count = threads.current
+        for _ in range(10_000):  # close wins of the other count, a second apart, until it switches
+            if threads.current != count:
+                break
+            probe_steps(threads, 16, times[count], [times[3 - count]] * PROBE_STEPS)
+            threads.clock.now += 1.0
+        switched.append(threads.clock.now)
+        times = {1: times[2], 2: times[1]}  # and then the other way round
+    holds = [b - a for a, b in zip(switched, switched[1:])]
+    for hold, expected in zip(holds, [HOLD_S * 2**i for i in range(4)] + [LONGEST_HOLD_S] * 2):
+        assert expected <= hold <= expected + 2
+    threads.clock.now += 4 * LONGEST_HOLD_S  # a long quiet spell
+    count = threads.current
+    for _ in range(3):
+        probe_steps(threads, 16, times[count], [times[3 - count]] * PROBE_STEPS)
+    assert threads.current != count
+    assert threads._bands[rows_band(16)].hold == HOLD_S
