@@ -213,3 +213,39 @@ def test_draw_never_picks_a_zero_probability_token(uniform):
     """The inverse-CDF draw lands on a token with positive probability for any uniform."""
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]])
     assert int(sampling.draw(probs, torch.tensor([uniform]))) in (1, 3)
+
+
+@pytest.mark.parametrize("sync_free", [False, True])
+@pytest.mark.parametrize(
+    "kinds",
+    [
+        [SamplingSettings(temperature=1.0)],  # plain, unit temperature
+        [SamplingSettings(temperature=1.0, top_p=0.9)],
+        [SamplingSettings(temperature=0.7), SamplingSettings(temperature=1.0, top_k=40)],
+        [SamplingSettings(temperature=0), SamplingSettings(temperature=1.0)],  # one row greedy
+    ],
+)
+def test_the_shortcuts_pick_what_the_general_path_picks(kinds, sync_free):
+    """With no greedy row `sample` skips the greedy ids, and with every temperature 1.0 the
+    division: both give the ids of the general path (the flags forced off), bit for bit."""
+    from dataclasses import replace
+
+    logits = torch.cat([_logits(6, scale=8.0), _logits(6, scale=0.05, seed=1)])
+    params = BatchSampling.from_settings(kinds * (12 // len(kinds)))
+    general = replace(params, any_greedy=True, all_unit_temperature=False)
+    for seed in range(10):
+        uniforms = torch.rand(12, generator=torch.Generator().manual_seed(seed))
+        fast = sampling.sample(logits, params, uniforms, sync_free=sync_free)
+        assert torch.equal(fast, sampling.sample(logits, general, uniforms, sync_free=sync_free))
+
+
+def test_the_batch_knows_which_shortcuts_apply():
+    """any_greedy and all_unit_temperature from the rows' settings: a greedy row's temperature
+    does not count."""
+    one = BatchSampling.from_settings([SamplingSettings(temperature=1.0)] * 2)
+    assert (one.any_greedy, one.all_unit_temperature) == (False, True)
+    mixed = BatchSampling.from_settings([SamplingSettings(temperature=0), SamplingSettings()])
+    default_is_one = SamplingSettings().temperature == 1.0
+    assert mixed.any_greedy and mixed.all_unit_temperature == default_is_one
+    warm = BatchSampling.from_settings([SamplingSettings(temperature=0.7)])
+    assert (warm.any_greedy, warm.all_unit_temperature) == (False, False)
