@@ -24,7 +24,7 @@ import torch
 
 from streaming_backend.configuration.models import EngineConfig
 from streaming_backend.engine.detokenize import IncrementalDetokenizer
-from streaming_backend.engine.step_threads import StepReport, StepThreads
+from streaming_backend.engine.step_threads import StepReport, StepThreads, machine_idle_seconds
 from streaming_backend.engine.stream_events import EventSink, StreamEvents
 from streaming_backend.errors import EngineStopped, Overloaded, StreamingError
 from streaming_backend.events import FinishReason, TokenEvent
@@ -185,7 +185,9 @@ class Engine:
                 self.speculative = "off"
         # the decode steps' torch threads on a CPU: fewer while fewer measure faster
         adaptive = self.config.adaptive_threads and self.loaded.device.type == "cpu"
-        self._threads = StepThreads(self._torch_threads) if adaptive else None
+        self._threads = (
+            StepThreads(self._torch_threads, idle=machine_idle_seconds) if adaptive else None
+        )
 
     # ---- public API (any thread) -------------------------------------------------------------
 

@@ -24,8 +24,11 @@ band switches soon again) only a decisive probe switches it. A probe that loses 
 long before the next one, so on a quiet machine (or a busy one) the probes cost almost nothing
 once the count has settled; and when a slow mean of the current count's steps gets clearly slower
 or faster than at the last probe (another process started or ended), a probe runs a few steps
-later. The count never changes a row's numbers: the compact forward's kernels give the same
-bits on any count (tests/test_streaming_backend/test_engine/test_engine_invariance.py).
+later. A band on fewer threads than the most also probes one more when the machine shows an idle
+core (`idle`: /proc/stat): a busy process that ended leaves the steps on fewer threads as fast as
+they were beside it, with nothing else to call a probe. The count never changes a row's numbers:
+the compact forward's kernels give the same bits on any count
+(tests/test_streaming_backend/test_engine/test_engine_invariance.py).
 
 The slowdown is the recent steps' time against the fastest step since load of the same rows
 at a like context (the longest row's positions, within a factor of sqrt(2): attention over 512
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import statistics
 import time
 from collections import deque
@@ -66,6 +70,23 @@ SMOOTHING = 0.2  # weight of the newest step in a row count's running mean
 TREND_SMOOTHING = 0.05  # the same for the slower mean that tells the machine changed
 CHANGE = 1.3  # a trend this many times slower or faster than at the last probe: probe now
 SWITCH_WINDOW_S = 60.0  # StepReport.switches_last_minute counts the switches this recent
+# A band on fewer threads than the most calls a probe of one more as soon as the machine had at
+# least this many cores idle over about its last IDLE_CHECK_STEPS steps (a busy process ended: the
+# steps on fewer threads are no faster for it, and nothing else would call a probe before the
+# band's wait ran out, up to LAST_PROBE_STEPS); such probes that lose wait twice as long each time
+IDLE_CORES = 0.5
+IDLE_CHECK_STEPS = 8
+
+
+def machine_idle_seconds(path: str = "/proc/stat") -> float | None:
+    """The machine's idle CPU time since boot, in seconds summed over its CPUs (the idle and
+    iowait columns of /proc/stat's first line); None where it cannot be read."""
+    try:
+        with open(path, encoding="ascii") as stat:
+            fields = stat.readline().split()
+        return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def context_band(positions: int) -> int:
@@ -117,6 +138,9 @@ class _Choice:
     ratios: dict[int, tuple[float, int]] = field(default_factory=dict)
     switched_at: float | None = None  # clock() of the band's latest switch
     hold: float = HOLD_S  # how long after it only a decisive probe switches the band
+    since_probe: int = 0  # its steps since its last probe
+    idle_called: bool = False  # the probe under way (or next) was called by an idle core
+    idle_wait: int = FIRST_PROBE_STEPS  # steps since the last probe before an idle core calls one
     # rows -> the latest steps' seconds at `current` (their median is what a probe must beat:
     # a running mean jumped with one slow step beside a busy core, and a probe then won by 3x)
     latest: dict[int, deque] = field(default_factory=dict)
@@ -148,6 +172,12 @@ class StepThreads:
     _last_rows: int = 0
     _last_band: int = 0
     clock: Callable[[], float] = time.monotonic  # when switches happen (tests give their own)
+    # the machine's idle CPU seconds so far (machine_idle_seconds; tests give their own), or
+    # None: no probe is called by an idle core
+    idle: Callable[[], float | None] | None = None
+    _idle_mark: tuple[float, float] | None = None  # (clock(), idle()) at the last look
+    _until_idle_check: int = IDLE_CHECK_STEPS
+    _idle_now: bool = False  # the last look saw IDLE_CORES idle
     _switched_at: deque = field(default_factory=deque)  # clock() of the switches in the window
 
     def __post_init__(self) -> None:
@@ -169,8 +199,9 @@ class StepThreads:
         choice.until_probe -= 1
         if choice.until_probe > 0:
             return self.current
-        if choice.probing is None:  # a new probe
-            choice.probing, choice.left, choice.judged = self._neighbour(choice), PROBE_STEPS, []
+        if choice.probing is None:  # a new probe; one called by an idle core tries one more
+            probing = choice.current + 1 if choice.idle_called else self._neighbour(choice)
+            choice.probing, choice.left, choice.judged = probing, PROBE_STEPS, []
         self._probe, self._probed_band = choice.probing, rows_band(self._last_rows)
         return self._probe
 
@@ -189,6 +220,14 @@ class StepThreads:
                 return
             choice.latest.setdefault(rows, deque(maxlen=LATEST_STEPS)).append(seconds)
             choice.trend[rows] = trend = _smoothed(choice.trend.get(rows), seconds, TREND_SMOOTHING)
+            choice.since_probe += 1
+            if (
+                choice.current < self.most
+                and choice.until_probe > 1
+                and choice.since_probe >= choice.idle_wait
+                and self._idle_core()
+            ):  # a busy process ended: the steps on fewer threads are no faster for it
+                choice.until_probe, choice.idle_called = 1, True
             settled = choice.settled.setdefault(rows, trend)
             changed = trend > CHANGE * settled or CHANGE * trend < settled
             if changed and choice.until_probe > CHANGE_STEPS:  # the machine changed: probe
@@ -244,7 +283,31 @@ class StepThreads:
             choice.wait = min(2 * choice.wait, LAST_PROBE_STEPS)
         if rows in choice.trend:
             choice.settled[rows] = choice.trend[rows]
-        choice.until_probe = choice.wait
+        if choice.idle_called:  # an idle core's probe that loses: the next such waits longer
+            won = ratio < SWITCH_MARGIN
+            choice.idle_wait = (
+                FIRST_PROBE_STEPS if won else min(2 * choice.idle_wait, LAST_PROBE_STEPS)
+            )
+        choice.until_probe, choice.since_probe, choice.idle_called = choice.wait, 0, False
+
+    def _idle_core(self) -> bool:
+        """Whether the machine had IDLE_CORES idle over about the last IDLE_CHECK_STEPS steps
+        (looked at once in that many)."""
+        if self.idle is None:
+            return False
+        self._until_idle_check -= 1
+        if self._until_idle_check > 0:
+            return self._idle_now
+        self._until_idle_check = IDLE_CHECK_STEPS
+        now, idle = self.clock(), self.idle()
+        mark, self._idle_mark = self._idle_mark, (None if idle is None else (now, idle))
+        self._idle_now = (
+            mark is not None
+            and idle is not None
+            and now > mark[0]
+            and (idle - mark[1]) / (now - mark[0]) >= IDLE_CORES
+        )
+        return self._idle_now
 
     def _choice(self, rows: int) -> _Choice:
         """The band of `rows`' choice; a new band starts on the latest count."""

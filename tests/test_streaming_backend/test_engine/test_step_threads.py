@@ -9,6 +9,7 @@ import pytest
 from streaming_backend.engine.step_threads import (
     FIRST_PROBE_STEPS,
     HOLD_S,
+    IDLE_CHECK_STEPS,
     LAST_PROBE_STEPS,
     LONGEST_HOLD_S,
     PROBE_STEPS,
@@ -16,6 +17,7 @@ from streaming_backend.engine.step_threads import (
     StepReport,
     StepThreads,
     context_band,
+    machine_idle_seconds,
     rows_band,
 )
 
@@ -359,3 +361,74 @@ def test_a_band_that_keeps_switching_holds_longer_each_time():
         probe_steps(threads, 16, times[count], [times[3 - count]] * PROBE_STEPS)
     assert threads.current != count
     assert threads._bands[rows_band(16)].hold == HOLD_S
+
+
+class Machine:
+    """A clock and the machine's idle CPU seconds: each step takes its seconds, during which
+    `idle_cores` cores sit idle."""
+
+    def __init__(self):
+        self.now, self.idle_s, self.idle_cores = 0.0, 0.0, 0.0
+
+    def threads(self) -> StepThreads:
+        """A two-thread StepThreads on this machine's clock and idle time."""
+        return StepThreads(most=2, clock=lambda: self.now, idle=lambda: self.idle_s)
+
+    def step(self, threads: StepThreads, seconds: dict[int, float], steps: int) -> list[int]:
+        used = []
+        for _ in range(steps):
+            count = threads.before()
+            used.append(count)
+            self.now += seconds[count]
+            self.idle_s += self.idle_cores * seconds[count]
+            threads.after(1, seconds[count])
+        return used
+
+
+def test_an_idle_core_brings_a_band_back_to_two_threads_within_a_few_probes():
+    """On one thread after a busy spell, where one thread is as fast as it was (so no change in
+    its steps calls a probe), the band probes two threads as soon as the machine shows a core
+    idle, not after its probes' long wait, and is back on two after two probes; without that
+    reading it waits."""
+    after_busy = {1: CORE_TAKEN[1], 2: IDLE[2]}  # one thread no faster: no change to notice
+    counts = {}
+    for idle_cores in (0.0, 0.9):
+        machine = Machine()
+        threads = machine.threads()
+        machine.step(threads, IDLE, 100)
+        machine.step(threads, CORE_TAKEN, 2000)  # busy past the hold; probes of two thinned out
+        while machine.step(threads, CORE_TAKEN, 1) != [2]:  # until a probe: the next is far
+            pass
+        machine.step(threads, CORE_TAKEN, PROBE_STEPS - 1)
+        assert threads.current == 1
+        machine.idle_cores = idle_cores
+        machine.step(threads, after_busy, 2 * (FIRST_PROBE_STEPS + PROBE_STEPS + IDLE_CHECK_STEPS))
+        counts[idle_cores] = threads.current
+    assert counts == {0.0: 1, 0.9: 2}
+
+
+def test_beside_an_idle_core_the_probes_it_calls_thin_out_as_they_lose():
+    """Where one thread is faster even on an idle machine, an idle core calls probes of two
+    threads; each loses, and the next such probe waits twice as long (up to LAST_PROBE_STEPS)."""
+    machine = Machine()
+    machine.idle_cores = 1.0
+    one_faster = {1: 0.010, 2: 0.016}
+    threads = machine.threads()
+    machine.step(threads, IDLE, 100)
+    machine.step(threads, {1: 0.010, 2: 0.4}, 100)  # a busy spell: down to one thread
+    assert threads.current == 1
+    used = machine.step(threads, one_faster, 5000)
+    assert threads.current == 1
+    probes = used.count(2) / PROBE_STEPS
+    assert 0 < probes <= 5000 / LAST_PROBE_STEPS + 6  # 16, 32, ... 256 steps apart
+
+
+def test_the_machines_idle_time_is_read_from_proc_stat(tmp_path):
+    """Idle and iowait of /proc/stat's first line, in seconds; None where unreadable."""
+    import os
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  10 0 5 300 20 0 0 0 0 0\ncpu0 5 0 2 150 10 0 0 0 0 0\n")
+    assert machine_idle_seconds(str(stat)) == pytest.approx(320 / os.sysconf("SC_CLK_TCK"))
+    assert machine_idle_seconds(str(tmp_path / "absent")) is None
+    assert machine_idle_seconds() is not None  # this machine's
