@@ -64,9 +64,9 @@ LONGEST_HOLD_S = 480.0
 FIRST_PROBE_STEPS = 16  # decode steps between probes after a switch (or at load)
 # the longest wait between probes, after repeated losses: a count chosen in a busy spell that
 # the spell's end does not make clearly faster (one thread, when the other process stops) is
-# kept at most this many steps; on an idle machine one step in this many runs on the other count
+# kept at most this many steps; on an idle machine PROBE_STEPS in this many run on another count
 LAST_PROBE_STEPS = 256
-SMOOTHING = 0.2  # weight of the newest step in a row count's running mean
+SMOOTHING = 0.2  # weight of the newest step in the report's running mean of like steps
 TREND_SMOOTHING = 0.05  # the same for the slower mean that tells the machine changed
 CHANGE = 1.3  # a trend this many times slower or faster than at the last probe: probe now
 SWITCH_WINDOW_S = 60.0  # StepReport.switches_last_minute counts the switches this recent
