@@ -156,7 +156,9 @@ class StepThreads:
     its weights at memory speed on one thread about as fast as on two, so a probe of one thread
     there won by a hair of noise, and the count it set held for 16 rows too, which two threads
     decode 1.4x as fast (a served run of 16 streams on a 2-core Zen 4 hunted between 385 and 445
-    tok/s). A band seen for the first time starts on the count of the band last used."""
+    tok/s). A band seen for the first time starts on the count of the band last used, and a
+    band's switch takes along the bands on its old count that never switched themselves, unless
+    their own probes found the new count slower."""
 
     most: int
     current: int = 0  # the count of the latest step's band; 0: start at `most`
@@ -270,13 +272,19 @@ class StepThreads:
             # core's phases tip either way: it holds twice as long each time
             recent = choice.switched_at is not None and now - choice.switched_at < 4 * choice.hold
             choice.hold = min(2 * choice.hold, LONGEST_HOLD_S) if recent else HOLD_S
-            choice.switched_at = now
-            # the other row counts' times were the old count's; the count left behind starts
-            # as if it had lost by the margin, so a tie does not switch back
-            choice.ratios = {choice.current: (1 / SWITCH_MARGIN, 2)}
-            choice.current = self.current = probe
-            choice.latest, choice.trend, choice.settled = {}, {}, {}
-            choice.wait = FIRST_PROBE_STEPS
+            # the bands on the same count that never switched go along (and hold as long), unless
+            # their own probes found the new count slower: beside a busy core each band decided
+            # alone, 5 switches in the first minute for one change of the machine
+            left = choice.current
+            for band in self._bands.values():
+                if band is choice or (
+                    band.current == left
+                    and band.switched_at is None
+                    and band.ratios.get(probe, (0.0, 0))[0] < 1.0
+                ):
+                    self._move(band, probe)
+                    band.switched_at, band.hold = now, choice.hold
+            self.current = probe
         elif ratio < SWITCH_MARGIN and not held:  # a win, not yet enough: probe again soon
             choice.wait = FIRST_PROBE_STEPS
         else:
@@ -289,6 +297,16 @@ class StepThreads:
                 FIRST_PROBE_STEPS if won else min(2 * choice.idle_wait, LAST_PROBE_STEPS)
             )
         choice.until_probe, choice.since_probe, choice.idle_called = choice.wait, 0, False
+
+    @staticmethod
+    def _move(choice: _Choice, count: int) -> None:
+        """Put a band on `count`, the count it leaves standing as a loss by the margin (so a
+        tie does not switch back) and its steps' times forgotten (they were the old count's)."""
+        choice.ratios = {choice.current: (1 / SWITCH_MARGIN, 2)}
+        choice.current = count
+        choice.latest, choice.trend, choice.settled = {}, {}, {}
+        choice.wait = choice.until_probe = FIRST_PROBE_STEPS
+        choice.probing = None
 
     def _idle_core(self) -> bool:
         """Whether the machine had IDLE_CORES idle over about the last IDLE_CHECK_STEPS steps

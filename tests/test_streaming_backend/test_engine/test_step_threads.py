@@ -432,3 +432,20 @@ def test_the_machines_idle_time_is_read_from_proc_stat(tmp_path):
     assert machine_idle_seconds(str(stat)) == pytest.approx(320 / os.sysconf("SC_CLK_TCK"))
     assert machine_idle_seconds(str(tmp_path / "absent")) is None
     assert machine_idle_seconds() is not None  # this machine's
+
+
+def test_a_switch_takes_along_the_bands_that_have_not_decided_otherwise():
+    """When a band switches, every band on the same count that never switched itself goes along
+    (one switch) and holds as long, unless its own probes found the new count slower: beside a
+    busy core each band deciding alone made 5 switches in the first minute for one change of the
+    machine."""
+    two_rows = {1: 0.006, 2: 0.010}  # one thread faster: the two-row band switches
+    sixteen = {1: 0.039, 2: 0.026}  # two threads faster at sixteen rows
+    for probed_sixteen, expected in ((False, 1), (True, 2)):
+        threads = stepping()
+        run(threads, sixteen, 40 if probed_sixteen else 5, rows=16)  # 40: one losing probe
+        run(threads, two_rows, 100, rows=2)
+        assert threads.switches == 1 and threads.report().threads == 1
+        assert threads._bands[rows_band(16)].current == expected
+        used = run(threads, sixteen, 1500, rows=16)  # past the hold: a band taken along holds
+        assert used[-1] == 2  # as long, then goes back if faster on its old count
