@@ -71,6 +71,13 @@ class PrefillPacer:
             if slope > 0:  # noise can tilt a fit over sizes close together: keep the last one
                 self.seconds_per_token = slope
 
+    def bound_per_token(self, tokens: int, seconds: float) -> None:
+        """No fit yet: a prefill of `tokens` took `seconds`, so a token's marginal cost is at
+        most their average (the fixed part counted in). It stands, a conservative budget,
+        until the fit over later prefills finds a positive slope."""
+        if self.seconds_per_token is None and tokens >= 1 and seconds > 0:
+            self.seconds_per_token = seconds / tokens
+
     def observe_decode(self, seconds: float) -> None:
         """A decode step of the running batch took `seconds`."""
         if seconds > 0:

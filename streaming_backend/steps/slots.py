@@ -334,18 +334,26 @@ class SlotSteps:
         """Time prefill chunks of two sizes (their fixed and per-token costs) and one decode
         step on a spare slot, so the first steps' budget is already sized in time (the
         engine's own steps keep it current). A round whose times give no positive per-token
-        cost (another process took the cores mid-round) is followed by another, `rounds` at
-        most; after that the budget starts from the pacer's start until the steps measure."""
+        cost (another process took the cores mid-round, or the per-token cost is below the
+        timer's noise, as on a tiny model) is followed by another, `rounds` at most; after
+        that the fastest prefill of the larger size bounds the per-token cost (its average,
+        fixed part included) until the steps' own prefills fit a slope."""
         if self.pacer.fixed is not None or not self.cache.free_slots:
             return
         slot = self.cache.allocate()
         try:
             self._time_prefill(slot, sizes[0])  # pays allocations and kernel selection: not counted
+            largest = None  # (tokens, seconds) of the fastest prefill of the larger size
             for _ in range(rounds):
                 for size in (*sizes, *sizes):
-                    self.pacer.observe_prefill(*self._time_prefill(slot, size))
+                    tokens, seconds = self._time_prefill(slot, size)
+                    self.pacer.observe_prefill(tokens, seconds)
+                    if size == max(sizes) and (largest is None or seconds < largest[1]):
+                        largest = (tokens, seconds)
                 if self.pacer.seconds_per_token is not None:
                     break
+            if largest is not None:
+                self.pacer.bound_per_token(*largest)
             _, seconds = timed(lambda: self.forward.decode([slot], [0]), self._sync)
             self.pacer.observe_decode(seconds)
         finally:

@@ -78,3 +78,22 @@ def test_the_budget_follows_the_running_batch():
     for _ in range(40):
         pacer.observe_decode(0.08)
     assert pacer.budget() == 144  # 159.9 tokens, in granules
+
+
+def test_a_bound_stands_in_until_the_fit_finds_a_slope():
+    """Calibration that found no positive slope (the per-token cost below the timer's noise)
+    bounds the cost by a prefill's average; a fitted slope replaces it, a bound never
+    replaces a fit."""
+    pacer = PrefillPacer()
+    pacer.observe_prefill(32, 0.010)
+    pacer.observe_prefill(160, 0.009)  # noise: the larger chunk ran faster
+    assert pacer.seconds_per_token is None
+    pacer.bound_per_token(160, 0.008)
+    pacer.observe_decode(0.008)
+    assert pacer.seconds_per_token == pytest.approx(0.05e-3) and pacer.budget() == 160
+    for _ in range(10):  # the steps' own prefills: 1 ms fixed, 0.1 ms a token
+        for tokens in (16, 160):
+            pacer.observe_prefill(tokens, (1.0 + 0.1 * tokens) / 1e3)
+    assert pacer.seconds_per_token == pytest.approx(0.1e-3, rel=0.05)
+    pacer.bound_per_token(160, 0.001)
+    assert pacer.seconds_per_token == pytest.approx(0.1e-3, rel=0.05)

@@ -15,6 +15,7 @@ from streaming_backend.engine import Engine, EngineConfig
 from streaming_backend.events import FinishReason
 from streaming_backend.forward import runner, slots
 from streaming_backend.sampling.settings import SamplingSettings
+from streaming_backend.steps import slots as step_slots
 
 GREEDY = SamplingSettings(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPT = list(range(1000, 1040))  # 40 token ids: above the prefix cache's 16-token minimum
@@ -197,6 +198,24 @@ def test_auto_chunks_follow_the_pacers_budget(tiny_loaded):
         assert chunk == min(budget_then, left)
         left -= chunk
     _same(events, _reference(tiny_loaded, long_prompt))
+
+
+def test_calibration_without_a_slope_starts_from_a_bound(tiny_loaded, monkeypatch):
+    """A calibration whose prefills give no positive per-token cost, round after round (as a
+    tiny model's can: its per-token cost is below the timer's noise), still leaves a
+    per-token cost: the fastest larger prefill's average, so the budget is sized in time."""
+    timed_sizes = []
+
+    def flat(self, slot, size):  # a larger chunk never costs more: no positive slope
+        timed_sizes.append(size)
+        return size, 0.010 - size * 1e-6
+
+    monkeypatch.setattr(step_slots.SlotSteps, "_time_prefill", flat)
+    with _engine(tiny_loaded, max_streams=4) as engine:
+        pacer = engine._steps.pacer
+        assert pacer.seconds_per_token == pytest.approx((0.010 - 160e-6) / 160)
+        assert pacer.seconds_per_step and pacer.budget() >= 16
+    assert len(timed_sizes) == 1 + 3 * 4  # the untimed first, then three rounds of four
 
 
 def test_hf_forward_has_no_prefix_reuse(tiny_loaded):
