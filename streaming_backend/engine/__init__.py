@@ -24,7 +24,13 @@ import torch
 
 from streaming_backend.configuration.models import EngineConfig
 from streaming_backend.engine.detokenize import IncrementalDetokenizer
-from streaming_backend.engine.step_threads import StepReport, StepThreads, machine_idle_seconds
+from streaming_backend.engine.step_threads import (
+    LOOK_S,
+    StepReport,
+    StepThreads,
+    machine_idle_seconds,
+    other_processes_seconds,
+)
 from streaming_backend.engine.stream_events import EventSink, StreamEvents
 from streaming_backend.errors import EngineStopped, Overloaded, StreamingError
 from streaming_backend.events import FinishReason, TokenEvent
@@ -186,7 +192,11 @@ class Engine:
         # the decode steps' torch threads on a CPU: fewer while fewer measure faster
         adaptive = self.config.adaptive_threads and self.loaded.device.type == "cpu"
         self._threads = (
-            StepThreads(self._torch_threads, idle=machine_idle_seconds) if adaptive else None
+            StepThreads(
+                self._torch_threads, idle=machine_idle_seconds, others=other_processes_seconds
+            )
+            if adaptive
+            else None
         )
 
     # ---- public API (any thread) -------------------------------------------------------------
@@ -354,7 +364,10 @@ class Engine:
         """Take waiting requests into free slots (blocks while idle); None when stopping."""
         with self._cond:
             while not self._stopping and not self._waiting and not self._steps.live():
-                self._cond.wait()
+                # the step threads read the machine meanwhile (their first step's start count)
+                timeout = LOOK_S if self._threads is not None else None
+                if not self._cond.wait(timeout) and self._threads is not None:
+                    self._threads.waiting()
             if self._stopping:
                 return None
             # read lazily (admission stops at the first that stays), taken once it has answered
@@ -376,6 +389,8 @@ class Engine:
 
     def _prefill_step(self) -> None:
         """Prefill what this step's budget allows; streams whose prompt is done get a token."""
+        if self._threads is not None and not self._threads.started:  # the engine's first step
+            _set_threads(self._threads.start())
         for ready in self._steps.prefill():
             if self.config.test_first_token_delay_s:
                 _pace_until(ready.streams[0].scheduled_ns, self.config.test_first_token_delay_s)

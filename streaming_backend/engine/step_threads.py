@@ -26,7 +26,13 @@ once the count has settled; and when a slow mean of the current count's steps ge
 or faster than at the last probe (another process started or ended), a probe runs a few steps
 later. A band on fewer threads than the most also probes one more when the machine shows an idle
 core (`idle`: /proc/stat): a busy process that ended leaves the steps on fewer threads as fast as
-they were beside it, with nothing else to call a probe. The count never changes a row's numbers:
+they were beside it, with nothing else to call a probe. The other way, other processes' CPU time
+(`others`: /proc/stat's busy time less this process's) tells a core taken without a losing probe:
+the first step starts on as many threads as the cores the others leave (a served start beside a
+busy core ran its first 40 steps on two threads before its probes moved it), and a band on more
+threads than that calls a probe of one fewer at once, with a back-off of its own. The engine looks
+while it waits for requests too, so the first step after a quiet spell reads the last second,
+not the spell. The count never changes a row's numbers:
 the compact forward's kernels give the same bits on any count
 (tests/test_streaming_backend/test_engine/test_engine_invariance.py).
 
@@ -76,17 +82,56 @@ SWITCH_WINDOW_S = 60.0  # StepReport.switches_last_minute counts the switches th
 # band's wait ran out, up to LAST_PROBE_STEPS); such probes that lose wait twice as long each time
 IDLE_CORES = 0.5
 IDLE_CHECK_STEPS = 8
+# Other processes' CPU time over a look, in cores: a count of threads is more than the machine
+# leaves when the others take at least OTHER_CORES of the cores it needs (on 2 cores, two threads
+# beside others using half a core or more). The first step starts on the most that are not; a
+# band on more calls a probe of one fewer, such probes that lose waiting twice as long each time
+OTHER_CORES = 0.5
+MIN_LOOK_S = 0.25  # a look over less time than this keeps the last one's reading (10 ms ticks)
+LOOK_S = 1.0  # how often the engine looks while it waits for requests (waiting())
+START_LOOKS = 3  # the first step starts on fewer threads when this many looks before it agree
+
+
+def _stat_fields(path: str) -> list[int] | None:
+    """The numbers of /proc/stat's first line (the CPUs summed), or None where unreadable."""
+    try:
+        with open(path, encoding="ascii") as stat:
+            return [int(v) for v in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
 
 
 def machine_idle_seconds(path: str = "/proc/stat") -> float | None:
     """The machine's idle CPU time since boot, in seconds summed over its CPUs (the idle and
     iowait columns of /proc/stat's first line); None where it cannot be read."""
+    fields = _stat_fields(path)
+    if fields is None or len(fields) < 5:
+        return None
+    return (fields[3] + fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def other_processes_seconds(stat: str = "/proc/stat", own: str = "/proc/self/stat") -> float | None:
+    """The CPU time since boot of every process but this one, in seconds summed over the CPUs:
+    the machine's busy time (user, nice, system, irq, softirq and steal: a hypervisor's other
+    guests count as others) less this process's user and system time; None where unreadable."""
+    fields = _stat_fields(stat)
     try:
-        with open(path, encoding="ascii") as stat:
-            fields = stat.readline().split()
-        return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
+        with open(own, encoding="ascii") as mine:
+            after_name = mine.read().rsplit(")", 1)[1].split()  # the name may hold spaces
+        used = int(after_name[11]) + int(after_name[12])  # utime, stime: fields 14 and 15
     except (OSError, ValueError, IndexError):
         return None
+    if fields is None or len(fields) < 8:
+        return None
+    busy = fields[0] + fields[1] + fields[2] + sum(fields[5:8])
+    return (busy - used) / os.sysconf("SC_CLK_TCK")
+
+
+def count_beside(others: float, cores: int, most: int) -> int:
+    """The most threads (1 .. most) whose cores other processes using `others` cores leave:
+    a count c is too many when the others take OTHER_CORES or more of the c cores it needs."""
+    fits = math.ceil(cores - others + OTHER_CORES) - 1  # the largest c < cores - others + margin
+    return max(1, min(most, fits))
 
 
 def context_band(positions: int) -> int:
@@ -141,6 +186,8 @@ class _Choice:
     since_probe: int = 0  # its steps since its last probe
     idle_called: bool = False  # the probe under way (or next) was called by an idle core
     idle_wait: int = FIRST_PROBE_STEPS  # steps since the last probe before an idle core calls one
+    busy_called: bool = False  # ... by other processes taking a core this count needs
+    busy_wait: int = FIRST_PROBE_STEPS  # steps since the last probe before they call one
     # rows -> the latest steps' seconds at `current` (their median is what a probe must beat:
     # a running mean jumped with one slow step beside a busy core, and a probe then won by 3x)
     latest: dict[int, deque] = field(default_factory=dict)
@@ -177,21 +224,42 @@ class StepThreads:
     # the machine's idle CPU seconds so far (machine_idle_seconds; tests give their own), or
     # None: no probe is called by an idle core
     idle: Callable[[], float | None] | None = None
-    _idle_mark: tuple[float, float] | None = None  # (clock(), idle()) at the last look
-    _until_idle_check: int = IDLE_CHECK_STEPS
-    _idle_now: bool = False  # the last look saw IDLE_CORES idle
+    # other processes' CPU seconds so far (other_processes_seconds; tests give their own), or
+    # None: the first step starts on `most` and no probe is called by a core taken
+    others: Callable[[], float | None] | None = None
+    cores: int = 0  # the machine's CPUs, which /proc/stat sums over; 0: os.cpu_count()
+    _look_mark: tuple | None = None  # (clock(), idle(), others()) at the last reading
+    _until_look: int = IDLE_CHECK_STEPS
+    _idle_now: bool = False  # the last reading saw IDLE_CORES idle
+    _others_now: float | None = None  # the cores other processes used at the last reading
+    # the latest readings taken while the engine waited (waiting()): the first step starts
+    # beside a core taken only when every one of them saw it (a client that just started
+    # shows in one or two)
+    _waited: deque = field(default_factory=lambda: deque(maxlen=START_LOOKS))
+    started: bool = False  # the start count is chosen (start())
     _switched_at: deque = field(default_factory=deque)  # clock() of the switches in the window
 
     def __post_init__(self) -> None:
         if self.most < 1:
             raise ValueError(f"most must be at least 1, not {self.most}")
         self.current = self.current or self.most
+        self.cores = self.cores or os.cpu_count() or self.most
+        self._read()  # the mark the first reading counts from
+
+    def waiting(self) -> None:
+        """The engine waits for requests (called about every LOOK_S meanwhile): read the
+        machine, so that the first step after the wait knows the last seconds, not the wait."""
+        if self._read():
+            self._waited.append(self._others_now)
 
     def before(self) -> int:
         """The count the next step runs on, its band's (the band of the last step's rows): now
         and then a neighbour (a probe), once that count has a time for as many rows as the last
-        step had, to compare with."""
+        step had, to compare with. The first step starts on the threads that the cores other
+        processes left while the engine waited allow."""
         self._probe = None
+        if not self.started:
+            self.start()
         if self.most == 1 or self._last_rows == 0:
             return self.current
         choice = self._choice(self._last_rows)
@@ -201,8 +269,12 @@ class StepThreads:
         choice.until_probe -= 1
         if choice.until_probe > 0:
             return self.current
-        if choice.probing is None:  # a new probe; one called by an idle core tries one more
-            probing = choice.current + 1 if choice.idle_called else self._neighbour(choice)
+        if choice.probing is None:  # a new probe; one called by an idle core tries one more,
+            # one called by a core taken one fewer
+            if choice.idle_called or choice.busy_called:
+                probing = choice.current + (1 if choice.idle_called else -1)
+            else:
+                probing = self._neighbour(choice)
             choice.probing, choice.left, choice.judged = probing, PROBE_STEPS, []
         self._probe, self._probed_band = choice.probing, rows_band(self._last_rows)
         return self._probe
@@ -218,18 +290,28 @@ class StepThreads:
         if probe is None:
             like = (self.current, *key)
             self._recent[like] = _smoothed(self._recent.get(like), seconds)
+            self._until_look -= 1
+            if self._until_look <= 0:  # once in IDLE_CHECK_STEPS steps
+                self._until_look = IDLE_CHECK_STEPS
+                self._read()
             if choice.current != self.current:  # ran on another band's count: not this one's time
                 return
             choice.latest.setdefault(rows, deque(maxlen=LATEST_STEPS)).append(seconds)
             choice.trend[rows] = trend = _smoothed(choice.trend.get(rows), seconds, TREND_SMOOTHING)
             choice.since_probe += 1
-            if (
-                choice.current < self.most
-                and choice.until_probe > 1
-                and choice.since_probe >= choice.idle_wait
-                and self._idle_core()
-            ):  # a busy process ended: the steps on fewer threads are no faster for it
-                choice.until_probe, choice.idle_called = 1, True
+            if choice.until_probe > 1:
+                if (
+                    choice.current < self.most
+                    and choice.since_probe >= choice.idle_wait
+                    and self._idle_now
+                ):  # a busy process ended: the steps on fewer threads are no faster for it
+                    choice.until_probe, choice.idle_called = 1, True
+                elif (
+                    self._others_now is not None
+                    and choice.current > count_beside(self._others_now, self.cores, self.most)
+                    and choice.since_probe >= choice.busy_wait
+                ):  # another process took a core this count needs: is one fewer faster now?
+                    choice.until_probe, choice.busy_called = 1, True
             settled = choice.settled.setdefault(rows, trend)
             changed = trend > CHANGE * settled or CHANGE * trend < settled
             if changed and choice.until_probe > CHANGE_STEPS:  # the machine changed: probe
@@ -291,12 +373,18 @@ class StepThreads:
             choice.wait = min(2 * choice.wait, LAST_PROBE_STEPS)
         if rows in choice.trend:
             choice.settled[rows] = choice.trend[rows]
-        if choice.idle_called:  # an idle core's probe that loses: the next such waits longer
-            won = ratio < SWITCH_MARGIN
+        # a probe an idle core (or a core taken) called that loses: the next such waits longer
+        won = ratio < SWITCH_MARGIN
+        if choice.idle_called:
             choice.idle_wait = (
                 FIRST_PROBE_STEPS if won else min(2 * choice.idle_wait, LAST_PROBE_STEPS)
             )
-        choice.until_probe, choice.since_probe, choice.idle_called = choice.wait, 0, False
+        if choice.busy_called:
+            choice.busy_wait = (
+                FIRST_PROBE_STEPS if won else min(2 * choice.busy_wait, LAST_PROBE_STEPS)
+            )
+        choice.until_probe, choice.since_probe = choice.wait, 0
+        choice.idle_called = choice.busy_called = False
 
     @staticmethod
     def _move(choice: _Choice, count: int) -> None:
@@ -308,24 +396,49 @@ class StepThreads:
         choice.wait = choice.until_probe = FIRST_PROBE_STEPS
         choice.probing = None
 
-    def _idle_core(self) -> bool:
-        """Whether the machine had IDLE_CORES idle over about the last IDLE_CHECK_STEPS steps
-        (looked at once in that many)."""
-        if self.idle is None:
+    def _read(self) -> bool:
+        """Read the machine's idle and the other processes' CPU time; when at least MIN_LOOK_S
+        passed since the last reading, update what they say over that time (else keep it).
+        Whether the readings were updated."""
+        if self.idle is None and self.others is None:
             return False
-        self._until_idle_check -= 1
-        if self._until_idle_check > 0:
-            return self._idle_now
-        self._until_idle_check = IDLE_CHECK_STEPS
-        now, idle = self.clock(), self.idle()
-        mark, self._idle_mark = self._idle_mark, (None if idle is None else (now, idle))
+        now = self.clock()
+        idle = self.idle() if self.idle is not None else None
+        others = self.others() if self.others is not None else None
+        mark = self._look_mark
+        if mark is not None and now - mark[0] < MIN_LOOK_S:
+            return False
+        self._look_mark = (now, idle, others)
+        if mark is None:
+            return False
+        span = now - mark[0]
         self._idle_now = (
-            mark is not None
-            and idle is not None
-            and now > mark[0]
-            and (idle - mark[1]) / (now - mark[0]) >= IDLE_CORES
+            idle is not None and mark[1] is not None and (idle - mark[1]) / span >= IDLE_CORES
         )
-        return self._idle_now
+        self._others_now = (
+            None if others is None or mark[2] is None else max(0.0, (others - mark[2]) / span)
+        )
+        return True
+
+    def start(self) -> int:
+        """The count the engine's first step (a prefill or a decode step) runs on: fewer than
+        the most when every look of the wait before it saw other processes take a core that
+        many need. Chosen once; later calls return the current count."""
+        if self.started:
+            return self.current
+        self.started = True
+        self._read()
+        if len(self._waited) < START_LOOKS or any(o is None for o in self._waited):
+            return self.current
+        others = min(self._waited)
+        start = count_beside(others, self.cores, self.most)
+        if start != self.current:
+            log.info(
+                "decode steps start on %d torch threads: other processes used %.1f of %d cores",
+                start, others, self.cores,
+            )  # fmt: skip
+            self.current = start
+        return self.current
 
     def _choice(self, rows: int) -> _Choice:
         """The band of `rows`' choice; a new band starts on the latest count."""

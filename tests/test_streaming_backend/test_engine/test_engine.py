@@ -6,6 +6,7 @@ import copy
 import queue
 import statistics
 import threading
+import time
 from dataclasses import replace
 
 import faults
@@ -631,6 +632,55 @@ def test_the_engine_names_the_numerics_its_forward_runs(tiny_loaded, forward, qu
     assert numerics.forward == eng.forward == forward
     assert numerics.quantize == (quantize if forward == "compact" else "none")
     assert numerics.decode == "eager" and numerics.model == tiny_loaded.name
+
+
+def test_the_step_threads_read_the_machine_while_the_engine_waits(tiny_loaded, monkeypatch):
+    """An idle engine wakes every LOOK_S to let its step threads read the machine (the first
+    step's start count comes from those readings), and still answers at once after."""
+    import streaming_backend.engine as engine_module
+    from streaming_backend.sampling.settings import SamplingSettings
+
+    monkeypatch.setattr(engine_module, "LOOK_S", 0.05)
+    with Engine(tiny_loaded) as engine:
+        deadline = time.monotonic() + 10
+        while len(engine._threads._waited) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(engine._threads._waited) >= 2
+        assert all(others is not None and others >= 0 for others in engine._threads._waited)
+        settings = SamplingSettings(temperature=0, max_tokens=4, ignore_eos=True)
+        assert sum(len(e.token_ids) for e in engine.submit([1, 2, 3], settings)) == 4
+
+
+def test_beside_a_core_taken_all_along_the_first_prefill_starts_on_fewer_threads(
+    tiny_loaded, monkeypatch
+):
+    """Other processes that used a core through every look of the wait (here a reading that
+    says so) start the engine's first step, its first prefill, on the count that leaves them
+    their core, and the decode steps go on from there; not a switch."""
+    import os
+
+    import streaming_backend.engine as engine_module
+    from streaming_backend.engine.step_threads import START_LOOKS, count_beside
+    from streaming_backend.sampling.settings import SamplingSettings
+
+    monkeypatch.setattr(engine_module, "LOOK_S", 0.05)
+    monkeypatch.setattr(engine_module, "other_processes_seconds", time.monotonic)  # a core
+    most = torch.get_num_threads()
+    expected = count_beside(1.0, os.cpu_count(), most)
+    with Engine(tiny_loaded) as engine:
+        deadline = time.monotonic() + 10
+        while len(engine._threads._waited) < START_LOOKS and time.monotonic() < deadline:
+            time.sleep(0.05)
+        counts = []
+        prefill = engine._steps.forward.prefill
+        engine._steps.forward.prefill = lambda c: (
+            counts.append(torch.get_num_threads()) or prefill(c)
+        )
+        settings = SamplingSettings(temperature=0, max_tokens=4, ignore_eos=True)
+        assert sum(len(e.token_ids) for e in engine.submit([1, 2, 3], settings)) == 4
+        report = engine.step_report()
+    assert counts and counts[0] == expected
+    assert report.threads == expected and report.switches == 0
 
 
 @pytest.mark.parametrize("adaptive", [True, False])

@@ -12,12 +12,16 @@ from streaming_backend.engine.step_threads import (
     IDLE_CHECK_STEPS,
     LAST_PROBE_STEPS,
     LONGEST_HOLD_S,
+    LOOK_S,
     PROBE_STEPS,
+    START_LOOKS,
     SWITCH_WINDOW_S,
     StepReport,
     StepThreads,
     context_band,
+    count_beside,
     machine_idle_seconds,
+    other_processes_seconds,
     rows_band,
 )
 
@@ -364,24 +368,43 @@ def test_a_band_that_keeps_switching_holds_longer_each_time():
 
 
 class Machine:
-    """A clock and the machine's idle CPU seconds: each step takes its seconds, during which
-    `idle_cores` cores sit idle."""
+    """A clock, the machine's idle CPU seconds and other processes' CPU seconds: each step takes
+    its seconds, during which `idle_cores` cores sit idle and other processes use `other_cores`."""
 
     def __init__(self):
         self.now, self.idle_s, self.idle_cores = 0.0, 0.0, 0.0
+        self.others_s, self.other_cores = 0.0, 0.0
 
     def threads(self) -> StepThreads:
-        """A two-thread StepThreads on this machine's clock and idle time."""
-        return StepThreads(most=2, clock=lambda: self.now, idle=lambda: self.idle_s)
+        """A two-thread StepThreads on a two-core machine's clock, idle and others' time."""
+        return StepThreads(
+            most=2,
+            cores=2,
+            clock=lambda: self.now,
+            idle=lambda: self.idle_s,
+            others=lambda: self.others_s,
+        )
 
-    def step(self, threads: StepThreads, seconds: dict[int, float], steps: int) -> list[int]:
+    def pass_time(self, seconds: float) -> None:
+        self.now += seconds
+        self.idle_s += self.idle_cores * seconds
+        self.others_s += self.other_cores * seconds
+
+    def wait(self, threads: StepThreads, looks: int) -> None:
+        """The engine waits for requests: `looks` of LOOK_S."""
+        for _ in range(looks):
+            self.pass_time(LOOK_S)
+            threads.waiting()
+
+    def step(
+        self, threads: StepThreads, seconds: dict[int, float], steps: int, rows: int = 1
+    ) -> list[int]:
         used = []
         for _ in range(steps):
             count = threads.before()
             used.append(count)
-            self.now += seconds[count]
-            self.idle_s += self.idle_cores * seconds[count]
-            threads.after(1, seconds[count])
+            self.pass_time(seconds[count])
+            threads.after(rows, seconds[count])
         return used
 
 
@@ -449,3 +472,112 @@ def test_a_switch_takes_along_the_bands_that_have_not_decided_otherwise():
         assert threads._bands[rows_band(16)].current == expected
         used = run(threads, sixteen, 1500, rows=16)  # past the hold: a band taken along holds
         assert used[-1] == 2  # as long, then goes back if faster on its old count
+
+
+@pytest.mark.parametrize(
+    "others, cores, most, count",
+    [
+        (0.0, 2, 2, 2),
+        (0.49, 2, 2, 2),  # under half a core: both threads
+        (0.5, 2, 2, 1),  # half a core of the two a count of two needs
+        (1.0, 2, 2, 1),
+        (2.0, 2, 2, 1),  # never below one
+        (0.3, 16, 16, 16),
+        (1.0, 16, 16, 15),
+        (8.6, 16, 8, 7),  # 7.4 cores left for eight threads
+        (4.0, 16, 8, 8),  # the others leave the eight cores the count needs
+    ],
+)
+def test_the_count_beside_other_processes_leaves_them_their_cores(others, cores, most, count):
+    assert count_beside(others, cores, most) == count
+
+
+@pytest.mark.parametrize(
+    "other_cores, seen_by, start",
+    [
+        (0.0, START_LOOKS, 2),
+        (1.0, START_LOOKS, 1),  # a busy process all along the wait: one thread from the first
+        (0.4, START_LOOKS, 2),
+        (1.0, 2, 2),  # only the last looks saw it (a client starting): the most
+    ],
+)
+def test_the_first_step_starts_on_the_threads_other_processes_leave(other_cores, seen_by, start):
+    """The first step runs on the count that the cores other processes used while the engine
+    waited leave, when every one of the last START_LOOKS looks saw it; not a switch."""
+    machine = Machine()
+    threads = machine.threads()
+    machine.wait(threads, START_LOOKS - seen_by)
+    machine.other_cores = other_cores
+    machine.wait(threads, seen_by)
+    assert machine.step(threads, IDLE, 1) == [start]
+    assert threads.current == start and threads.switches == 0
+
+
+def test_without_looks_before_it_the_first_step_starts_on_the_most():
+    """A request that comes before START_LOOKS looks (an engine just started, every unit test)
+    starts on the most threads, whatever the machine does."""
+    machine = Machine()
+    machine.other_cores = 2.0
+    threads = machine.threads()
+    machine.wait(threads, START_LOOKS - 1)
+    assert machine.step(threads, CORE_TAKEN, 1) == [2]
+
+
+def after_a_probe(machine: Machine, threads: StepThreads, seconds, rows: int = 1) -> None:
+    """Steps until a probe has run (the next is then its band's wait away)."""
+    band = threads._bands[rows_band(rows)]
+    while machine.step(threads, seconds, 1, rows) == [band.current]:
+        pass
+    machine.step(threads, seconds, PROBE_STEPS - 1, rows)
+
+
+def test_a_core_taken_calls_a_probe_of_one_fewer_at_once():
+    """On two threads whose probes of one have thinned out, another process taking a core (that
+    leaves the two-thread steps within the change detector's margin) calls a probe of one
+    thread within a look, and two winning probes switch; without the reading, the band waits."""
+    quiet = {1: 0.016, 2: 0.012}
+    taken = {1: 0.009, 2: 0.0135}  # one thread 0.67 of the time: wins, not decisively
+    counts = {}
+    for reading in (False, True):
+        machine = Machine()
+        threads = machine.threads()
+        if not reading:
+            threads.others = None
+        machine.step(threads, quiet, 3000)  # the probes of one lost: 256 steps apart now
+        assert threads._bands[1].wait == LAST_PROBE_STEPS
+        after_a_probe(machine, threads, quiet)
+        machine.other_cores = 1.0
+        machine.step(threads, taken, 100)
+        counts[reading] = threads.current
+    assert counts == {False: 2, True: 1}
+
+
+def test_the_probes_a_taken_core_calls_thin_out_as_they_lose():
+    """Where two threads stay faster beside the other process (sixteen rows), the probes of one
+    it calls lose, and each such waits twice as long as the last, up to LAST_PROBE_STEPS."""
+    machine = Machine()
+    sixteen = {1: 0.039, 2: 0.026}
+    threads = machine.threads()
+    machine.other_cores = 1.0
+    used = machine.step(threads, sixteen, 5000, rows=16)
+    assert threads.current == 2 and threads.switches == 0
+    probes = used.count(1) / PROBE_STEPS
+    assert 0 < probes <= 5000 / LAST_PROBE_STEPS + 6
+    assert threads._bands[rows_band(16)].busy_wait == LAST_PROBE_STEPS
+
+
+def test_other_processes_time_is_the_busy_time_less_this_processs(tmp_path):
+    """/proc/stat's user, nice, system, irq, softirq and steal, less this process's utime and
+    stime (/proc/self/stat, whose name may hold spaces and parentheses); None where unreadable."""
+    import os
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 5 40 300 20 3 2 10 0 0\ncpu0 50 0 2 150 10 0 0 0 0 0\n")
+    own = tmp_path / "self"
+    fields = ["S"] + ["0"] * 10 + ["30", "12"] + ["0"] * 30  # state, ..., utime, stime, ...
+    own.write_text("4242 (a (b) c) " + " ".join(fields) + "\n")
+    tick = os.sysconf("SC_CLK_TCK")
+    assert other_processes_seconds(str(stat), str(own)) == pytest.approx((160 - 42) / tick)
+    assert other_processes_seconds(str(tmp_path / "absent"), str(own)) is None
+    assert other_processes_seconds(str(stat), str(tmp_path / "absent")) is None
+    assert other_processes_seconds() is not None  # this machine's
