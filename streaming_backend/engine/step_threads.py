@@ -237,6 +237,7 @@ class StepThreads:
     # shows in one or two)
     _waited: deque = field(default_factory=lambda: deque(maxlen=START_LOOKS))
     started: bool = False  # the start count is chosen (start())
+    _started_below: float | None = None  # clock() when start() chose fewer than the most
     _switched_at: deque = field(default_factory=deque)  # clock() of the switches in the window
 
     def __post_init__(self) -> None:
@@ -437,14 +438,22 @@ class StepThreads:
                 "decode steps start on %d torch threads: other processes used %.1f of %d cores",
                 start, others, self.cores,
             )  # fmt: skip
-            self.current = start
+            self.current, self._started_below = start, self.clock()
         return self.current
 
     def _choice(self, rows: int) -> _Choice:
         """The band of `rows`' choice; a new band starts on the latest count."""
         band = rows_band(rows)
         if band not in self._bands:
-            self._bands[band] = _Choice(self.current)
+            choice = self._bands[band] = _Choice(self.current)
+            start = self._started_below
+            if start is not None and self.clock() - start < HOLD_S and self.current < self.most:
+                # started below the most beside a core taken: as after a switch from one more
+                # (it stands as a loss by the margin, and the band holds): started bands with
+                # neither went up on a probe that won by noise, and the core taken called
+                # them down again (4 switches a minute)
+                choice.ratios = {self.current + 1: (1 / SWITCH_MARGIN, 2)}
+                choice.switched_at = start
         return self._bands[band]
 
     def report(self) -> StepReport:

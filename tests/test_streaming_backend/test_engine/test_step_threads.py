@@ -581,3 +581,22 @@ def test_other_processes_time_is_the_busy_time_less_this_processs(tmp_path):
     assert other_processes_seconds(str(tmp_path / "absent"), str(own)) is None
     assert other_processes_seconds(str(stat), str(tmp_path / "absent")) is None
     assert other_processes_seconds() is not None  # this machine's
+
+
+def test_a_start_beside_a_core_taken_holds_as_a_switch_does():
+    """Bands that start on fewer threads beside a core taken hold that count as after a switch:
+    probes of one more that win, but not decisively, switch only after the hold (and with the
+    count above standing as a loss by the margin, after clear wins); a start on the most has
+    no such hold."""
+    two_faster = {1: 0.010, 2: 0.007}  # 0.7: a win, not a decisive one
+    for taken, start in ((1.0, 1), (0.0, 2)):
+        machine = Machine()
+        threads = machine.threads()
+        machine.other_cores = taken
+        machine.wait(threads, START_LOOKS)
+        machine.other_cores = 0.0
+        used = machine.step(threads, two_faster, 400)  # about 3 s
+        assert used[0] == start and threads.current == start and threads.switches == 0
+        while machine.now < HOLD_S + 5:
+            machine.step(threads, two_faster, 1)
+        assert threads.current == 2 and threads.switches == (1 if start == 1 else 0)
