@@ -30,6 +30,7 @@ from streaming_backend.engine.step_threads import (
     StepThreads,
     machine_idle_seconds,
     other_processes_seconds,
+    usable_cpus,
 )
 from streaming_backend.engine.stream_events import EventSink, StreamEvents
 from streaming_backend.errors import EngineStopped, Overloaded, StreamingError
@@ -191,13 +192,15 @@ class Engine:
                 self.speculative = "off"
         # the decode steps' torch threads on a CPU: fewer while fewer measure faster
         adaptive = self.config.adaptive_threads and self.loaded.device.type == "cpu"
-        self._threads = (
-            StepThreads(
-                self._torch_threads, idle=machine_idle_seconds, others=other_processes_seconds
+        self._threads = None
+        if adaptive:  # read over the CPUs this process may use (a container's cpuset)
+            cpus = usable_cpus()
+            self._threads = StepThreads(
+                self._torch_threads,
+                idle=lambda: machine_idle_seconds(cpus=cpus),
+                others=lambda: other_processes_seconds(cpus=cpus),
+                cores=len(cpus) if cpus else 0,
             )
-            if adaptive
-            else None
-        )
 
     # ---- public API (any thread) -------------------------------------------------------------
 

@@ -92,29 +92,55 @@ LOOK_S = 1.0  # how often the engine looks while it waits for requests (waiting(
 START_LOOKS = 3  # the first step starts on fewer threads when this many looks before it agree
 
 
-def _stat_fields(path: str) -> list[int] | None:
-    """The numbers of /proc/stat's first line (the CPUs summed), or None where unreadable."""
+def usable_cpus() -> frozenset[int] | None:
+    """The CPUs this process may run on (a container's cpuset, taskset), or None where the
+    system does not say."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+def _stat_fields(path: str, cpus: frozenset[int] | None = None) -> list[int] | None:
+    """The numbers of /proc/stat's first line (every CPU summed), or with `cpus` the sum of
+    those CPUs' lines; None where unreadable (or none of them is listed)."""
     try:
         with open(path, encoding="ascii") as stat:
-            return [int(v) for v in stat.readline().split()[1:]]
+            fields = [int(v) for v in stat.readline().split()[1:]]
+            if cpus is None:
+                return fields
+            summed = None
+            for line in stat:
+                name, _, values = line.partition(" ")
+                if not name.startswith("cpu"):
+                    break
+                if int(name[3:]) in cpus:
+                    row = [int(v) for v in values.split()]
+                    summed = row if summed is None else [a + b for a, b in zip(summed, row)]
+            return summed
     except (OSError, ValueError):
         return None
 
 
-def machine_idle_seconds(path: str = "/proc/stat") -> float | None:
+def machine_idle_seconds(
+    path: str = "/proc/stat", cpus: frozenset[int] | None = None
+) -> float | None:
     """The machine's idle CPU time since boot, in seconds summed over its CPUs (the idle and
-    iowait columns of /proc/stat's first line); None where it cannot be read."""
-    fields = _stat_fields(path)
+    iowait columns of /proc/stat's first line), or over `cpus` only; None where unreadable."""
+    fields = _stat_fields(path, cpus)
     if fields is None or len(fields) < 5:
         return None
     return (fields[3] + fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def other_processes_seconds(stat: str = "/proc/stat", own: str = "/proc/self/stat") -> float | None:
-    """The CPU time since boot of every process but this one, in seconds summed over the CPUs:
-    the machine's busy time (user, nice, system, irq, softirq and steal: a hypervisor's other
-    guests count as others) less this process's user and system time; None where unreadable."""
-    fields = _stat_fields(stat)
+def other_processes_seconds(
+    stat: str = "/proc/stat", own: str = "/proc/self/stat", cpus: frozenset[int] | None = None
+) -> float | None:
+    """The CPU time since boot of every process but this one, in seconds summed over the CPUs
+    (or `cpus`, this process's: other tenants' CPUs do not count): the busy time (user, nice,
+    system, irq, softirq and steal: a hypervisor's other guests count as others) less this
+    process's user and system time; None where unreadable."""
+    fields = _stat_fields(stat, cpus)
     try:
         with open(own, encoding="ascii") as mine:
             after_name = mine.read().rsplit(")", 1)[1].split()  # the name may hold spaces
@@ -227,7 +253,7 @@ class StepThreads:
     # other processes' CPU seconds so far (other_processes_seconds; tests give their own), or
     # None: the first step starts on `most` and no probe is called by a core taken
     others: Callable[[], float | None] | None = None
-    cores: int = 0  # the machine's CPUs, which /proc/stat sums over; 0: os.cpu_count()
+    cores: int = 0  # the CPUs `idle` and `others` sum over; 0: os.cpu_count()
     _look_mark: tuple | None = None  # (clock(), idle(), others()) at the last reading
     _until_look: int = IDLE_CHECK_STEPS
     _idle_now: bool = False  # the last reading saw IDLE_CORES idle

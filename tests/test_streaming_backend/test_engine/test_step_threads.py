@@ -600,3 +600,26 @@ def test_a_start_beside_a_core_taken_holds_as_a_switch_does():
         while machine.now < HOLD_S + 5:
             machine.step(threads, two_faster, 1)
         assert threads.current == 2 and threads.switches == (1 if start == 1 else 0)
+
+
+def test_the_readings_can_sum_over_this_processs_cpus_only(tmp_path):
+    """With `cpus` (a container's cpuset) idle and busy time are those CPUs' lines summed, not
+    the whole machine's: other tenants' CPUs do not count."""
+    import os
+
+    stat = tmp_path / "stat"
+    stat.write_text(
+        "cpu  300 0 30 700 0 0 0 0 0 0\n"
+        "cpu0 100 0 10 100 0 0 0 0 0 0\n"
+        "cpu1 10 0 0 290 0 0 0 0 0 0\n"
+        "cpu2 190 0 20 310 0 0 0 0 0 0\n"
+        "intr 5 0 0\n"
+    )
+    own = tmp_path / "self"
+    own.write_text("7 (x) S " + " ".join(["0"] * 10 + ["20", "5"] + ["0"] * 30) + "\n")
+    tick = os.sysconf("SC_CLK_TCK")
+    assert machine_idle_seconds(str(stat)) == pytest.approx(700 / tick)
+    assert machine_idle_seconds(str(stat), frozenset({1, 2})) == pytest.approx(600 / tick)
+    mine = other_processes_seconds(str(stat), str(own), frozenset({0, 1}))
+    assert mine == pytest.approx((120 - 25) / tick)
+    assert machine_idle_seconds(str(stat), frozenset({7})) is None  # no such CPU listed
