@@ -32,9 +32,8 @@ the first step starts on as many threads as the cores the others leave (a served
 busy core ran its first 40 steps on two threads before its probes moved it), and a band on more
 threads than that calls a probe of one fewer at once, with a back-off of its own. The engine looks
 while it waits for requests too, so the first step after a quiet spell reads the last second,
-not the spell. The count never changes a row's numbers:
-the compact forward's kernels give the same bits on any count
-(tests/test_streaming_backend/test_engine/test_engine_invariance.py).
+not the spell. The count never changes a row's numbers: the compact forward's kernels give the
+same bits on any count (tests/test_streaming_backend/test_engine/test_engine_invariance.py).
 
 The slowdown is the recent steps' time against the fastest step since load of the same rows
 at a like context (the longest row's positions, within a factor of sqrt(2): attention over 512
@@ -186,6 +185,12 @@ class StepReport:
 def _smoothed(mean: float | None, seconds: float, weight: float = SMOOTHING) -> float:
     """A running mean after one more step of `seconds` (the step itself when there was none)."""
     return seconds if mean is None else mean + weight * (seconds - mean)
+
+
+def _longer(wait: int, won: bool) -> int:
+    """The wait before the next probe after one that lost (twice as long, up to
+    LAST_PROBE_STEPS) or won (back to FIRST_PROBE_STEPS)."""
+    return FIRST_PROBE_STEPS if won else min(2 * wait, LAST_PROBE_STEPS)
 
 
 def rows_band(rows: int) -> int:
@@ -397,19 +402,15 @@ class StepThreads:
         elif ratio < SWITCH_MARGIN and not held:  # a win, not yet enough: probe again soon
             choice.wait = FIRST_PROBE_STEPS
         else:
-            choice.wait = min(2 * choice.wait, LAST_PROBE_STEPS)
+            choice.wait = _longer(choice.wait, won=False)
         if rows in choice.trend:
             choice.settled[rows] = choice.trend[rows]
         # a probe an idle core (or a core taken) called that loses: the next such waits longer
         won = ratio < SWITCH_MARGIN
         if choice.idle_called:
-            choice.idle_wait = (
-                FIRST_PROBE_STEPS if won else min(2 * choice.idle_wait, LAST_PROBE_STEPS)
-            )
+            choice.idle_wait = _longer(choice.idle_wait, won)
         if choice.busy_called:
-            choice.busy_wait = (
-                FIRST_PROBE_STEPS if won else min(2 * choice.busy_wait, LAST_PROBE_STEPS)
-            )
+            choice.busy_wait = _longer(choice.busy_wait, won)
         choice.until_probe, choice.since_probe = choice.wait, 0
         choice.idle_called = choice.busy_called = False
 
@@ -429,12 +430,11 @@ class StepThreads:
         Whether the readings were updated."""
         if self.idle is None and self.others is None:
             return False
-        now = self.clock()
+        now, mark = self.clock(), self._look_mark
+        if mark is not None and now - mark[0] < MIN_LOOK_S:  # read /proc only when it counts
+            return False
         idle = self.idle() if self.idle is not None else None
         others = self.others() if self.others is not None else None
-        mark = self._look_mark
-        if mark is not None and now - mark[0] < MIN_LOOK_S:
-            return False
         self._look_mark = (now, idle, others)
         if mark is None:
             return False
