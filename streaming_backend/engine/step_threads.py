@@ -270,6 +270,7 @@ class StepThreads:
     started: bool = False  # the start count is chosen (start())
     _started_below: float | None = None  # clock() when start() chose fewer than the most
     _switched_at: deque = field(default_factory=deque)  # clock() of the switches in the window
+    _reading_failed: bool = False  # a reading raised (logged once)
 
     def __post_init__(self) -> None:
         if self.most < 1:
@@ -433,8 +434,7 @@ class StepThreads:
         now, mark = self.clock(), self._look_mark
         if mark is not None and now - mark[0] < MIN_LOOK_S:  # read /proc only when it counts
             return False
-        idle = self.idle() if self.idle is not None else None
-        others = self.others() if self.others is not None else None
+        idle, others = self._value(self.idle), self._value(self.others)
         self._look_mark = (now, idle, others)
         if mark is None:
             return False
@@ -446,6 +446,19 @@ class StepThreads:
             None if others is None or mark[2] is None else max(0.0, (others - mark[2]) / span)
         )
         return True
+
+    def _value(self, reading: Callable[[], float | None] | None) -> float | None:
+        """What `reading` returns, None where there is none or it raised (logged once): the
+        readings only call probes, so a failed one must not fail the step that asked."""
+        if reading is None:
+            return None
+        try:
+            return reading()
+        except Exception:  # noqa: BLE001 - logged once; the steps go on without that reading
+            if not self._reading_failed:
+                self._reading_failed = True
+                log.exception("reading the machine for the step threads failed")
+            return None
 
     def start(self) -> int:
         """The count the engine's first step (a prefill or a decode step) runs on: fewer than

@@ -651,6 +651,31 @@ def test_the_step_threads_read_the_machine_while_the_engine_waits(tiny_loaded, m
         assert sum(len(e.token_ids) for e in engine.submit([1, 2, 3], settings)) == 4
 
 
+def test_a_failed_reading_while_waiting_does_not_stop_the_engine(tiny_loaded, monkeypatch):
+    """A reading of the machine that raises (in the idle wait, outside the loop's step guard,
+    or in a step) is logged and counts as no reading: requests are still answered."""
+    import streaming_backend.engine as engine_module
+    from streaming_backend.sampling.settings import SamplingSettings
+
+    calls = []
+
+    def broken(**_):
+        calls.append(1)
+        if len(calls) > 1:  # the reading at construction succeeds, the wait's fail
+            raise RuntimeError("no /proc today")
+        return 0.0
+
+    monkeypatch.setattr(engine_module, "LOOK_S", 0.05)
+    monkeypatch.setattr(engine_module, "other_processes_seconds", broken)
+    with Engine(tiny_loaded) as engine:
+        deadline = time.monotonic() + 10
+        while len(calls) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(calls) >= 3  # the wait went on reading after a failure
+        settings = SamplingSettings(temperature=0, max_tokens=4, ignore_eos=True)
+        assert sum(len(e.token_ids) for e in engine.submit([1, 2, 3], settings)) == 4
+
+
 def test_beside_a_core_taken_all_along_the_first_prefill_starts_on_fewer_threads(
     tiny_loaded, monkeypatch
 ):
