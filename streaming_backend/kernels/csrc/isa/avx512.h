@@ -33,34 +33,39 @@ static inline __attribute__((always_inline)) void emit_q8_rows(const Matmul *c, 
     }
 }
 
-/* The 16 weight rows' D = l . v of one block (l: 4 registers of low and high nibbles, as the
- * layout pairs them: lo[p] inputs 4p.., hi[p] inputs 16 + 4p..), exact int32 in lanes. */
-static inline __m512i q4_dot(const __m512i lo[4], const __m512i hi[4], const int8_t *q, const int8_t *r) {
-    /* four short chains (integers: exact in any order) rather than two long ones */
+/* The 16 weight rows' D = l . v = 16 (l . q) + l . r of one block, exact int32 in lanes, from l
+ * (lo[p]: inputs 4p.., hi[p]: inputs 16 + 4p.., as the layout pairs them) and 16 l (lo16, hi16:
+ * bytes up to 240, still unsigned bytes): 16 l . q and l . r go into the same integer sums, so
+ * the factor of 16 costs no shift or add per activation row, only one per weight register. Two
+ * chains of eight (integers: exact in any order); the rows of a tile overlap their latency. */
+static inline __m512i q4_dot(const __m512i lo[4], const __m512i hi[4], const __m512i lo16[4],
+                             const __m512i hi16[4], const int8_t *q, const int8_t *r) {
     const __m512i zero = _mm512_setzero_si512();
-    __m512i a[4], e[4];
+    __m512i a[4];
     for (int p = 0; p < 4; p += 2) {
-        a[p] = _mm512_dpbusd_epi32(zero, lo[p], _mm512_set1_epi32(four(q + 4 * p)));
-        a[p + 1] = _mm512_dpbusd_epi32(zero, hi[p], _mm512_set1_epi32(four(q + 16 + 4 * p)));
-        e[p] = _mm512_dpbusd_epi32(zero, lo[p], _mm512_set1_epi32(four(r + 4 * p)));
-        e[p + 1] = _mm512_dpbusd_epi32(zero, hi[p], _mm512_set1_epi32(four(r + 16 + 4 * p)));
+        a[p] = _mm512_dpbusd_epi32(zero, lo16[p], _mm512_set1_epi32(four(q + 4 * p)));
+        a[p + 1] = _mm512_dpbusd_epi32(zero, hi16[p], _mm512_set1_epi32(four(q + 16 + 4 * p)));
     }
     for (int p = 0; p < 4; p += 2) {
-        a[p] = _mm512_dpbusd_epi32(a[p], lo[p + 1], _mm512_set1_epi32(four(q + 4 * p + 4)));
-        a[p + 1] = _mm512_dpbusd_epi32(a[p + 1], hi[p + 1], _mm512_set1_epi32(four(q + 20 + 4 * p)));
-        e[p] = _mm512_dpbusd_epi32(e[p], lo[p + 1], _mm512_set1_epi32(four(r + 4 * p + 4)));
-        e[p + 1] = _mm512_dpbusd_epi32(e[p + 1], hi[p + 1], _mm512_set1_epi32(four(r + 20 + 4 * p)));
+        a[p] = _mm512_dpbusd_epi32(a[p], lo16[p + 1], _mm512_set1_epi32(four(q + 4 * p + 4)));
+        a[p + 1] = _mm512_dpbusd_epi32(a[p + 1], hi16[p + 1], _mm512_set1_epi32(four(q + 20 + 4 * p)));
     }
-    const __m512i high = _mm512_add_epi32(_mm512_add_epi32(a[0], a[1]), _mm512_add_epi32(a[2], a[3]));
-    const __m512i rest = _mm512_add_epi32(_mm512_add_epi32(e[0], e[1]), _mm512_add_epi32(e[2], e[3]));
-    return _mm512_add_epi32(_mm512_slli_epi32(high, V_SHIFT), rest);  /* 2^V_SHIFT (l . q) + l . r */
+    for (int p = 0; p < 4; p += 2) {
+        a[p] = _mm512_dpbusd_epi32(a[p], lo[p], _mm512_set1_epi32(four(r + 4 * p)));
+        a[p + 1] = _mm512_dpbusd_epi32(a[p + 1], hi[p], _mm512_set1_epi32(four(r + 16 + 4 * p)));
+    }
+    for (int p = 0; p < 4; p += 2) {
+        a[p] = _mm512_dpbusd_epi32(a[p], lo[p + 1], _mm512_set1_epi32(four(r + 4 * p + 4)));
+        a[p + 1] = _mm512_dpbusd_epi32(a[p + 1], hi[p + 1], _mm512_set1_epi32(four(r + 20 + 4 * p)));
+    }
+    return _mm512_add_epi32(_mm512_add_epi32(a[0], a[1]), _mm512_add_epi32(a[2], a[3]));
 }
 
 static inline __attribute__((always_inline)) void q4_tile(const Matmul *c, int64_t row, int R, int64_t col) {
     const int64_t k = c->k, blocks = k / QK;
     const uint8_t *w = c->w + col * (k / 2);
     const uint16_t *steps = c->steps + col * blocks, *lows = c->lows + col * blocks;
-    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    const __m512i nibble = _mm512_set1_epi8(0x0f), upper = _mm512_set1_epi8((char)0xf0);
     __m512 acc[ROWS], low[ROWS];
     for (int r = 0; r < R; r++) acc[r] = low[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
@@ -70,17 +75,20 @@ static inline __attribute__((always_inline)) void q4_tile(const Matmul *c, int64
             ask(steps + b * TILE + WEIGHTS_AHEAD / 8);
             ask(lows + b * TILE + WEIGHTS_AHEAD / 8);
         }
-        __m512i lo[4], hi[4];
+        __m512i lo[4], hi[4], lo16[4], hi16[4];
         for (int u = 0; u < 4; u++) {
             const __m512i raw = _mm512_loadu_si512(p + 64 * u);
             lo[u] = _mm512_and_si512(raw, nibble);
-            hi[u] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+            hi16[u] = _mm512_and_si512(raw, upper);
+            /* shifts of 16-bit lanes: each byte's nibble moves within its byte */
+            lo16[u] = _mm512_slli_epi16(lo[u], V_SHIFT);
+            hi[u] = _mm512_srli_epi16(hi16[u], V_SHIFT);
         }
         const __m512 step = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(steps + b * TILE)));
         const __m512 low16 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(lows + b * TILE)));
         for (int r = 0; r < R; r++) {
             const int64_t at = (row + r) * k + b * QK, ds = (row + r) * blocks + b;
-            const __m512 dot = _mm512_cvtepi32_ps(q4_dot(lo, hi, c->xq.q + at, c->xq.r + at));
+            const __m512 dot = _mm512_cvtepi32_ps(q4_dot(lo, hi, lo16, hi16, c->xq.q + at, c->xq.r + at));
             acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(step, _mm512_set1_ps(c->xq.d[ds])), acc[r]);
             low[r] = _mm512_fmadd_ps(low16, _mm512_set1_ps(c->xq.s[ds]), low[r]);
         }
