@@ -10,7 +10,8 @@ its own argmax; only the decode steps are timed. The Hugging Face step is the en
 (DynamicCache, attention mask grown by one column, position ids). Systems are interleaved over
 --rounds rounds and the median round is reported, since the machine is shared and noisy.
 Systems: hf, eager, compiled (the compact forward with torch.compile), graphs (with CUDA graphs,
-a GPU only), int8 and int4 (eager, quantized weights on our C kernels, the CPU only), int8-aten
+a GPU only), int8 and int4 (eager, quantized weights on our C kernels, the CPU only; the KV
+cache as `auto` picks it, int4-kv-float32 and int4-kv-bfloat16 in that dtype), int8-aten
 and int4-aten (the same on torch's weight-only kernels), int4-compiled, int4-small-pages
 (the weights left in 4 KiB pages, forward/huge_pages.py) and int4-mapped, int8-mapped (the
 weights mapped from their file in the cache folder, as served: model/weight_cache.py), each in
@@ -66,6 +67,9 @@ COMPACT = {
     "int4-small-pages": {"quantize": "int4", "huge_pages": False},  # the weights in 4 KiB pages
     "int8-aten": {"quantize": "int8", "matmul": "aten"},  # torch's kernels, not ours
     "int4-aten": {"quantize": "int4", "matmul": "aten"},
+    # the KV cache in one dtype, not as auto picks it (forward/runner.py cache_dtype)
+    "int4-kv-float32": {"quantize": "int4", "kv_cache_dtype": "float32"},
+    "int4-kv-bfloat16": {"quantize": "int4", "kv_cache_dtype": "bfloat16"},
 }
 # the weights mapped from their weight file, as the served models run them: name -> quantize
 MAPPED = {"int4-mapped": "int4", "int8-mapped": "int8"}

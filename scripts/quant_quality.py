@@ -3,6 +3,9 @@ shipped chats, against the same model unquantized.
 
     .venv/bin/python scripts/quant_quality.py --quantize int8,int4
 
+The quantized forwards keep their KV cache as served (--kv-cache-dtype, auto: bfloat16 for a
+float32 model on our kernels); the reference keeps it in the model's dtype.
+
 Prints one line per quantization and exits 1 when one misses the gate (agreement below
 --min-agreement, or perplexity more than --max-perplexity-change higher).
 """
@@ -36,16 +39,21 @@ class GateConfig:
     model: str | None
     dtype: str
     kinds: tuple[str, ...]
+    kv_cache_dtype: str
     new_tokens: int
     min_agreement: float
     max_perplexity_change: float
     out: Path | None
 
 
-def forward_for(loaded, kind: str, max_len: int) -> SlotForward:
-    """A compact forward with `kind` weights and room for one text at a time."""
+def forward_for(loaded, kind: str, max_len: int, kv_cache_dtype: str) -> SlotForward:
+    """A compact forward with `kind` weights, its KV cache in `kv_cache_dtype` and room for one
+    text at a time."""
     budget = CacheBudget(bytes=1 << 30)
-    return SlotForward.create(loaded, ForwardConfig(budget, max_len, max_slots=2, quantize=kind))
+    config = ForwardConfig(
+        budget, max_len, max_slots=2, quantize=kind, kv_cache_dtype=kv_cache_dtype
+    )
+    return SlotForward.create(loaded, config)
 
 
 def main(cfg: GateConfig) -> int:
@@ -53,12 +61,14 @@ def main(cfg: GateConfig) -> int:
     loaded = load_model(cfg.model, dtype=cfg.dtype, device="cpu")
     prompts = [encode_prompt(loaded.tokenizer, messages=m) for m in load_chat_prompts()]
     max_len = max(map(len, prompts)) + cfg.new_tokens + 1
-    plain = forward_for(loaded, "none", max_len)
+    plain = forward_for(loaded, "none", max_len, str(loaded.dtype).removeprefix("torch."))
     texts = reference_texts(plain, prompts, cfg.new_tokens, loaded.eos_ids)
     print(f"{loaded.name} in {loaded.dtype}: {len(texts)} chats, {sum(map(len, texts))} tokens")
     results: list[Quality] = []
     for kind in cfg.kinds:
-        quality = compare(plain, forward_for(loaded, kind, max_len), texts, kind)
+        candidate = forward_for(loaded, kind, max_len, cfg.kv_cache_dtype)
+        print(f"{kind:>5}: KV cache {str(candidate.cache.dtype).removeprefix('torch.')}")
+        quality = compare(plain, candidate, texts, kind)
         results.append(quality)
         verdict = quality.passes(cfg.min_agreement, cfg.max_perplexity_change)
         print(
@@ -81,6 +91,10 @@ def parse_args(argv: list[str] | None = None) -> GateConfig:
     parser.add_argument("--model", default=None, help="model folder or .gguf (default model)")
     parser.add_argument("--dtype", default="auto", help="the dtype both forwards run in")
     parser.add_argument("--quantize", default="int8,int4", help="comma-separated: int8, int4")
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+        help="the quantized forwards' KV cache (as served: auto)",
+    )  # fmt: skip
     # 256: with 64 (8 chats, ~700 positions) the int4 perplexity change moved by more than a
     # point between runs that changed only attention rounding; 256 (~1250-1500 positions, each
     # chat's answer until it ends) holds it steadier (docs/design.md, the quality gate)
@@ -99,6 +113,7 @@ def parse_args(argv: list[str] | None = None) -> GateConfig:
         model=args.model,
         dtype=args.dtype,
         kinds=kinds,
+        kv_cache_dtype=args.kv_cache_dtype,
         new_tokens=args.new_tokens,
         min_agreement=args.min_agreement,
         max_perplexity_change=args.max_perplexity_change,

@@ -131,6 +131,16 @@ KV_CACHE_MEMORY = Parameter(
     MEMORY,
     option=True,
 )
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPE = Parameter(
+    "kv_cache_dtype",
+    "auto",
+    "the compact forward's KV cache: auto (bfloat16 where a float32 model runs on our CPU "
+    "kernels, with int8 or int4 weights: half the bytes a step reads; else the model's "
+    "dtype), float32 or bfloat16 (another than the model's only on those kernels)",
+    choice(*KV_CACHE_DTYPES),
+    option=True,
+)
 # The dialogue model's own default, a quarter, so that both models' caches together stay within
 # three quarters of the memory free at start; `tokenstream serve --kv-cache-memory` sets both.
 DIALOGUE_KV_CACHE_MEMORY = Parameter(
@@ -194,6 +204,7 @@ CHAT_PARAMETERS = ParameterTable(
         PREFIX_CACHE,
         PREFILL_CHUNK_TOKENS,
         KV_CACHE_MEMORY,
+        KV_CACHE_DTYPE,
         SPECULATIVE,
         DRAFT_MODEL,
         Parameter(
@@ -238,6 +249,7 @@ DIALOGUE_PARAMETERS = ParameterTable(
         PREFIX_CACHE,
         PREFILL_CHUNK_TOKENS,
         DIALOGUE_KV_CACHE_MEMORY,
+        KV_CACHE_DTYPE,
         SPECULATIVE,
         DRAFT_MODEL,
         Parameter("max_beam_width", "8", "widest beam search a request may ask for", integer(1)),
@@ -287,6 +299,10 @@ class EngineConfig:
     # MemAvailable) such as "0.5", or a size such as "4GiB" or "512MiB". Its slots hold the live
     # streams and the prefix cache; admission waits for a slot, so a step never runs out of it.
     kv_cache_memory: str = _CHAT["kv_cache_memory"]
+    # The KV cache's dtype (forward/runner.py cache_dtype): auto, float32, bfloat16. auto: bfloat16
+    # for a float32 model on the C attention kernels (they read either under float32 queries),
+    # else the model's dtype.
+    kv_cache_dtype: str = _CHAT["kv_cache_dtype"]
     # Positions per KV cache slot (compact forward); None: the model's context. The dialogue
     # model sets it to fit its batches (dialogue/generation.py).
     max_len: int | None = None
@@ -313,6 +329,9 @@ class EngineConfig:
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, not {self.prefill_chunk_tokens}")
         parse_memory(self.kv_cache_memory)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            dtypes = ", ".join(KV_CACHE_DTYPES)
+            raise ValueError(f"kv_cache_dtype must be one of {dtypes}, not {self.kv_cache_dtype!r}")
         if self.prefix_cache not in PREFIX_CACHE_MODES:
             modes = ", ".join(PREFIX_CACHE_MODES)
             raise ValueError(f"prefix_cache must be one of {modes}, not {self.prefix_cache!r}")

@@ -55,6 +55,8 @@ class ForwardConfig:
     # The CPU weights in transparent huge pages where the kernel gives them on request
     # (forward/huge_pages.py); off only to measure what they bring (scripts/forward_bench.py)
     huge_pages: bool = True
+    # The KV cache's dtype: "auto", "float32" or "bfloat16" (cache_dtype below)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         check_kind(self.quantize)
@@ -74,6 +76,34 @@ DecodeFn = Callable[[LayerCache, LayerCache, Rows, int], torch.Tensor]
 def cache_positions(loaded: LoadedModel, config: ForwardConfig, model: CompactLlama) -> int:
     """Positions per slot of the model's KV cache: config.max_len, else its context."""
     return min(config.max_len or loaded.context_length, model.shape.max_positions)
+
+
+KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def cache_dtype(config: ForwardConfig, dtype: torch.dtype, model: CompactLlama) -> torch.dtype:
+    """The KV cache's dtype for a model computing in `dtype` on `model`: config.kv_cache_dtype,
+    where "auto" is bfloat16 for a float32 model whose every step reads the cache through the
+    C attention kernels (native layers, no compiled step), else `dtype`. Those kernels take
+    float32 or bfloat16 keys and values under float32 queries, so a bfloat16 cache halves the
+    bytes a step reads (at 16 rows after 512 prompt tokens, half the step), for keys and values
+    rounded once to bfloat16 as they are written, the same for every row and load. ValueError for
+    another dtype than the model's where torch's attention reads the cache."""
+    on_kernels = model.native and not (config.compile or config.cuda_graphs)
+    if config.kv_cache_dtype == "auto":
+        return torch.bfloat16 if on_kernels and dtype == torch.float32 else dtype
+    if config.kv_cache_dtype not in KV_CACHE_DTYPES:
+        choices = ", ".join(("auto", *KV_CACHE_DTYPES))
+        raise ValueError(f"kv_cache_dtype must be one of {choices}, not {config.kv_cache_dtype!r}")
+    chosen = KV_CACHE_DTYPES[config.kv_cache_dtype]
+    if chosen != dtype and not on_kernels:
+        raise ValueError(
+            f"kv_cache_dtype {config.kv_cache_dtype}: a KV cache in another dtype than the "
+            f"model's ({str(dtype).removeprefix('torch.')}) needs the C attention kernels (the "
+            f"compact forward on a CPU, not compiled); here torch's attention reads the cache: "
+            f"use kv_cache_dtype auto"
+        )
+    return chosen
 
 
 class SlotForward:
@@ -99,7 +129,7 @@ class SlotForward:
         cache = SlotCache.for_budget(
             model.shape,
             cache_positions(loaded, config, model),
-            loaded.dtype,
+            cache_dtype(config, loaded.dtype, model),
             loaded.device,
             config.budget,
             config.max_slots,

@@ -188,11 +188,12 @@ class SlotCache:
         return sum(t.numel() * t.element_size() for _, k, v in self._stores for t in (k, v))
 
     def report(self) -> dict[str, Any]:
-        """What the cache holds, for /status: slots, positions per slot, bytes (the scratch
-        slot's included), and how many layers keep a ring of how many rows (0, [] when none)."""
+        """What the cache holds, for /status: slots, positions per slot, its dtype, bytes (the
+        scratch slot's included), and how many layers keep a ring of how many rows (0, [] when none)."""
         return {
             "slots": self.slots,
             "positions": self.max_len,
+            "dtype": str(self.dtype).removeprefix("torch."),
             "bytes": self.bytes,
             "ring_layers": sum(rows < self.max_len for rows in self.rows),
             "ring_rows": sorted({rows for _, rows in self._rings}),
@@ -212,6 +213,11 @@ class SlotCache:
     def device(self) -> torch.device:
         """Where K and V live."""
         return self.k[0].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What K and V are kept in."""
+        return self.k[0].dtype
 
     @property
     def slot_bytes(self) -> int:

@@ -43,6 +43,7 @@ class Numerics:
     model: str  # the served model's name
     weights: str  # weights_digest: its config, tokenizer and weights
     dtype: str  # what it computes in: float32, bfloat16, float16
+    kv_cache: str  # what its KV cache keeps keys and values in (forward/runner.py cache_dtype)
     quantize: str  # the linear weights' format on the forward: none, int8, int4 (forward/quant.py)
     quantize_group: int  # inputs per int4 scale and zero (quant.INT4_GROUP); 0 without int4
     head: str  # the output head's format (quant.HEAD_KIND)
@@ -83,6 +84,7 @@ def describe(loaded: LoadedModel, steps: Steps) -> Numerics:
         model=loaded.name,
         weights=steps.weights_digest or weights_digest(loaded),
         dtype=str(loaded.dtype).removeprefix("torch."),
+        kv_cache=steps.kv_cache_dtype,
         quantize=steps.quantize,
         quantize_group=INT4_GROUP if steps.quantize == "int4" else 0,
         head=HEAD_KIND[steps.quantize],

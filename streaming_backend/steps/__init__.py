@@ -65,6 +65,7 @@ class Steps(Protocol[S]):
     matmul: str  # what runs the linear weights: c-VARIANT, aten, dense (compact) or hf
     prompt_tokens_per_step: int | None  # admission cap on prompt tokens; None: prefill is chunked
     kv_cache: dict | None  # the compact forward's slot cache (SlotCache.report); None on hf
+    kv_cache_dtype: str  # what its keys and values are kept in: float32, bfloat16, float16
     draft_kv_cache: dict | None  # the draft model's slot cache, where one drafts; else None
     # numerics.weights_digest of the model the steps run where they hold it (the compact
     # forward's weight file holds it; Hugging Face's reads its model); "": the loaded model's

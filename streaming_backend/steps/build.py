@@ -45,6 +45,7 @@ def build_steps(
     `carried`: rebuilding compact steps with another slot length (`config.max_len`)."""
     if config.forward == "hf":
         log.info("the Hugging Face forward runs this model: %s", ASKED_FOR)
+        _check_hf_cache(loaded, config)
         return HfSteps(with_weights(loaded), config, on_failure)
     from streaming_backend.forward.llama import UnsupportedModel
     from streaming_backend.forward.runner import ForwardConfig, SlotForward
@@ -62,6 +63,7 @@ def build_steps(
         compile=config.compile,
         cuda_graphs=config.compile and loaded.device.type == "cuda",
         quantize=resolve_quantize(config.quantize, loaded),
+        kv_cache_dtype=config.kv_cache_dtype,
         # live streams plus as many idle prefix entries: each admission compares its prompt
         # with every entry, and more entries rarely hit
         max_slots=PREFIX_ENTRIES_PER_STREAM * config.max_streams,
@@ -80,6 +82,7 @@ def build_steps(
         forward = SlotForward.create(loaded, forward_config, model)
     except UnsupportedModel as exc:
         why = fall_back(exc, config.forward)
+        _check_hf_cache(loaded, config)
         return HfSteps(with_weights(loaded), config, on_failure, why=why)
     cache = forward.cache
     if draft is not None:
@@ -107,6 +110,17 @@ def build_steps(
     return steps
 
 
+def _check_hf_cache(loaded: LoadedModel, config: EngineConfig) -> None:
+    """ValueError where kv_cache_dtype asks Hugging Face's forward (its cache is in the model's
+    dtype) for another dtype."""
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    if config.kv_cache_dtype not in ("auto", dtype):
+        raise ValueError(
+            f"kv_cache_dtype {config.kv_cache_dtype}: the Hugging Face forward keeps its KV "
+            f"cache in the model's dtype ({dtype}); use kv_cache_dtype auto"
+        )
+
+
 def _draft_weights(loaded: LoadedModel, config: EngineConfig, carried: Any) -> Any:
     """speculative=draft's draft model (steps/draft_model.py DraftWeights), without a cache:
     `carried` (the draft model of the steps rebuilt), else loaded now; None in any other mode.
@@ -129,12 +143,13 @@ def _share_budget(
     (forward/slots.py draft_slots_for_budget). kv_cache_memory bounds the two caches together."""
     from dataclasses import replace
 
-    from streaming_backend.forward.runner import cache_positions
+    from streaming_backend.forward.runner import cache_dtype, cache_positions
     from streaming_backend.forward.slots import CacheBudget, draft_slots_for_budget, slot_bytes
 
     budget = forward_config.budget.resolve(loaded.device)
     max_len = cache_positions(loaded, forward_config, model)
-    slot = slot_bytes(model.shape, max_len, loaded.dtype, forward_config.window_chunk)
+    dtype = cache_dtype(forward_config, loaded.dtype, model)
+    slot = slot_bytes(model.shape, max_len, dtype, forward_config.window_chunk)
     draft_slot = draft.slot_bytes(max_len)
     slots = draft_slots_for_budget(budget, slot, draft_slot, streams)
     left = CacheBudget(bytes=budget - (slots + 1) * draft_slot)

@@ -27,7 +27,7 @@ import torch
 
 from streaming_backend.configuration.models import EngineConfig
 from streaming_backend.forward.llama import CompactLlama
-from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
+from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward, cache_dtype
 from streaming_backend.forward.slots import SlotCache, slot_bytes
 from streaming_backend.model.loading import (
     DTYPES,
@@ -223,7 +223,9 @@ def load_draft_model(source: str, loaded: LoadedModel, config: EngineConfig) -> 
     progress(f"draft model {source}")
     draft = load_model(source, dtype, str(loaded.device), weights=False)
     check_same_vocabulary(loaded, draft)
-    forward_config = ForwardConfig(quantize=resolve_quantize(config.quantize, draft))
+    forward_config = ForwardConfig(
+        quantize=resolve_quantize(config.quantize, draft), kv_cache_dtype=config.kv_cache_dtype
+    )
     try:
         model = compact_model(
             draft, forward_config.quantize, forward_config.matmul, forward_config.huge_pages
@@ -233,7 +235,8 @@ def load_draft_model(source: str, loaded: LoadedModel, config: EngineConfig) -> 
             f"the draft model {draft.name} does not run on the compact forward: {exc}"
         ) from None
     vocab = loaded.model.config.vocab_size
-    return DraftWeights(model, draft.dtype, draft.device, vocab, draft.name, draft.context_length)
+    dtype = cache_dtype(forward_config, draft.dtype, model)
+    return DraftWeights(model, dtype, draft.device, vocab, draft.name, draft.context_length)
 
 
 def check_same_vocabulary(model: LoadedModel, draft: LoadedModel) -> None:

@@ -56,6 +56,11 @@ class HfSteps:
         self._pending: list = []  # admitted, not yet prefilled
 
     @property
+    def kv_cache_dtype(self) -> str:
+        """Its DynamicCache's dtype: the model's."""
+        return str(self.loaded.dtype).removeprefix("torch.")
+
+    @property
     def weights_digest(self) -> str:
         """numerics.weights_digest of the model (with its weights, where the engine's loaded
         model may be a skeleton: load_model's weights=False), read now."""

@@ -96,6 +96,11 @@ class SlotSteps:
         return self.cache.report()
 
     @property
+    def kv_cache_dtype(self) -> str:
+        """The slot cache's dtype (forward/runner.py cache_dtype), for the numerics."""
+        return str(self.cache.dtype).removeprefix("torch.")
+
+    @property
     def draft_kv_cache(self) -> dict | None:
         """The draft model's slot cache (SlotCache.report), for /status; None without one."""
         return self.draft_model.cache.report() if self.draft_model is not None else None

@@ -4,10 +4,12 @@ Its logits against Hugging Face's are test_forward_llama.py's."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
+from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward, cache_dtype
 from streaming_backend.forward.slots import CacheBudget
 
 CONFIG = ForwardConfig(CacheBudget(bytes=64 << 20), max_len=64, max_slots=4)
@@ -164,3 +166,53 @@ def test_bad_verify_calls_are_refused(forward):
     with pytest.raises(ValueError, match="exceed"):
         forward.verify([slot], [[1] * 64])
     assert forward.cache.lengths[slot] == len(PROMPT)
+
+
+@pytest.mark.cpu_kinds  # what auto picks: the C attention kernels' build on this CPU
+def test_auto_keeps_a_float32_models_cache_in_bfloat16_on_the_kernels(tiny_loaded):
+    """A float32 model on the C kernels (int4, as served): auto keeps keys and values in
+    bfloat16 (half the bytes of float32 for the same slots), float32 keeps them as they are,
+    and the logits of the two stay close (keys and values rounded once)."""
+    int4 = replace(CONFIG, quantize="int4")
+    forwards = {
+        choice: SlotForward.create(tiny_loaded, replace(int4, kv_cache_dtype=choice))
+        for choice in ("auto", "float32", "bfloat16")
+    }
+    assert forwards["auto"].model.native
+    dtypes = {choice: f.cache.dtype for choice, f in forwards.items()}
+    assert dtypes == {"auto": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16}
+    assert 2 * forwards["auto"].cache.bytes == forwards["float32"].cache.bytes
+    assert forwards["auto"].cache.report()["dtype"] == "bfloat16"
+    logits = {}
+    for choice in ("auto", "float32"):
+        forward = forwards[choice]
+        slot = forward.cache.allocate()
+        steps = [forward.prefill([PromptChunk(slot, PROMPT)])]
+        steps += [forward.decode([slot], [token]) for token in (20, 30, 40)]
+        logits[choice] = torch.cat(steps)
+    ours, exact = logits["auto"], logits["float32"]
+    assert not torch.equal(ours, exact)  # the cache's rounding reaches the logits
+    close = torch.nn.functional.cosine_similarity(ours, exact, dim=-1)
+    assert close.min() > 0.999, close
+
+
+def test_a_cache_in_another_dtype_where_torch_reads_it_is_refused(tiny_loaded):
+    """Where torch's attention reads the cache (unquantized or on torch's weight-only matmuls
+    the native layers are off; a compiled step), auto keeps the model's dtype and bfloat16 is
+    refused, naming why; float32, the model's own, is taken."""
+    assert SlotForward.create(tiny_loaded, CONFIG).cache.dtype == torch.float32  # unquantized
+    aten = replace(CONFIG, quantize="int8", matmul="aten")
+    assert SlotForward.create(tiny_loaded, aten).cache.dtype == torch.float32
+    with pytest.raises(ValueError, match="kv_cache_dtype bfloat16: .*C attention kernels"):
+        SlotForward.create(tiny_loaded, replace(aten, kv_cache_dtype="bfloat16"))
+    model = SlotForward.create(tiny_loaded, replace(CONFIG, quantize="int4")).model
+    assert model.native
+    compiled = replace(CONFIG, quantize="int4", compile=True)
+    assert cache_dtype(compiled, torch.float32, model) == torch.float32
+    with pytest.raises(ValueError, match="use kv_cache_dtype auto"):
+        cache_dtype(replace(compiled, kv_cache_dtype="bfloat16"), torch.float32, model)
+    assert cache_dtype(replace(compiled, kv_cache_dtype="float32"), torch.float32, model) == (
+        torch.float32
+    )
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16"):
+        cache_dtype(replace(CONFIG, kv_cache_dtype="fp8"), torch.float32, model)

@@ -173,6 +173,7 @@ def test_rings_are_counted_so_a_budget_holds_more_slots():
     assert small.report() == {
         "slots": 3,
         "positions": 2048,
+        "dtype": "bfloat16",
         "bytes": small.bytes,
         "ring_layers": 22,
         "ring_rows": [575],

@@ -33,7 +33,10 @@ def test_the_native_layers_compute_what_the_torch_layers_do(tiny_model_dir, fami
             loaded = load_model(str(tiny_model_dir), dtype=dtype, device="cpu")
         else:
             loaded = tiny_config_model(family, getattr(torch, dtype))
-        config = ForwardConfig(CacheBudget(bytes=64 << 20), max_len=128, max_slots=4, quantize=kind)
+        # the cache in the model's dtype: torch's layers read it too
+        config = ForwardConfig(
+            CacheBudget(bytes=64 << 20), 128, 4, quantize=kind, kv_cache_dtype=dtype
+        )
         forward = SlotForward.create(loaded, config)
         assert forward.model.native
         forward.model.native = use_native

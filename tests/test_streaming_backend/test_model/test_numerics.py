@@ -19,6 +19,7 @@ FACTS = Numerics(
     model="SmolLM2-135M-Instruct",
     weights="0123456789abcdef",
     dtype="bfloat16",
+    kv_cache="bfloat16",
     quantize="int4",
     quantize_group=32,
     head="int8",
@@ -55,11 +56,18 @@ def test_every_fact_changes_the_fingerprint(name):
     assert changed.fingerprint != FACTS.fingerprint
 
 
-def steps(name: str, quantize: str = "none", decode_path: str = "eager", attention: str = "torch"):
+def steps(
+    name: str,
+    quantize: str = "none",
+    decode_path: str = "eager",
+    attention: str = "torch",
+    kv_cache_dtype: str = "float32",
+):
     """What describe reads of a forward's steps (no digest of their own: the loaded model's)."""
     matmul = "hf" if name == "hf" else ("dense" if quantize == "none" else "c-avx2")
     return SimpleNamespace(
         name=name,
+        kv_cache_dtype=kv_cache_dtype,
         quantize=quantize,
         decode_path=decode_path,
         attention=attention,
@@ -71,8 +79,9 @@ def steps(name: str, quantize: str = "none", decode_path: str = "eager", attenti
 def test_describe_names_the_compact_forward_with_its_weights_and_kernels(tiny_loaded):
     """The compact forward with int4 weights: the group size and the int8 head are facts, the
     kernels are torch's CPU dispatch level, transformers' version is not (it computes nothing)."""
-    numerics = describe(tiny_loaded, steps("compact", "int4"))
+    numerics = describe(tiny_loaded, steps("compact", "int4", kv_cache_dtype="bfloat16"))
     assert numerics.model == tiny_loaded.name and numerics.dtype == "float32"
+    assert numerics.kv_cache == "bfloat16"
     assert (numerics.quantize, numerics.quantize_group, numerics.head) == (
         "int4",
         INT4_GROUP,

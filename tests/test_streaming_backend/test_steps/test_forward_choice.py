@@ -34,12 +34,12 @@ def outside_loaded() -> LoadedModel:
 def test_the_compact_forward_names_its_weights_and_kernels(tiny_loaded):
     """A family of the compact forward runs on it: no reason to give, and the weight format,
     matmul and attention it runs with, and its KV cache (no rings: the tiny Llama has no
-    sliding window), as JSON."""
+    sliding window; bfloat16, as auto keeps a float32 model's on our kernels), as JSON."""
     steps = build_steps(tiny_loaded, EngineConfig(quantize="int4"), no_failures)
     choice = ForwardChoice.of(steps)
     cache = steps.cache
-    kv_cache = {"slots": cache.slots, "positions": cache.max_len, "bytes": cache.bytes}
-    kv_cache |= {"ring_layers": 0, "ring_rows": []}
+    kv_cache = {"slots": cache.slots, "positions": cache.max_len, "dtype": "bfloat16"}
+    kv_cache |= {"bytes": cache.bytes, "ring_layers": 0, "ring_rows": []}
     assert choice == ForwardChoice("compact", None, "int4", steps.matmul, steps.attention, kv_cache)
     assert choice.matmul not in ("hf", "dense") and choice.attention != "hf"
     assert json.loads(json.dumps(choice.as_dict())) == {

@@ -8,8 +8,10 @@ import dataclasses
 import re
 
 import pytest
+import torch
 
 from streaming_backend.configuration.models import EngineConfig
+from streaming_backend.model.numerics import describe
 from streaming_backend.steps import slots as slot_steps
 from streaming_backend.steps.build import (
     PREFIX_ENTRIES_PER_STREAM,
@@ -140,3 +142,30 @@ def test_forward_hf_builds_hugging_faces_steps_with_the_prompt_cap(tiny_loaded):
         tiny_loaded, EngineConfig(forward="hf", max_prefill_tokens=300), no_failures
     )
     assert isinstance(steps, HfSteps) and steps.prompt_tokens_per_step == 300
+
+
+@pytest.mark.cpu_kinds  # what auto picks: our kernels on this CPU
+def test_the_kv_cache_dtype_reaches_both_caches_and_the_numerics(tiny_loaded, tiny_model_dir):
+    """kv_cache_dtype auto keeps the float32 tiny model's cache (int4 on our kernels, as auto
+    quantizes it here) and a draft model's in bfloat16, float32 keeps both in float32; the
+    numerics name it, so the fingerprints differ. The Hugging Face forward keeps its cache in
+    the model's dtype: bfloat16 is refused with the reason, auto and float32 are taken."""
+    draft = {"speculative": "draft", "draft_model": str(tiny_model_dir)}
+    built = {
+        choice: compact(tiny_loaded, max_len=64, kv_cache_dtype=choice, **draft)
+        for choice in ("auto", "float32")
+    }
+    for choice, dtype in (("auto", torch.bfloat16), ("float32", torch.float32)):
+        steps = built[choice]
+        assert steps.cache.dtype == steps.draft_model.cache.dtype == dtype
+        assert steps.kv_cache_dtype == str(dtype).removeprefix("torch.")
+    facts = {choice: describe(tiny_loaded, steps) for choice, steps in built.items()}
+    assert (facts["auto"].kv_cache, facts["float32"].kv_cache) == ("bfloat16", "float32")
+    assert facts["auto"].fingerprint != facts["float32"].fingerprint
+    with pytest.raises(ValueError, match="the Hugging Face forward keeps its KV cache"):
+        build_steps(tiny_loaded, EngineConfig(forward="hf", kv_cache_dtype="bfloat16"), no_failures)
+    for choice in ("auto", "float32"):
+        hf = build_steps(tiny_loaded, EngineConfig(forward="hf", kv_cache_dtype=choice), no_failures)
+        assert hf.kv_cache_dtype == "float32"
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16"):
+        EngineConfig(kv_cache_dtype="fp8")
