@@ -141,9 +141,17 @@ static __attribute__((noinline)) void columns(const Matmul *c, int kind, int64_t
             amx_columns(c, kind, first, last);
             return;
         }
+        /* the rows in as few groups of at most ROWS as hold them, as even as they go (9: 5 and
+         * 4, not 8 and 1): a group of one row is latency-bound, its dot chains one after the
+         * other, where a group of several overlaps its rows' chains */
+        const int64_t groups = (c->m + ROWS - 1) / ROWS, base = c->m / (groups ? groups : 1);
+        const int64_t wider = c->m - base * groups;  /* the first `wider` groups take base + 1 */
         for (int64_t col = first; col < last && !team_taken(c->taken); col += TILE)
-            for (int64_t row = 0; row < c->m; row += ROWS)
-                quant_tiles(c, kind, row, c->m - row < ROWS ? (int)(c->m - row) : ROWS, col);
+            for (int64_t g = 0, row = 0; g < groups; g++) {
+                const int R = (int)(base + (g < wider));
+                quant_tiles(c, kind, row, R, col);
+                row += R;
+            }
         return;
     }
     for (int64_t chunk = first; chunk < last && !team_taken(c->taken); chunk += COL_CHUNK) {
