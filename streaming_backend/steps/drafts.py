@@ -54,8 +54,11 @@ class NgramIndex:
             self.tokens.append(token)
 
     def propose(self, count: int) -> list[int]:
-        """Up to `count` tokens that followed the latest earlier occurrence of the sequence's
-        longest indexed suffix; [] when no suffix occurred before."""
+        """`count` tokens that followed the latest earlier occurrence of the sequence's longest
+        indexed suffix; [] when no suffix occurred before. Where that continuation reaches the
+        end of the sequence (the suffix recurs every p = end - at tokens: a loop, a repeated
+        line), it goes on around the same p tokens, as the text would if it kept repeating:
+        a loop's drafts are as long as any, not p tokens."""
         if count <= 0:
             return []
         end = len(self.tokens)
@@ -64,7 +67,8 @@ class NgramIndex:
                 continue
             at = after.get(tuple(self.tokens[end - n :]))
             if at is not None:
-                return self.tokens[at : at + count]
+                period = end - at
+                return [self.tokens[at + i % period] for i in range(count)]
         return []
 
 

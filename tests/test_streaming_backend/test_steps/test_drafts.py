@@ -19,7 +19,9 @@ def _index(tokens) -> NgramIndex:
     "tokens, count, proposed",
     [
         ([1, 2, 3, 4, 5, 9, 2, 3], 3, [4, 5, 9]),  # "2 3" seen before: what followed it
-        ([1, 2, 3, 4, 5, 9, 2, 3], 10, [4, 5, 9, 2, 3]),  # up to the end of the context
+        # past the end of the context, around the 5 tokens since "2 3" recurred
+        ([1, 2, 3, 4, 5, 9, 2, 3], 10, [4, 5, 9, 2, 3, 4, 5, 9, 2, 3]),
+        ([8, 1, 2, 1, 2], 5, [1, 2, 1, 2, 1]),  # a loop of two: drafts as long as asked
         ([7, 2, 3, 4, 8, 2, 3, 5, 1, 2, 3], 2, [5, 1]),  # the latest occurrence wins
         ([1, 2, 3, 4, 6, 2, 3, 5, 9, 2, 3, 4], 2, [6, 2]),  # the longest suffix first: "2 3 4"
         ([1, 2, 3, 4, 5], 3, []),  # no suffix occurred before
@@ -28,7 +30,8 @@ def _index(tokens) -> NgramIndex:
     ],
 )
 def test_a_suffix_seen_before_proposes_what_followed_it(tokens, count, proposed):
-    """The table: the newest 3 or 2 tokens looked up, longest first, latest occurrence."""
+    """The table: the newest 3 or 2 tokens looked up, longest first, latest occurrence; a
+    continuation that reaches the end goes around again."""
     assert _index(tokens).propose(count) == proposed
 
 
