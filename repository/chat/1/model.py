@@ -29,6 +29,7 @@ from streaming_backend.adapter.response import ResponseBuilder
 from streaming_backend.adapter.sender import Sender
 from streaming_backend.configuration.models import ModelSettings
 from streaming_backend.engine import Engine
+from streaming_backend.heap import freeze_loaded_objects
 from streaming_backend.launcher.startup import announce_initialized
 from streaming_backend.model.loading import instance_device, load_model, progress
 from streaming_backend.prompts import encode_prompt
@@ -70,6 +71,7 @@ class TritonPythonModel:
         self.outbox = Outbox(
             self.engine, Sender(pb_utils), metrics, self.control, self.settings.cancel_check_s
         ).start()
+        freeze_loaded_objects()  # the load's objects out of every later full collection (heap.py)
         announce_initialized(args)  # last: a start that hangs after this is told from a slow one
 
     def execute(self, requests):

@@ -25,6 +25,7 @@ from streaming_backend.dialogue.convert import (
 )
 from streaming_backend.dialogue.generation import Generator
 from streaming_backend.errors import StreamingError
+from streaming_backend.heap import freeze_loaded_objects
 from streaming_backend.launcher.startup import announce_initialized
 from streaming_backend.model.loading import instance_device, load_model
 from streaming_backend.wire import DIALOGUE_INPUT_NAMES
@@ -55,6 +56,7 @@ class TritonPythonModel:
         self.metrics = DialogueMetrics(
             pb_utils.MetricFamily, args["model_name"], args["model_version"]
         )
+        freeze_loaded_objects()  # the load's objects out of every later full collection (heap.py)
         announce_initialized(args)  # last: a start that hangs after this is told from a slow one
 
     def execute(self, requests):
