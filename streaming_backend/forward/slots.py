@@ -189,7 +189,8 @@ class SlotCache:
 
     def report(self) -> dict[str, Any]:
         """What the cache holds, for /status: slots, positions per slot, its dtype, bytes (the
-        scratch slot's included), and how many layers keep a ring of how many rows (0, [] when none)."""
+        scratch slot's included), and how many layers keep a ring of how many rows (0, [] when
+        none)."""
         return {
             "slots": self.slots,
             "positions": self.max_len,

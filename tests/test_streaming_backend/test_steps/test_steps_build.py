@@ -165,7 +165,9 @@ def test_the_kv_cache_dtype_reaches_both_caches_and_the_numerics(tiny_loaded, ti
     with pytest.raises(ValueError, match="the Hugging Face forward keeps its KV cache"):
         build_steps(tiny_loaded, EngineConfig(forward="hf", kv_cache_dtype="bfloat16"), no_failures)
     for choice in ("auto", "float32"):
-        hf = build_steps(tiny_loaded, EngineConfig(forward="hf", kv_cache_dtype=choice), no_failures)
+        hf = build_steps(
+            tiny_loaded, EngineConfig(forward="hf", kv_cache_dtype=choice), no_failures
+        )
         assert hf.kv_cache_dtype == "float32"
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16"):
         EngineConfig(kv_cache_dtype="fp8")
