@@ -10,7 +10,11 @@ request runs twice, once with `speculate` false (plain decoding) and
 once with it true, alternated (which goes first alternates too), so both see the same machine.
 Sets: `copy` (prompts whose answer copies its context: code edits, corrections, lists, quoting,
 in English and Chinese, below), `chat` (the shipped chats, streaming_backend/data), and `crowd`
-(16 chats at once). A set's figures are its tokens over its seconds, each way: of the decode
+(16 chats at once). A request to copy is not an answer that copies: a small model may answer a
+rename with an explanation. So each copy prompt's line gives the share of its plain answer's
+tokens that lie in a run of 4 tokens its prompt holds too, and the `copying` line sums the copy
+prompts whose plain answers copy at least half their tokens (the text speculation is for).
+A set's figures are its tokens over its seconds, each way: of the decode
 steps (the first token to the last, the tokens after each stream's first: what speculation
 speeds up) and end to end (submission to the last token, prefill included: the same either way).
 Ratios are with over without; the median pair is the median of each prompt's decode seconds
@@ -25,7 +29,7 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from streaming_backend.engine import Engine, EngineConfig
 from streaming_backend.model.loading import load_model
@@ -75,7 +79,33 @@ COPY_PROMPTS = (
         "等许多领域。",
     ),
     ("zh-code", f"把这个函数里的变量 s 改名为 subtotal，完整地给出整个函数。\n\n{CODE}"),
+    (
+        "repeat",
+        "Repeat the following text exactly, word for word:\n\nThe quick brown fox jumps over the "
+        "lazy dog near the river bank, while the farmer watches from his porch and drinks his "
+        "morning coffee.",
+    ),
+    (
+        "zh-repeat",
+        "请一字不差地重复下面这段话：春天来了，公园里的花都开了，孩子们在草地上放风筝，"
+        "老人们坐在长椅上聊天。",
+    ),
 )
+
+COPIED_GRAM = 4  # an answer's token is copied where it lies in a 4-gram the prompt holds
+COPYING = 0.5  # a copying answer: at least half its tokens copied
+
+
+def copied_fraction(answer: list[int], prompt: list[int]) -> float:
+    """The share of the answer's tokens that lie in some run of COPIED_GRAM tokens found in the
+    prompt too: how much of it copies its context, whatever was asked."""
+    n = COPIED_GRAM
+    grams = {tuple(prompt[i : i + n]) for i in range(len(prompt) - n + 1)}
+    covered = [False] * len(answer)
+    for i in range(len(answer) - n + 1):
+        if tuple(answer[i : i + n]) in grams:
+            covered[i : i + n] = [True] * n
+    return sum(covered) / len(answer) if answer else 0.0
 
 
 @dataclass
@@ -118,14 +148,29 @@ def _run(engine: Engine, prompts: list[list[int]], settings: SamplingSettings) -
     return Run(outputs, seconds, (max(emitted) - min(emitted)) / 1e9 if emitted else 0.0)
 
 
-def measure(engine, sets, settings, rounds):
-    """Per set: (plain Tally, speculative Tally, identical answers, answers, each pair's speedup:
-    plain seconds over speculative seconds of the same prompts, one after the other)."""
+@dataclass
+class Group:
+    """One group's figures over the rounds, each way."""
+
+    plain: Tally
+    spec: Tally
+    same: int = 0  # identical answers
+    total: int = 0  # answers
+    pairs: list[float] = field(
+        default_factory=list
+    )  # plain over speculative decode seconds, each round
+    copied: float = 0.0  # of the plain answers' tokens, the share copied from their prompts
+
+
+def measure(engine, sets, settings, rounds) -> dict[str, list[Group]]:
+    """Per set, per group of prompts: its Group."""
     results = {}
     for name, groups in sets.items():
-        plain, spec, same, total, pairs = Tally(), Tally(), 0, 0, []
+        results[name] = [Group(Tally(), Tally()) for _ in groups]
         for round_ in range(rounds):
             for index, prompts in enumerate(groups):
+                group = results[name][index]
+                plain, spec = group.plain, group.spec
                 ways = [False, True] if (round_ + index) % 2 == 0 else [True, False]
                 got, seconds_of = {}, {}
                 for way in ways:
@@ -137,11 +182,26 @@ def measure(engine, sets, settings, rounds):
                     tally.decode_seconds += run.decode_seconds
                     got[way], seconds_of[way] = run.outputs, run.decode_seconds
                 if seconds_of[True] > 0:
-                    pairs.append(seconds_of[False] / seconds_of[True])
-                same += sum(a == b for a, b in zip(got[False], got[True]))
-                total += len(prompts)
-        results[name] = (plain, spec, same, total, pairs)
+                    group.pairs.append(seconds_of[False] / seconds_of[True])
+                group.same += sum(a == b for a, b in zip(got[False], got[True]))
+                group.total += len(prompts)
+                answers = [(a, p) for a, p in zip(got[False], prompts)]
+                copied = sum(copied_fraction(a, p) * len(a) for a, p in answers)
+                group.copied = copied / max(1, sum(len(a) for a, _ in answers))
     return results
+
+
+def combined(groups: list[Group]) -> tuple[Tally, Tally, int, int, list[float]]:
+    """The groups' figures together: plain, speculative, identical, answers, pairs."""
+    plain, spec = Tally(), Tally()
+    for way, tallies in ((plain, [g.plain for g in groups]), (spec, [g.spec for g in groups])):
+        for t in tallies:
+            way.tokens += t.tokens
+            way.seconds += t.seconds
+            way.decoded += t.decoded
+            way.decode_seconds += t.decode_seconds
+    pairs = [p for g in groups for p in g.pairs]
+    return plain, spec, sum(g.same for g in groups), sum(g.total for g in groups), pairs
 
 
 def main() -> None:
@@ -183,8 +243,17 @@ def main() -> None:
         _run(engine, copy[0], replace(settings, max_tokens=8))  # warm up
         results = measure(engine, sets, settings, args.rounds)
         counts = engine.draft_counts
+    if "copy" in results:  # each prompt, then those whose plain answer does copy its context
+        for (label, _), group in zip(COPY_PROMPTS, results["copy"]):
+            ratio = (
+                group.spec.decode_rate / group.plain.decode_rate if group.plain.decode_rate else 0
+            )
+            answer = group.plain.tokens // max(1, args.rounds)
+            print(f"  {label:14s} {answer:4d} tokens, {group.copied:4.0%} copied: {ratio:.2f}x")
+        results["copying"] = [g for g in results["copy"] if g.copied >= COPYING]
     report = {}
-    for name, (plain, spec, same, total, pairs) in results.items():
+    for name, groups in results.items():
+        plain, spec, same, total, pairs = combined(groups)
         ratio = spec.rate / plain.rate if plain.rate else 0.0
         decode = spec.decode_rate / plain.decode_rate if plain.decode_rate else 0.0
         median = statistics.median(pairs) if pairs else 0.0
