@@ -127,6 +127,13 @@ class Tally:
     def decode_rate(self) -> float:
         return self.decoded / self.decode_seconds if self.decode_seconds else 0.0
 
+    def add(self, other: Tally) -> None:
+        """Count `other`'s tokens and seconds in too."""
+        self.tokens += other.tokens
+        self.seconds += other.seconds
+        self.decoded += other.decoded
+        self.decode_seconds += other.decode_seconds
+
 
 @dataclass
 class Run:
@@ -156,9 +163,8 @@ class Group:
     spec: Tally
     same: int = 0  # identical answers
     total: int = 0  # answers
-    pairs: list[float] = field(
-        default_factory=list
-    )  # plain over speculative decode seconds, each round
+    # plain over speculative decode seconds, each round
+    pairs: list[float] = field(default_factory=list)
     copied: float = 0.0  # of the plain answers' tokens, the share copied from their prompts
 
 
@@ -170,12 +176,11 @@ def measure(engine, sets, settings, rounds) -> dict[str, list[Group]]:
         for round_ in range(rounds):
             for index, prompts in enumerate(groups):
                 group = results[name][index]
-                plain, spec = group.plain, group.spec
                 ways = [False, True] if (round_ + index) % 2 == 0 else [True, False]
                 got, seconds_of = {}, {}
                 for way in ways:
                     run = _run(engine, prompts, replace(settings, speculate=way))
-                    tally = spec if way else plain
+                    tally = group.spec if way else group.plain
                     tally.tokens += sum(len(o) for o in run.outputs)
                     tally.seconds += run.seconds
                     tally.decoded += sum(max(len(o) - 1, 0) for o in run.outputs)
@@ -185,21 +190,20 @@ def measure(engine, sets, settings, rounds) -> dict[str, list[Group]]:
                     group.pairs.append(seconds_of[False] / seconds_of[True])
                 group.same += sum(a == b for a, b in zip(got[False], got[True]))
                 group.total += len(prompts)
-                answers = [(a, p) for a, p in zip(got[False], prompts)]
-                copied = sum(copied_fraction(a, p) * len(a) for a, p in answers)
-                group.copied = copied / max(1, sum(len(a) for a, _ in answers))
+                if round_ == 0:  # plain answers are the same every round
+                    copied = sum(
+                        copied_fraction(a, p) * len(a) for a, p in zip(got[False], prompts)
+                    )
+                    group.copied = copied / max(1, sum(len(a) for a in got[False]))
     return results
 
 
 def combined(groups: list[Group]) -> tuple[Tally, Tally, int, int, list[float]]:
     """The groups' figures together: plain, speculative, identical, answers, pairs."""
     plain, spec = Tally(), Tally()
-    for way, tallies in ((plain, [g.plain for g in groups]), (spec, [g.spec for g in groups])):
-        for t in tallies:
-            way.tokens += t.tokens
-            way.seconds += t.seconds
-            way.decoded += t.decoded
-            way.decode_seconds += t.decode_seconds
+    for group in groups:
+        plain.add(group.plain)
+        spec.add(group.spec)
     pairs = [p for g in groups for p in g.pairs]
     return plain, spec, sum(g.same for g in groups), sum(g.total for g in groups), pairs
 
