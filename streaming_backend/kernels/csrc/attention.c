@@ -159,7 +159,8 @@ static void attend_one(const Call *c, int64_t token, int64_t head, int64_t g_fir
         for (int piece = 0; piece < 2 && piece_rows[piece] > 0; piece++)
             values_group(c, acc, scores, g, G, piece_at[piece], piece_rows[piece], piece ? before_end : 0, piece);
     }
-    for (int64_t i = g_first * d; i < g_last * d; i++) result[q_at + i - result_at] = acc[i] * inverse[i / d];
+    for (int64_t g = g_first; g < g_last; g++)
+        for (int64_t i = g * d; i < (g + 1) * d; i++) result[q_at + i - result_at] = acc[i] * inverse[g];
 }
 
 /* Every (token, key/value head, query head) of c on the call's threads, a contiguous run of
@@ -248,18 +249,37 @@ int ts_exact_attention(int dtype, const void *q, const void *k, const void *v, v
     return status;
 }
 
+/* d float32 values into `to` at to_at, as to_dtype (the cache's bfloat16 rounded as store1 rounds). */
+static void put_floats(void *to, int64_t to_at, int to_dtype, const float *values, int64_t d) {
+    if (to_dtype == TS_F32) {
+        memcpy((float *)to + to_at, values, (size_t)d * sizeof(float));
+        return;
+    }
+    uint16_t *out = (uint16_t *)to + to_at;
+    for (int64_t i = 0; i < d; i++) out[i] = f32_to_bf16(values[i]);
+}
+
 /* x rotated by RoPE (Hugging Face's rotate_half: the first half pairs with the second) into `to`
  * at to_at, d values; cos and sin rows of the position at cs_at (in x's dtype). In float32,
- * rounded once to to_dtype. */
+ * rounded once to to_dtype: x * cos + turned * sin, both products rounded, then their sum. Float32
+ * inputs (every forward on this CPU path) in loops the compiler puts in lanes, the same operations
+ * on each value; others one value at a time. */
 static void rotate(void *to, int64_t to_at, int to_dtype, const void *x, int64_t x_at, const void *cos,
                    const void *sin, int64_t cs_at, int64_t d, int dtype) {
     const int64_t half = d / 2;
-    for (int64_t i = 0; i < d; i++) {
-        const float partner = load1(x, x_at + (i < half ? i + half : i - half), dtype);
-        const float turned = i < half ? -partner : partner;
-        const float value = load1(x, x_at + i, dtype) * load1(cos, cs_at + i, dtype) + turned * load1(sin, cs_at + i, dtype);
-        store1(to, to_at + i, to_dtype, value);
+    float value[d];
+    if (dtype == TS_F32) {
+        const float *xs = (const float *)x + x_at, *c = (const float *)cos + cs_at, *s = (const float *)sin + cs_at;
+        for (int64_t i = 0; i < half; i++) value[i] = xs[i] * c[i] + -xs[i + half] * s[i];
+        for (int64_t i = half; i < d; i++) value[i] = xs[i] * c[i] + xs[i - half] * s[i];
+    } else {
+        for (int64_t i = 0; i < d; i++) {
+            const float partner = load1(x, x_at + (i < half ? i + half : i - half), dtype);
+            const float turned = i < half ? -partner : partner;
+            value[i] = load1(x, x_at + i, dtype) * load1(cos, cs_at + i, dtype) + turned * load1(sin, cs_at + i, dtype);
+        }
     }
+    put_floats(to, to_at, to_dtype, value, d);
 }
 
 /* One decoder layer's attention from its q/k/v projection: RoPE on each token's query and key
@@ -298,6 +318,10 @@ int rope_attention(TeamCall *call, int dtype, int cache_dtype, const void *qkv, 
             const int64_t cache_at = ((places[t] * kv_heads + h) * rows + positions[t] % rows) * d;
             rotate(k, cache_at, cache_dtype, qkv, at + (heads + h) * d, cos, sin, cs_at, d, dtype);
             const int64_t v_at = at + (heads + kv_heads + h) * d;
+            if (dtype == TS_F32) {
+                put_floats(v, cache_at, cache_dtype, (const float *)qkv + v_at, d);
+                continue;
+            }
             for (int64_t i = 0; i < d; i++) store1(v, cache_at + i, cache_dtype, load1(qkv, v_at + i, dtype));
         }
     }
