@@ -275,13 +275,35 @@ static void columns_compute(const void *args, int64_t chunk, void *scratch, cons
     columns(&c, a->kind, first, last);
 }
 
+/* finish for a float32 y's run of `count` columns from col of one row (sums: their products),
+ * in a loop the compiler puts in lanes: the same additions, in the same order, as finish's. */
+static void finish_f32(const Matmul *c, int64_t row, int64_t col, int64_t count, const float *sums) {
+    float *y = (float *)c->y + row * c->n + col;
+    const float *bias = c->bias != NULL ? (const float *)c->bias + col : NULL;
+    const float *residual = c->residual != NULL ? (const float *)c->residual + row * c->n + col : NULL;
+    if (bias != NULL && residual != NULL)
+        for (int64_t i = 0; i < count; i++) y[i] = residual[i] + (sums[i] + bias[i]);
+    else if (bias != NULL)
+        for (int64_t i = 0; i < count; i++) y[i] = sums[i] + bias[i];
+    else if (residual != NULL)
+        for (int64_t i = 0; i < count; i++) y[i] = residual[i] + sums[i];
+    else
+        memcpy(y, sums, (size_t)count * sizeof(float));
+}
+
 static void columns_store(const void *args, int64_t chunk, const void *scratch) {
     const ColumnsArgs *a = args;
     const float *sums = scratch;
     int64_t first, last;
     chunk_columns(a, chunk, &first, &last);
-    for (int64_t r = 0; r < a->c.m; r++)
-        for (int64_t col = first; col < last; col++) finish(&a->c, r, col, sums[r * (last - first) + col - first]);
+    for (int64_t r = 0; r < a->c.m; r++) {
+        const float *row = sums + r * (last - first);
+        if (a->c.dtype == TS_F32) {
+            finish_f32(&a->c, r, first, last - first, row);
+            continue;
+        }
+        for (int64_t col = first; col < last; col++) finish(&a->c, r, col, row[col - first]);
+    }
 }
 
 /* x's rows through the prologue and quantized (dense: kept as float32), then every y[r, c], on
