@@ -33,6 +33,17 @@ static inline __attribute__((always_inline)) void emit_q8_rows(const Matmul *c, 
     }
 }
 
+/* acc + the dot products of w's bytes (unsigned) with the 4 activation bytes at p (signed),
+ * broadcast from memory by the instruction itself ({1to16}): one fused micro-op, where gcc turns
+ * _mm512_dpbusd_epi32 of _mm512_set1_epi32 into a vpbroadcastd and a vpdpbusd. With 16 dot products
+ * a row and block, the separate broadcasts were a third of a tile's instructions: at 8 and 16 rows
+ * the q4 tiles take 1.06-1.15x and the q8 ones 1.26-1.32x less time (one thread, in-process A/B).
+ * The same products and sums. */
+static inline __attribute__((always_inline)) __m512i dot_at(__m512i acc, __m512i w, const int8_t *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)p));
+    return acc;
+}
+
 /* The 16 weight rows' D = l . v = 16 (l . q) + l . r of one block, exact int32 in lanes, from l
  * (lo[p]: inputs 4p.., hi[p]: inputs 16 + 4p.., as the layout pairs them) and 16 l (lo16, hi16:
  * bytes up to 240, still unsigned bytes): 16 l . q and l . r go into the same integer sums, so
@@ -43,20 +54,20 @@ static inline __m512i q4_dot(const __m512i lo[4], const __m512i hi[4], const __m
     const __m512i zero = _mm512_setzero_si512();
     __m512i a[4];
     for (int p = 0; p < 4; p += 2) {
-        a[p] = _mm512_dpbusd_epi32(zero, lo16[p], _mm512_set1_epi32(four(q + 4 * p)));
-        a[p + 1] = _mm512_dpbusd_epi32(zero, hi16[p], _mm512_set1_epi32(four(q + 16 + 4 * p)));
+        a[p] = dot_at(zero, lo16[p], q + 4 * p);
+        a[p + 1] = dot_at(zero, hi16[p], q + 16 + 4 * p);
     }
     for (int p = 0; p < 4; p += 2) {
-        a[p] = _mm512_dpbusd_epi32(a[p], lo16[p + 1], _mm512_set1_epi32(four(q + 4 * p + 4)));
-        a[p + 1] = _mm512_dpbusd_epi32(a[p + 1], hi16[p + 1], _mm512_set1_epi32(four(q + 20 + 4 * p)));
+        a[p] = dot_at(a[p], lo16[p + 1], q + 4 * p + 4);
+        a[p + 1] = dot_at(a[p + 1], hi16[p + 1], q + 20 + 4 * p);
     }
     for (int p = 0; p < 4; p += 2) {
-        a[p] = _mm512_dpbusd_epi32(a[p], lo[p], _mm512_set1_epi32(four(r + 4 * p)));
-        a[p + 1] = _mm512_dpbusd_epi32(a[p + 1], hi[p], _mm512_set1_epi32(four(r + 16 + 4 * p)));
+        a[p] = dot_at(a[p], lo[p], r + 4 * p);
+        a[p + 1] = dot_at(a[p + 1], hi[p], r + 16 + 4 * p);
     }
     for (int p = 0; p < 4; p += 2) {
-        a[p] = _mm512_dpbusd_epi32(a[p], lo[p + 1], _mm512_set1_epi32(four(r + 4 * p + 4)));
-        a[p + 1] = _mm512_dpbusd_epi32(a[p + 1], hi[p + 1], _mm512_set1_epi32(four(r + 20 + 4 * p)));
+        a[p] = dot_at(a[p], lo[p + 1], r + 4 * p + 4);
+        a[p + 1] = dot_at(a[p + 1], hi[p + 1], r + 20 + 4 * p);
     }
     return _mm512_add_epi32(_mm512_add_epi32(a[0], a[1]), _mm512_add_epi32(a[2], a[3]));
 }
@@ -115,14 +126,14 @@ static inline __attribute__((always_inline)) void q8_tile(const Matmul *c, int64
             const __m512i zero = _mm512_setzero_si512();
             __m512i a = zero, e = zero;
             for (int i = 0; i < 8; i += 2) {
-                a = _mm512_dpbusd_epi32(a, u[i], _mm512_set1_epi32(four(q + 4 * i)));
-                e = _mm512_dpbusd_epi32(e, u[i + 1], _mm512_set1_epi32(four(q + 4 * i + 4)));
+                a = dot_at(a, u[i], q + 4 * i);
+                e = dot_at(e, u[i + 1], q + 4 * i + 4);
             }
             a = _mm512_slli_epi32(_mm512_add_epi32(a, e), V_SHIFT);
             e = _mm512_sub_epi32(zero, _mm512_set1_epi32(c->xq.sv[ds]));
             for (int i = 0; i < 8; i += 2) {
-                a = _mm512_dpbusd_epi32(a, u[i], _mm512_set1_epi32(four(rest + 4 * i)));
-                e = _mm512_dpbusd_epi32(e, u[i + 1], _mm512_set1_epi32(four(rest + 4 * i + 4)));
+                a = dot_at(a, u[i], rest + 4 * i);
+                e = dot_at(e, u[i + 1], rest + 4 * i + 4);
             }
             const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(a, e));
             acc[r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(c->xq.d[ds]), acc[r]);
