@@ -36,14 +36,14 @@ import streaming_backend  # noqa: F401 - before torch: OpenMP's wait policy, as 
 
 # isort: split
 import torch
+from forward_bench import prompt_ids  # this folder's
 
 from streaming_backend.forward import quant
 from streaming_backend.forward.runner import ForwardConfig, PromptChunk, SlotForward
 from streaming_backend.forward.slots import CacheBudget
 from streaming_backend.kernels import build, stack
 from streaming_backend.kernels.matmul import MatmulKernel
-from streaming_backend.model.loading import LoadedModel, load_model
-from streaming_backend.prompts import encode_prompt, load_chat_prompts
+from streaming_backend.model.loading import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = "streaming_backend/kernels/csrc"
@@ -54,9 +54,8 @@ class Build:
     """One build of the kernels as the forward takes it: the decoder stack and the matmuls."""
 
     name: str
-    library: ctypes.CDLL
     matmul: MatmulKernel
-    stack: stack.DecoderStack | None = None
+    stack: stack.DecoderStack
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -98,21 +97,12 @@ def compile_kernels(csrc: Path, target: Path) -> Path:
     cc = build.compiler()
     if cc is None:
         raise SystemExit("kernel_ab: no C compiler")
-    sources = sorted(str(p) for p in csrc.glob("*.c"))
-    command = [cc, *build.flags(build.variant(), cc), "-o", str(target), *sources, "-lm"]
-    compiled = subprocess.run(command, capture_output=True, text=True, check=False)
-    if compiled.returncode:
-        raise SystemExit(f"kernel_ab: building the kernels of {csrc} failed:\n{compiled.stderr}")
+    try:
+        build.compile_library(cc, build.variant(), target, csrc)
+    except subprocess.CalledProcessError as exc:
+        message = f"kernel_ab: building the kernels of {csrc} failed:\n{exc.stderr}"
+        raise SystemExit(message) from None
     return target
-
-
-def prompt_ids(loaded: LoadedModel, batch: int, length: int) -> list[list[int]]:
-    """B prompts of exactly `length` tokens from the shared chat prompts, cycled (as
-    forward_bench's)."""
-    ids = []
-    for messages in load_chat_prompts():
-        ids.extend(encode_prompt(loaded.tokenizer, messages=messages))
-    return [[ids[(row * 37 + i) % len(ids)] for i in range(length)] for row in range(batch)]
 
 
 def use(forward: SlotForward, chosen: Build) -> None:
@@ -181,9 +171,14 @@ def main(argv: list[str] | None = None) -> dict:
         here = forward.model.native_stack
         if here is None:
             raise SystemExit("kernel_ab: this model's layers do not run as one native stack")
-        builds = [Build("this", library, MatmulKernel(library, kind), here)]
-        builds.append(Build("other", other, MatmulKernel(other, kind)))
-        builds[1].stack = stack.DecoderStack(other, here._keep, here.hidden, here.dims)
+        builds = [
+            Build("this", MatmulKernel(library, kind), here),
+            Build(
+                "other",
+                MatmulKernel(other, kind),
+                stack.DecoderStack(other, here._keep, here.hidden, here.dims),
+            ),
+        ]
         figures = {"against": str(args.library or args.against), "batches": {}}
         for batch in args.batch:
             result = measure(forward, builds, prompt_ids(model, batch, args.prompt_tokens), args)

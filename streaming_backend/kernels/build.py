@@ -112,9 +112,9 @@ def compiler() -> str | None:
     return next((path for path in found if path), None)
 
 
-def sources() -> list[Path]:
+def sources(csrc: Path = CSRC) -> list[Path]:
     """The C files compiled into the library (csrc/*.c)."""
-    return sorted(CSRC.glob("*.c"))
+    return sorted(csrc.glob("*.c"))
 
 
 def library_path(cc: str, kind: str) -> Path:
@@ -160,13 +160,19 @@ def build(cc: str, kind: str) -> Path:
     fd, partial = tempfile.mkstemp(prefix=target.name + ".", dir=target.parent)
     os.close(fd)
     try:
-        command = [cc, *flags(kind, cc), "-o", partial, *map(str, sources()), "-lm"]
-        subprocess.run(command, check=True, capture_output=True, text=True)
+        compile_library(cc, kind, Path(partial))
         os.replace(partial, target)  # atomic: a concurrent build renames the same bytes
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
     return target
+
+
+def compile_library(cc: str, kind: str, target: Path, csrc: Path = CSRC) -> None:
+    """The C files of `csrc` (these sources, or another revision's: scripts/kernel_ab.py)
+    compiled with `kind`'s flags into target (CalledProcessError on failure)."""
+    command = [cc, *flags(kind, cc), "-o", str(target), *map(str, sources(csrc)), "-lm"]
+    subprocess.run(command, check=True, capture_output=True, text=True)
 
 
 _loaded_caches: list[Callable[[], None]] = []  # the cache_clear of `library` and of each binding

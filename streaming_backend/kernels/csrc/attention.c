@@ -318,11 +318,10 @@ int rope_attention(TeamCall *call, int dtype, int cache_dtype, const void *qkv, 
             const int64_t cache_at = ((places[t] * kv_heads + h) * rows + positions[t] % rows) * d;
             rotate(k, cache_at, cache_dtype, qkv, at + (heads + h) * d, cos, sin, cs_at, d, dtype);
             const int64_t v_at = at + (heads + kv_heads + h) * d;
-            if (dtype == TS_F32) {
+            if (dtype == TS_F32)
                 put_floats(v, cache_at, cache_dtype, (const float *)qkv + v_at, d);
-                continue;
-            }
-            for (int64_t i = 0; i < d; i++) store1(v, cache_at + i, cache_dtype, load1(qkv, v_at + i, dtype));
+            else
+                for (int64_t i = 0; i < d; i++) store1(v, cache_at + i, cache_dtype, load1(qkv, v_at + i, dtype));
         }
     }
     const Call c = {cache_dtype, TS_F32, dtype, q, k, v, out, placed, placed + n, kv_heads, groups, head_dim,

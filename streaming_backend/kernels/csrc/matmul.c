@@ -276,19 +276,17 @@ static void columns_compute(const void *args, int64_t chunk, void *scratch, cons
 }
 
 /* finish for a float32 y's run of `count` columns from col of one row (sums: their products),
- * in a loop the compiler puts in lanes: the same additions, in the same order, as finish's. */
+ * in one loop the compiler unswitches and puts in lanes: finish's additions in finish's order. */
 static void finish_f32(const Matmul *c, int64_t row, int64_t col, int64_t count, const float *sums) {
     float *y = (float *)c->y + row * c->n + col;
     const float *bias = c->bias != NULL ? (const float *)c->bias + col : NULL;
     const float *residual = c->residual != NULL ? (const float *)c->residual + row * c->n + col : NULL;
-    if (bias != NULL && residual != NULL)
-        for (int64_t i = 0; i < count; i++) y[i] = residual[i] + (sums[i] + bias[i]);
-    else if (bias != NULL)
-        for (int64_t i = 0; i < count; i++) y[i] = sums[i] + bias[i];
-    else if (residual != NULL)
-        for (int64_t i = 0; i < count; i++) y[i] = residual[i] + sums[i];
-    else
-        memcpy(y, sums, (size_t)count * sizeof(float));
+    for (int64_t i = 0; i < count; i++) {
+        float value = sums[i];
+        if (bias != NULL) value += bias[i];
+        if (residual != NULL) value = residual[i] + value;
+        y[i] = value;
+    }
 }
 
 static void columns_store(const void *args, int64_t chunk, const void *scratch) {
