@@ -303,9 +303,10 @@ class StepThreads:
         if choice.until_probe > 0:
             return self.current
         if choice.probing is None:  # a new probe; one called by an idle core tries one more,
-            # one called by a core taken one fewer
-            if choice.idle_called or choice.busy_called:
-                probing = choice.current + (1 if choice.idle_called else -1)
+            # one called by a core taken one fewer (where that count exists: else a neighbour)
+            called = choice.current + (1 if choice.idle_called else -1)
+            if (choice.idle_called or choice.busy_called) and 1 <= called <= self.most:
+                probing = called
             else:
                 probing = self._neighbour(choice)
             choice.probing, choice.left, choice.judged = probing, PROBE_STEPS, []
@@ -423,7 +424,9 @@ class StepThreads:
         choice.current = count
         choice.latest, choice.trend, choice.settled = {}, {}, {}
         choice.wait = choice.until_probe = FIRST_PROBE_STEPS
-        choice.probing = None
+        # a probe called (or under way) was of the old count's neighbour: a band on two threads
+        # taken along to one kept its call for one fewer, and its next probe asked for none
+        choice.probing, choice.idle_called, choice.busy_called = None, False, False
 
     def _read(self) -> bool:
         """Read the machine's idle and the other processes' CPU time; when at least MIN_LOOK_S

@@ -623,3 +623,52 @@ def test_the_readings_can_sum_over_this_processs_cpus_only(tmp_path):
     mine = other_processes_seconds(str(stat), str(own), frozenset({0, 1}))
     assert mine == pytest.approx((120 - 25) / tick)
     assert machine_idle_seconds(str(stat), frozenset({7})) is None  # no such CPU listed
+
+
+def test_a_band_taken_along_while_its_probe_was_called_probes_within_one_and_the_most():
+    """A core taken calls the sixteen-row band's probe of one fewer (two threads to one); before
+    that probe runs, the two-row band switches to one thread and takes the sixteen-row band
+    along. Its called probe must then try a count within 1 .. most, not one fewer than one (a
+    served run's steps failed on torch.set_num_threads(0), three in a row, and the engine
+    stopped)."""
+    two_rows = {1: 0.004, 2: 0.010}  # one thread decisively faster at two rows
+    sixteen = {1: 0.024, 2: 0.026}  # one thread a little faster: its probe loses by the margin
+    machine = Machine()
+    threads = machine.threads()
+    used = machine.step(threads, sixteen, 20, rows=16)  # one probe of one thread, lost
+    machine.other_cores = 1.0
+    band = threads._bands[rows_band(16)]
+    while not band.busy_called:
+        used += machine.step(threads, sixteen, 1, rows=16)
+        assert len(used) < 1000, "no probe called by the core taken"
+    used += machine.step(threads, two_rows, 200, rows=2)
+    assert threads._bands[rows_band(2)].current == 1 and band.current == 1
+    used += machine.step(threads, sixteen, 200, rows=16)
+    assert set(used) <= {1, 2}
+
+
+@pytest.mark.parametrize("seed", range(40, 48))
+def test_every_count_stays_within_one_and_the_most_whatever_the_machine_does(seed):
+    """Streams of two and sixteen rows take turns, other processes and idle cores come and go,
+    and which count is faster for each band changes with them (redrawn at each change): the
+    bands switch, take each other along and have probes called by idle or taken cores, and
+    every count a step is given lies within 1 .. most (seed 42 gave a step 0 threads)."""
+    rng = random.Random(seed)
+    machine = Machine()
+    threads = machine.threads()
+    rows, speed = 1, {}
+    for _ in range(1000):
+        if rng.random() < 0.3:
+            rows = rng.choice([2, 16])
+        if rng.random() < 0.005:
+            machine.other_cores = rng.choice([0.0, 0.3, 1.0, 1.5])
+            machine.idle_cores = rng.choice([0.0, 0.6, 1.0])
+            speed = {}
+        count = threads.before()
+        assert 1 <= count <= threads.most, (count, threads.current, rows)
+        key = (rows_band(rows), count)
+        if key not in speed:
+            speed[key] = rng.uniform(0.3, 1.5)
+        seconds = rows * 0.002 * speed[key] * rng.uniform(0.9, 1.1)
+        machine.pass_time(seconds)
+        threads.after(rows, seconds, context=rng.randint(1, 600))
