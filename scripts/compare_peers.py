@@ -42,7 +42,7 @@ machine's drift between servers shows as the spread between rounds.
 
 Another model (`--model DIR`, a Hugging Face folder, e.g. one scripts/make_model.py wrote): ours
 and transformers serve load DIR, llama.cpp loads `--llama-gguf FILE`, the same model converted
-with llama.cpp's own `convert_hf_to_gguf.py` and quantized (docs/performance.md says how):
+with llama.cpp's own `convert_hf_to_gguf.py` and quantized (docs/benchmarks.md says how):
 
     PYTHONPATH=. .venv/bin/python scripts/compare_peers.py --model ../models/llama-1b \\
         --llama-env ../peers/llama --llama-gguf ../models/llama-1b-q4_0.gguf --streams 8 --many 24

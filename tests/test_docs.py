@@ -161,8 +161,8 @@ def test_the_path_check_reads_paths_as_meant(tmp_path):
 
 
 def test_performance_is_reference():
-    """docs/performance.md stays a reference (settings, a current table per CPU kind, how to
-    compare): history lives in git and design facts in docs/design.md."""
+    """docs/performance.md stays a reference (settings, a current table per CPU kind; how to
+    measure is docs/benchmarks.md): history lives in git and design facts in docs/design.md."""
     text = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
     assert len(text.splitlines()) <= 320  # four CPU kinds, each a short section
 
