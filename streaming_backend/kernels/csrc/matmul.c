@@ -260,23 +260,41 @@ static void rows_store(const void *args, int64_t chunk, const void *scratch) {
  * still left (two threads: a half, a quarter, an eighth, ... down to one unit). The master starts
  * on the first, the workers on the next, and whoever finishes takes the next, smaller one, so the
  * threads end within about the last, smallest chunk of each other, in few chunks (eight for 192
- * units). Against four equal chunks a thread, the decode step took 0.94-0.95x the time at one
- * row and 0.96-0.98x at 16 (a Xeon without AMX, kernel_ab, same bits). A parked worker's chunk
- * is taken over as before (team.c: the grace counts from that chunk's start). */
-static int64_t chunk_units(int64_t left, int64_t threads) { return (left + threads - 1) / threads; }
+ * units). A chunk's sums stay within CHUNK_SUMS_BYTES of scratch: without that bound a prefill of
+ * 512 rows summed half the gate/up columns (3 MB) before storing them, and prefilled at 0.89x.
+ * Against four equal chunks a thread (a Xeon without AMX, same bits): the decode step 1.05x as
+ * fast at one row and at 16 (kernel_ab), prefills of 128 and 512 tokens and of 8 x 64 tokens
+ * 1.03x, 1.06x and 1.05x. A parked worker's chunk is taken over as before (team.c: the grace
+ * counts from that chunk's start). */
+#define CHUNK_SUMS_BYTES (256 * 1024)  /* at most this scratch a chunk: m x its columns' sums */
 
-static int64_t chunks_of(int64_t units, int64_t threads) {
+static int64_t chunk_units(int64_t left, int64_t threads, int64_t most) {
+    const int64_t units = (left + threads - 1) / threads;
+    return units < most ? units : most;
+}
+
+/* The most units a chunk of m rows takes: its sums within CHUNK_SUMS_BYTES, but never so few
+ * that the job passes TEAM_MOST_CHUNKS (at most half of them at the most, the rest for the
+ * shrinking tail). */
+static int64_t most_units(int64_t m, int64_t units) {
+    const int64_t most = CHUNK_SUMS_BYTES / ((m > 0 ? m : 1) * SPLIT_ROWS * (int64_t)sizeof(float));
+    const int64_t fewest = (units + TEAM_MOST_CHUNKS / 2 - 1) / (TEAM_MOST_CHUNKS / 2);
+    return most > fewest ? most : fewest > 1 ? fewest : 1;
+}
+
+static int64_t chunks_of(int64_t units, int64_t threads, int64_t most) {
     int64_t count = 0;
-    for (int64_t left = units; left > 0; count++) left -= chunk_units(left, threads);
+    for (int64_t left = units; left > 0; count++) left -= chunk_units(left, threads, most);
     return count;
 }
 
 /* A chunk's weight rows [first, last). */
 static void chunk_columns(const ColumnsArgs *a, int64_t chunk, int64_t *first, int64_t *last) {
-    int64_t start = 0, size = chunk_units(a->units, a->threads);
+    const int64_t most = most_units(a->c.m, a->units);
+    int64_t start = 0, size = chunk_units(a->units, a->threads, most);
     for (int64_t i = 0; i < chunk; i++) {
         start += size;
-        size = chunk_units(a->units - start, a->threads);
+        size = chunk_units(a->units - start, a->threads, most);
     }
     *first = start * SPLIT_ROWS;
     const int64_t end = (start + size) * SPLIT_ROWS;
@@ -370,12 +388,13 @@ int matmul_on_team(TeamCall *call, Matmul *c, int kind, const void *x, int x_own
     if (status != TS_OK) return status;
 
     ColumnsArgs cols = {.c = *c, .kind = kind, .units = units, .threads = threads};
-    cols.chunks = chunks_of(units, threads);
+    cols.chunks = chunks_of(units, threads, most_units(c->m, units));
     job.compute = columns_compute;
     job.store = columns_store;
     job.chunks = cols.chunks;
     job.alone = threads < 2;
-    job.scratch_bytes = (size_t)c->m * (size_t)(chunk_units(units, threads) * SPLIT_ROWS) * sizeof(float);
+    const int64_t first_units = chunk_units(units, threads, most_units(c->m, units));  /* the largest */
+    job.scratch_bytes = (size_t)c->m * (size_t)(first_units * SPLIT_ROWS) * sizeof(float);
     memcpy(job.args, &cols, sizeof cols);
     return team_run(call, &job);
 }
